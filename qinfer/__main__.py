@@ -1,0 +1,3 @@
+from qinfer.cli import main
+
+main()

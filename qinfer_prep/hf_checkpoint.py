@@ -1,0 +1,58 @@
+"""Index the tensors of a Hugging Face checkpoint and load them one at a time.
+
+Each load opens its file afresh and closes it afterwards: a mapping kept open for the whole run would
+keep every page read so far resident, and a 70B checkpoint would then fill memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from qinfer_prep.errors import PrepError
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    file: Path
+    shape: tuple[int, ...]
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:
+        raise PrepError(f"cannot read {path} as a torch checkpoint ({exc}); re-save it with save_pretrained") from exc
+
+
+def index_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
+    """Name -> (file, shape) for every tensor, from file headers only (safetensors preferred over .bin)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    refs: dict[str, TensorRef] = {}
+    if files:
+        for file in files:
+            try:
+                with safe_open(file, framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        refs[name] = TensorRef(file, tuple(handle.get_slice(name).get_shape()))
+            except (SafetensorError, OSError) as exc:
+                raise PrepError(f"cannot read {file} ({exc}); the download may be incomplete") from exc
+        return refs
+    files = sorted(model_dir.glob("pytorch_model*.bin"))
+    if not files:
+        raise PrepError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
+    for file in files:
+        for name, tensor in _load_bin(file).items():
+            refs[name] = TensorRef(file, tuple(tensor.shape))
+    return refs
+
+
+def load_tensor(name: str, ref: TensorRef) -> torch.Tensor:
+    """The tensor as float32 in memory of its own (the source file is closed again)."""
+    if ref.file.suffix == ".safetensors":
+        with safe_open(ref.file, framework="pt") as handle:
+            return handle.get_tensor(name).to(torch.float32)
+    return _load_bin(ref.file)[name].to(torch.float32)

@@ -1,0 +1,36 @@
+"""Choose the next token from logits: greedy, or temperature with top-k and top-p (nucleus) filtering."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from 1-D `logits`; `generator` makes the choice reproducible from a seed."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature
+    if 0 < params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays in).
+        drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
