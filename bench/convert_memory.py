@@ -49,16 +49,27 @@ def write_checkpoint(model_dir: Path, predictor_dir: Path, layers: int, tokenize
             f"{p}.mlp.down_proj.weight": rand(E, F),
         }
         files.append((f"model-{i + 1:05}-of-{shards:05}.safetensors", tensors))
-        torch.save({"fc1.weight": rand(RANK, E).float(), "fc2.weight": rand(F, RANK).float()},
-                   predictor_dir / f"model_{i}.pt")
+        torch.save(
+            {"fc1.weight": rand(RANK, E).float(), "fc2.weight": rand(F, RANK).float()}, predictor_dir / f"model_{i}.pt"
+        )
     for name, tensors in files:
         save_file(tensors, model_dir / name)
         total += (model_dir / name).stat().st_size
     config = {
-        "architectures": ["LlamaForCausalLM"], "hidden_act": "relu", "hidden_size": E, "intermediate_size": F,
-        "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": HEADS,
-        "vocab_size": V, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "relu",
+        "hidden_size": E,
+        "intermediate_size": F,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "vocab_size": V,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
     }
     (model_dir / "config.json").write_text(json.dumps(config))
     (predictor_dir / "config.json").write_text(json.dumps({"sparse_threshold": 0.0}))
@@ -79,8 +90,19 @@ def main() -> None:
         checkpoint = write_checkpoint(work / "model", work / "predictor", args.layers, tiny.model_dir)
         predictors = sum(p.stat().st_size for p in (work / "predictor").glob("*.pt"))
         out = work / "out.powerinfer.gguf"
-        cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "qinfer", "prep", "convert", str(work / "model"),
-               str(work / "predictor"), "--outfile", str(out)]
+        cmd = [
+            "/usr/bin/time",
+            "-v",
+            sys.executable,
+            "-m",
+            "qinfer",
+            "prep",
+            "convert",
+            str(work / "model"),
+            str(work / "predictor"),
+            "--outfile",
+            str(out),
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, check=True)
         peak_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr).group(1))
         wall = re.search(r"Elapsed \(wall clock\) time .*: (\S+)", result.stderr).group(1)

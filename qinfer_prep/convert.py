@@ -20,6 +20,7 @@ from qinfer_prep.tokenizer_vocab import add_vocab
 
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 OUTTYPES = {"f32": (np.dtype(np.float32), 0), "f16": (np.dtype(np.float16), 1)}
+TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
 @dataclass(frozen=True)
@@ -85,16 +86,17 @@ def _map_sources(p: ModelParams, refs: dict[str, TensorRef]) -> dict[str, str]:
 
 
 def _load_weight(hf_name: str, ref: TensorRef, dtype: np.dtype, n_head: int | None, transpose: bool) -> np.ndarray:
-    tensor = load_tensor(hf_name, ref)
+    # Cast in torch, which knows bf16, straight to the output type: no float32 copy of a large tensor.
+    tensor = load_tensor(hf_name, ref).to(TORCH_DTYPES[dtype])
     if n_head is not None:
         tensor = permute_rotary(tensor, n_head)
     if transpose:
         tensor = tensor.T
-    return tensor.numpy().astype(dtype)
+    return tensor.numpy()
 
 
 def _load_predictor(path: Path, key: str, dtype: np.dtype) -> np.ndarray:
-    return load_layer(path)[key].to(torch.float32).numpy().astype(dtype)
+    return load_layer(path)[key].to(TORCH_DTYPES[dtype]).numpy()
 
 
 def _dtype_for(shape: tuple[int, ...], outtype: np.dtype) -> np.dtype:

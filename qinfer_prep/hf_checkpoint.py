@@ -51,8 +51,8 @@ def index_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
 
 
 def load_tensor(name: str, ref: TensorRef) -> torch.Tensor:
-    """The tensor as float32 in memory of its own (the source file is closed again)."""
+    """The tensor in its stored dtype (a safetensors file is closed again; a .bin stays mapped while it lives)."""
     if ref.file.suffix == ".safetensors":
         with safe_open(ref.file, framework="pt") as handle:
-            return handle.get_tensor(name).to(torch.float32)
-    return _load_bin(ref.file)[name].to(torch.float32)
+            return handle.get_tensor(name)
+    return _load_bin(ref.file)[name]

@@ -130,3 +130,33 @@ def test_run_refuses_bad_model_files(gguf_files: dict[str, Path], tmp_path: Path
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bamboo_converts_and_runs_with_relu_on_up(tiny: SynthReport, tmp_path: Path) -> None:
+    """Bamboo is LLaMA-shaped with relu(gate) * relu(up); transformers' LLaMA with that FFN is the reference."""
+    import json
+    import shutil
+
+    from qinfer_prep.convert import convert
+
+    model_dir = shutil.copytree(tiny.model_dir, tmp_path / "bamboo")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["BambooForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    path = convert(model_dir, tmp_path / "bamboo.powerinfer.gguf", tiny.predictor_dir, "f32").outfile
+    model = open_model(path)
+    assert model.config.arch == "bamboo"
+    assert {k.split(".")[0] for k in model.metadata} == {"general", "bamboo", "tokenizer", "powerinfer"}
+
+    reference = LlamaForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float32).eval()
+    for layer in reference.model.layers:
+        mlp = layer.mlp
+        mlp.forward = lambda x, mlp=mlp: mlp.down_proj(torch.relu(mlp.gate_proj(x)) * torch.relu(mlp.up_proj(x)))
+    ids = GGUFTokenizer(model.metadata).encode(TEXTS[1])
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0]
+        plain = LlamaForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float32)
+        plain_llama = plain(torch.tensor([ids])).logits[0]
+    ours = our_logits(path, ids, split=len(ids))
+    assert (ours - expected).abs().max().item() < 1e-3
+    assert (ours - plain_llama).abs().max().item() > 1e-2
