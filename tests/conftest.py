@@ -9,12 +9,13 @@ import pytest
 from qinfer_prep.convert import convert
 from qinfer_prep.synth import SynthReport, SynthShape, build_synth
 
-TINY = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=128, predictor_rank=32)
+TINY = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=256, predictor_rank=32)
+TINY_STEPS = 60
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> SynthReport:
-    return build_synth(tmp_path_factory.mktemp("synth") / "tiny", TINY, seed=0, train_steps=60)
+    return build_synth(tmp_path_factory.mktemp("synth") / "tiny", TINY, seed=0, train_steps=TINY_STEPS)
 
 
 @pytest.fixture(scope="session")

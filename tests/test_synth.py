@@ -23,15 +23,15 @@ from qinfer_prep.errors import PrepError
 from qinfer_prep.predictor_dir import open_predictors
 from qinfer_prep.synth import SynthReport, SynthShape, build_synth
 from qinfer_prep.synth_corpus import paragraphs, synth_corpus
+from tests.conftest import TINY, TINY_STEPS
 
-SMALL = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=256, predictor_rank=32)
-STEPS = 60
+SMALL, STEPS = TINY, TINY_STEPS
 SEQ = 128
 
 
-@pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> SynthReport:
-    return build_synth(tmp_path_factory.mktemp("synth") / "small", SMALL, seed=0, train_steps=STEPS)
+@pytest.fixture
+def built(tiny: SynthReport) -> SynthReport:
+    return tiny
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def test_layout(built: SynthReport) -> None:
     wanted = {"config.json", "model.safetensors", "tokenizer.model", "tokenizer.json", "tokenizer_config.json"}
     assert wanted <= {p.name for p in built.model_dir.iterdir()}
     assert sorted(p.name for p in built.predictor_dir.iterdir()) == ["config.json", "model_0.pt", "model_1.pt"]
-    assert [p.name for p in out.parent.iterdir()] == ["small"]  # no temporary directory left beside it
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary directory left beside it
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     assert size < 3_000_000
     manifest = json.loads((out / "synth.json").read_text())
