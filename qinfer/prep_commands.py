@@ -1,0 +1,106 @@
+"""`qinfer prep ...`: synth, convert and convert-dense."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qinfer.app import err, prep, progress_bar
+
+
+@prep.command("synth")
+def synth_cmd(
+    out: Annotated[Path, typer.Option(help="Directory to create; gets model/ (HF checkpoint) and predictor/.")],
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same model.")] = 0,
+    layers: Annotated[int, typer.Option(help="Number of transformer layers.")] = 4,
+    hidden: Annotated[int, typer.Option(help="Hidden (embedding) size E.")] = 128,
+    ffn: Annotated[int, typer.Option(help="FFN size F (neurons per layer).")] = 512,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (fewer than heads = grouped-query attention).")] = 2,
+    vocab: Annotated[int, typer.Option(help="Tokenizer vocabulary size.")] = 1024,
+    predictor_rank: Annotated[int, typer.Option(help="Predictor hidden width P (a multiple of 32).")] = 64,
+    train_steps: Annotated[
+        int | None, typer.Option(help="Training steps; 0 builds the model without training.")
+    ] = None,
+    sparsity: Annotated[float, typer.Option(help="Target FFN activation sparsity (fraction of idle neurons).")] = 0.9,
+) -> None:
+    """Build a tiny ReLU-LLaMA (HF format, real tokenizer) and its predictors, for trying the pipeline offline."""
+    from qinfer_prep.synth import SynthShape, build_synth
+
+    shape = SynthShape(
+        layers=layers,
+        hidden=hidden,
+        ffn=ffn,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        predictor_rank=predictor_rank,
+    )
+    with progress_bar() as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        report = build_synth(
+            out, shape, seed=seed, train_steps=train_steps, target_sparsity=sparsity, progress=progress
+        )
+    err.print(
+        f"model: {report.model_dir}\npredictor: {report.predictor_dir}\n"
+        f"FFN sparsity {report.sparsity:.1%}, hottest 20% of neurons hold {report.top20_share:.1%} of activations"
+    )
+
+
+def _convert(model_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str) -> None:
+    from qinfer_prep.convert import convert
+    from qinfer_prep.gguf_writer import TensorPlan
+
+    bar = progress_bar()
+    task = bar.add_task("convert", total=None)
+
+    def planned(plans: list[TensorPlan]) -> None:
+        # The bar appears only once every input has been checked, so an error is the only output.
+        bar.update(task, total=len(plans))
+        bar.start()
+
+    try:
+        result = convert(
+            model_dir,
+            outfile,
+            predictor_dir,
+            outtype,
+            on_plan=planned,
+            on_tensor=lambda plan: bar.update(task, advance=1, description=plan.name),
+        )
+        bar.update(task, description="convert")
+    finally:
+        bar.stop()
+    err.print(f"wrote {result.outfile} ({result.arch}, {result.tensor_count} tensors, {result.nbytes / 2**20:.1f} MiB)")
+
+
+OutType = Annotated[str, typer.Option(help="Type of 2-D weights: f16 or f32 (norms are always f32).")]
+
+
+@prep.command("convert")
+def convert_cmd(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, safetensors or .bin).")],
+    predictor_dir: Annotated[Path, typer.Argument(help="Predictor directory with model_{i}.pt per layer.")],
+    outfile: Annotated[Path, typer.Option(help="Output file, by convention NAME.powerinfer.gguf.")],
+    outtype: OutType = "f16",
+) -> None:
+    """Write a PowerInfer GGUF (sparse: transposed down weights plus the activation predictors)."""
+    _convert(model_dir, predictor_dir, outfile, outtype)
+
+
+@prep.command("convert-dense")
+def convert_dense_cmd(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, safetensors or .bin).")],
+    outfile: Annotated[Path, typer.Option(help="Output file, for example NAME.gguf.")],
+    outtype: OutType = "f16",
+) -> None:
+    """Write a plain GGUF that any llama.cpp-style engine can run (no predictors)."""
+    _convert(model_dir, None, outfile, outtype)
