@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from qinfer import plan_command, prep_commands, run_command  # noqa: F401 - imported to register commands
+from planner.errors import PlanError
+from qinfer import plan_command, prep_commands, profile_commands, run_command  # noqa: F401 - they register commands
 from qinfer.app import app
 from qinfer_prep.errors import PrepError
 from qinfer_runtime.errors import RunError
@@ -17,7 +18,7 @@ def main() -> None:
     """Entry point: user-caused errors end as one line on stderr and exit code 2, never a traceback."""
     try:
         app()
-    except (PrepError, RunError) as exc:
+    except (PrepError, PlanError, RunError) as exc:
         # Plain write: rich would wrap a long path onto a second line.
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
