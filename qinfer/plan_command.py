@@ -1,18 +1,76 @@
-"""`qinfer plan`: GPU placement of FFN neurons."""
+"""`qinfer plan`: GPU placement of FFN neurons, written as `<model>.generated.gpuidx`."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Literal, cast
 
 import typer
 
-from qinfer.app import app
-from qinfer_prep.errors import PrepError
+from planner.budget import GIB
+from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
+from planner.placement_ilp import Objective
+from planner.plan_report import account_table, summary_table, write_report_png
+from qinfer.app import app, err
 
 
 @app.command("plan")
 def plan_cmd(
-    vram_budget: Annotated[float, typer.Option(help="GiB of GPU memory the model may use.")] = 8.0,
+    model: Annotated[Path, typer.Option("--model", "-m", help="The PowerInfer GGUF (*.powerinfer.gguf) to plan.")],
+    vram_budget: Annotated[float, typer.Option(help="GiB of GPU memory the whole model may use, everything included.")],
+    activation: Annotated[
+        Path | None, typer.Option(help="Directory of activation_{i}.pt files; default: <model dir>/activation.")
+    ] = None,
+    ctx_size: Annotated[int, typer.Option(help="Context length the KV cache and scratch are sized for.")] = 512,
+    batch: Annotated[int, typer.Option(help="Number of sequences decoded together (KV cache, scratch, timing).")] = 1,
+    group_size: Annotated[int, typer.Option(help="Neurons per placement group (hottest first within a layer).")] = 64,
+    device: Annotated[str, typer.Option(help="GPU profile from profiles/devices (rtx4090, h200, ...).")] = "rtx4090",
+    cpu: Annotated[str, typer.Option(help="CPU profile name from profiles/devices.")] = "generic-desktop",
+    objective: Annotated[
+        str, typer.Option(help="time: minimise modelled decode time; activation: the reference engine's goal.")
+    ] = "time",
+    dense_placement: Annotated[
+        str, typer.Option(help="gpu: keep attention and output head on the GPU; auto: let the planner decide.")
+    ] = "gpu",
+    gpu_embeddings: Annotated[
+        bool, typer.Option(help="Also keep token_embd on the GPU (the engine keeps it on the CPU).")
+    ] = False,
+    time_limit: Annotated[float, typer.Option(help="Seconds the solver may spend on the plan.")] = 10.0,
+    dry_run: Annotated[bool, typer.Option(help="Only print the VRAM account; solve and write nothing.")] = False,
+    reset_gpu_index: Annotated[
+        bool, typer.Option(help="Rebuild the .gpuidx even if one exists (needed when it is stale).")
+    ] = False,
+    report: Annotated[Path | None, typer.Option(help="Write a per-layer PNG of the plan (needs matplotlib).")] = None,
 ) -> None:
-    """Decide which FFN neurons live on the GPU and write the .gpuidx file (not available yet)."""
-    raise PrepError("the planner is not part of this version yet; `qinfer run` runs the whole model on the CPU")
+    """Decide which FFN neurons live on the GPU and write <model>.generated.gpuidx beside the model."""
+    if objective not in ("time", "activation"):
+        raise typer.BadParameter("use time or activation", param_hint="--objective")
+    if dense_placement not in ("gpu", "auto"):
+        raise typer.BadParameter("use gpu or auto", param_hint="--dense-placement")
+    options = PlanOptions(
+        ctx_size=ctx_size,
+        batch=batch,
+        group_size=group_size,
+        gpu=device,
+        cpu=cpu,
+        objective=cast(Objective, objective),
+        time_limit=time_limit,
+        dense=cast(Literal["gpu", "auto"], dense_placement),
+        gpu_embeddings=gpu_embeddings,
+    )
+    budget = int(vram_budget * GIB)
+    if dry_run:
+        _, acct = dry_run_account(model, budget, options)
+        err.print(account_table(acct, budget, dense_on_gpu=options.dense == "gpu"))
+        return
+    if report is not None and report.suffix.lower() != ".png":
+        raise typer.BadParameter("the report is a PNG file; name it *.png", param_hint="--report")
+    plan = load_or_make_gpuidx(model, budget, activation, options, reset=reset_gpu_index)
+    for note in plan.notes:
+        err.print(f"note: {note}")
+    err.print(summary_table(plan))
+    verb = "reused" if plan.reused else "wrote"
+    err.print(f"{verb} {plan.gpuidx_path}")
+    if report is not None:
+        write_report_png(plan, report)
+        err.print(f"wrote {report}")

@@ -1,0 +1,148 @@
+"""The placement ILP against a greedy fill and the reference engine's formulation, on DESIGN.md's model shapes.
+
+    .venv/bin/python bench/plan_bench.py [--shapes 7B,13B,40B,70B] [--gpu rtx4090] [--weight-type F16]
+
+Synthetic power-law activation statistics (planner.activation_stats.power_law_firing); for each shape and budget
+prints, from one run: solve time and gap to the LP bound of ours, and modelled tokens/s and VRAM used of ours,
+greedy (all dense on GPU, then groups by firing per byte into the true budget) and the reference (equal weights,
+256-neuron groups, capacity floor(vram / (F * elt * 4.5)) * 4 after the dense weights, KV cache and scratch ignored).
+The reference overshoots the budget (OOM), so it is also shown at "ref fit": the largest budget one could pass it
+whose placement really fits, found by bisection. "auto" is ours with the dense parts placed by the ILP too
+(`--dense-placement auto`), which also plans budgets too small for all of attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from planner.activation_stats import power_law_firing
+from planner.baselines import greedy_placement, reference_placement
+from planner.budget import GIB, BudgetOptions, VramAccount, account, vram_used
+from planner.device_profiles import load_profile
+from planner.model_layout import ModelLayout, layout_for_shape
+from planner.neuron_groups import group_neurons
+from planner.placement import Placement
+from planner.placement_ilp import solve_placement
+from planner.time_model import build_time_model
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str
+    layers: int
+    embedding: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    budgets_gib: tuple[float, ...]
+
+
+SHAPES = {
+    "7B": Shape("llama", 32, 4096, 11008, 32, 32, 32000, (4, 6, 8, 11, 16)),
+    "13B": Shape("llama", 40, 5120, 13824, 40, 40, 32000, (8, 11, 16, 24)),
+    "40B": Shape("falcon", 60, 8192, 32768, 128, 8, 65024, (24, 40, 64)),
+    "70B": Shape("llama", 80, 8192, 28672, 64, 8, 32000, (30, 40, 64, 100)),
+}
+
+
+def layout_of(shape: Shape, weight_type: str) -> ModelLayout:
+    return layout_for_shape(
+        arch=shape.arch,
+        layers=shape.layers,
+        embedding=shape.embedding,
+        ffn=shape.ffn,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        vocab=shape.vocab,
+        predictor_rank=1024,
+        weight_type=weight_type,
+    )
+
+
+def reference_that_fits(
+    layout: ModelLayout, acct: VramAccount, firing: tuple[np.ndarray, ...], budget: int
+) -> Placement:
+    """The reference placement for the largest nominal budget whose true VRAM use stays within `budget`."""
+    low, high = 0, budget
+    while high - low > 1 << 20:
+        mid = (low + high) // 2
+        fits = sum(vram_used(acct, reference_placement(layout, firing, mid)).values()) <= budget
+        low, high = (mid, high) if fits else (low, mid)
+    return reference_placement(layout, firing, low)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="7B,13B,40B,70B")
+    parser.add_argument("--gpu", default="rtx4090")
+    parser.add_argument("--cpu", default="generic-desktop")
+    parser.add_argument("--weight-type", default="F16")
+    parser.add_argument("--ctx-size", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    args = parser.parse_args()
+    gpu, cpu = load_profile(args.gpu, "gpu"), load_profile(args.cpu, "cpu")
+    table = Table(
+        title=f"placement on {gpu.name} + {cpu.name}, {args.weight_type}, ctx {args.ctx_size}, batch {args.batch}"
+    )
+    for column in (
+        "model", "budget GiB", "binds", "solve s", "status", "gap %", "tok/s ours", "greedy", "reference", "ref fit",
+        "ours/greedy", "ours/ref fit", "VRAM ours", "VRAM greedy", "VRAM ref", "VRAM ref fit", "auto tok/s", "auto s",
+    ):  # fmt: skip
+        table.add_column(column, justify="right")
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        layout = layout_of(shape, args.weight_type)
+        firing = power_law_firing(shape.layers, shape.ffn, seed=len(name))
+        acct = account(layout, BudgetOptions(ctx_size=args.ctx_size, batch=args.batch))
+        times = build_time_model(layout, firing, gpu, cpu, ctx_size=args.ctx_size, batch=args.batch)
+        groups = group_neurons(firing, 64)
+        for budget_gib in shape.budgets_gib:
+            budget = int(budget_gib * GIB)
+            auto = solve_placement(acct, times, firing, groups, budget, dense_on_gpu=False, time_limit=args.time_limit)
+            auto_cells = (f"{times.tokens_per_second(auto.placement):.2f}", f"{auto.seconds:.2f}")
+            assert sum(vram_used(acct, auto.placement).values()) <= budget
+            if budget < acct.dense:
+                table.add_row(name, f"{budget_gib:g}", *["-"] * 12, f"needs {acct.dense / GIB:.2f}", "-", *auto_cells)
+                continue
+            greedy = greedy_placement(acct, firing, groups, budget)
+            ours = solve_placement(acct, times, firing, groups, budget, warm_start=greedy, time_limit=args.time_limit)
+            plans = {
+                "o": ours.placement,
+                "g": greedy,
+                "r": reference_placement(layout, firing, budget),
+                "f": reference_that_fits(layout, acct, firing, budget),
+            }
+            speed = {k: times.tokens_per_second(p) for k, p in plans.items()}
+            used = {k: sum(vram_used(acct, p).values()) / GIB for k, p in plans.items()}
+            binds = ours.placement.gpu_neuron_count() < sum(acct.ffn_neurons)
+            table.add_row(
+                name,
+                f"{budget_gib:g}",
+                "yes" if binds else "no",
+                f"{ours.seconds:.2f}",
+                ours.status,
+                f"{100 * ours.gap:.4f}",
+                f"{speed['o']:.2f}",
+                f"{speed['g']:.2f}",
+                f"{speed['r']:.2f}",
+                f"{speed['f']:.2f}",
+                f"{speed['o'] / speed['g']:.3f}",
+                f"{speed['o'] / speed['f']:.3f}",
+                f"{used['o']:.2f}",
+                f"{used['g']:.2f}",
+                f"{used['r']:.2f}" + (" OOM" if used["r"] > budget_gib else ""),
+                f"{used['f']:.2f}",
+                *auto_cells,
+            )
+    Console(width=240).print(table)
+
+
+if __name__ == "__main__":
+    main()

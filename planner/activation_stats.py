@@ -1,0 +1,89 @@
+"""Per-layer activation statistics (`activation/activation_{i}.pt`) as firing probabilities."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from planner.errors import PlanError
+
+_NAME = re.compile(r"activation_(\d+)\.pt")
+
+
+@dataclass(frozen=True)
+class ActivationStats:
+    """`firing[i][j]`: probability that neuron j of layer i fires on a token.
+
+    Counts become probabilities by dividing by the largest count in the model: profiling corpora are long enough
+    that the hottest neuron of a ReLU model fires on (almost) every token, and the files do not record the token count.
+    """
+
+    firing: tuple[np.ndarray, ...]
+    digest: str
+
+
+def activation_files(directory: Path, n_layers: int) -> list[Path]:
+    """The layer files sorted by integer index; any missing or extra layer is a user error."""
+    if not directory.is_dir():
+        raise PlanError(f"activation directory {directory} not found; profile the model with `qinfer prep profile`")
+    found = {int(m.group(1)): p for p in directory.iterdir() if (m := _NAME.fullmatch(p.name))}
+    missing = sorted(set(range(n_layers)) - set(found))
+    extra = sorted(set(found) - set(range(n_layers)))
+    if missing or extra:
+        detail = f"missing layers {missing}" if missing else f"extra layers {extra}"
+        raise PlanError(
+            f"{directory} must hold activation_0.pt..activation_{n_layers - 1}.pt for this {n_layers}-layer model "
+            f"({detail}); re-profile the model or point --activation at its own directory"
+        )
+    return [found[i] for i in range(n_layers)]
+
+
+def load_activation(directory: Path, ffn_neurons: tuple[int, ...]) -> ActivationStats:
+    paths = activation_files(directory, len(ffn_neurons))
+    digest = hashlib.sha256()
+    counts = []
+    for index, (path, f) in enumerate(zip(paths, ffn_neurons, strict=True)):
+        raw = path.read_bytes()
+        digest.update(f"{index}:{len(raw)}:".encode())
+        digest.update(raw)
+        try:
+            tensor = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise PlanError(f"{path} is not a torch tensor file ({exc}); re-profile the model") from exc
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.numel() != f:
+            shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise PlanError(f"{path} holds {shape}, expected a 1-D tensor of {f} counts; re-profile the model")
+        values = tensor.detach().to(torch.float64).numpy()
+        if not np.isfinite(values).all() or (values < 0).any():
+            raise PlanError(f"{path} has negative or non-finite counts; re-profile the model")
+        counts.append(values)
+    return ActivationStats(firing=to_firing(counts), digest=digest.hexdigest())
+
+
+def to_firing(counts: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    top = max(float(c.max()) for c in counts) if counts else 0.0
+    if top <= 0:
+        raise PlanError("every activation count is zero; profile the model on a non-empty corpus")
+    return tuple(np.clip(c / top, 0.0, 1.0) for c in counts)
+
+
+def power_law_firing(
+    n_layers: int, ffn: int, *, exponent: float = 1.1, mean_firing: float = 0.12, seed: int = 0
+) -> tuple[np.ndarray, ...]:
+    """Synthetic statistics: rank-r neuron fires with probability ~ r^-exponent (shuffled), ~`mean_firing` on average.
+
+    Each layer gets its own exponent jitter so that layers differ in how concentrated their hot set is.
+    """
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, ffn + 1, dtype=np.float64)
+    layers = []
+    for _ in range(n_layers):
+        p = ranks ** -(exponent * rng.uniform(0.7, 1.3))
+        p = np.clip(p * mean_firing / p.mean(), 0.0, 1.0)
+        layers.append(rng.permutation(p))
+    return tuple(layers)

@@ -1,0 +1,147 @@
+"""`.gpuidx` files (DESIGN.md "GPU index"): which FFN neurons the engine keeps on the GPU, plus our provenance.
+
+The engine reads the three required metadata keys and the tensors by position; our `qinfer.plan.*` keys come after
+them so that its reader is unaffected, and a file without them (made by the engine) reads as unknown provenance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+from planner.errors import PlanError
+from qinfer_prep.gguf_writer import TensorPlan, write_gguf
+from qinfer_runtime.errors import RunError
+from qinfer_runtime.gguf_reader import field_value, open_gguf
+
+ARCH = "generic.gpu_index"
+BLOCK_COUNT = "generic.gpu_index.block_count"
+VRAM_CAPACITY = "split.vram_capacity"
+PREFIX = "qinfer.plan."
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a plan was made from; a plan is reused only while all of it still holds."""
+
+    model_size: int
+    model_mtime_ns: int
+    vram_budget: int
+    activation_sha256: str
+    group_size: int
+    objective: str
+    ctx_size: int
+    batch: int
+    gpu: str
+    cpu: str
+    dense: str
+    attention_on_gpu: tuple[bool, ...]
+    output_on_gpu: bool
+
+
+@dataclass(frozen=True)
+class GpuIndex:
+    """`gpu_idx[i]`: int32 0/1 per neuron of layer i; `vram_capacity`: bytes the FFN split (neurons, predictors)
+    uses on the GPU; `provenance` is None for files made by the reference engine."""
+
+    vram_capacity: int
+    gpu_idx: tuple[np.ndarray, ...]
+    provenance: Provenance | None = None
+
+    @property
+    def buckets(self) -> tuple[np.ndarray, ...]:
+        return tuple(np.flatnonzero(mask).astype(np.int32) for mask in self.gpu_idx)
+
+
+def gpuidx_path_for(model_path: Path) -> Path:
+    return model_path.with_name(model_path.name + ".generated.gpuidx")
+
+
+def write_gpuidx(path: Path, index: GpuIndex) -> None:
+    """Write atomically, PWRI magic, keys and tensors in the engine's order."""
+    masks = [np.ascontiguousarray(m, dtype=np.int32) for m in index.gpu_idx]
+    if any(m.ndim != 1 or not np.isin(m, (0, 1)).all() for m in masks):
+        raise ValueError("gpu_idx masks must be 1-D arrays of 0 and 1")
+
+    def add_metadata(writer: GGUFWriter) -> None:
+        writer.add_uint32(BLOCK_COUNT, len(masks))
+        writer.add_uint64(VRAM_CAPACITY, int(index.vram_capacity))
+        p = index.provenance
+        if p is None:
+            return
+        writer.add_uint64(PREFIX + "model_size", p.model_size)
+        writer.add_uint64(PREFIX + "model_mtime_ns", p.model_mtime_ns)
+        writer.add_uint64(PREFIX + "vram_budget", p.vram_budget)
+        writer.add_string(PREFIX + "activation_sha256", p.activation_sha256)
+        writer.add_uint32(PREFIX + "group_size", p.group_size)
+        writer.add_string(PREFIX + "objective", p.objective)
+        writer.add_uint32(PREFIX + "ctx_size", p.ctx_size)
+        writer.add_uint32(PREFIX + "batch", p.batch)
+        writer.add_string(PREFIX + "gpu", p.gpu)
+        writer.add_string(PREFIX + "cpu", p.cpu)
+        writer.add_string(PREFIX + "dense", p.dense)
+        writer.add_string(PREFIX + "attention_on_gpu", "".join("1" if a else "0" for a in p.attention_on_gpu))
+        writer.add_bool(PREFIX + "output_on_gpu", p.output_on_gpu)
+
+    tensors = []
+    for i, (mask, bucket) in enumerate(zip(masks, index.buckets, strict=True)):
+        tensors.append(TensorPlan(f"blk.{i}.gpu_idx", mask.shape, np.dtype(np.int32), lambda m=mask: m))
+        tensors.append(TensorPlan(f"blk.{i}.gpu_bucket", bucket.shape, np.dtype(np.int32), lambda b=bucket: b))
+    write_gguf(path, ARCH, add_metadata, tensors, powerinfer=True)
+
+
+def read_gpuidx(path: Path) -> GpuIndex:
+    """Read ours or the engine's; anything that is not a consistent GPU index is a user error naming the fix."""
+    fix = "delete it or rerun `qinfer plan --reset-gpu-index`"
+    try:
+        reader = open_gguf(path)
+    except RunError as exc:
+        raise PlanError(f"{exc}; {fix}") from exc
+    if field_value(reader, "general.architecture") != ARCH:
+        raise PlanError(f"{path} is not a GPU index (general.architecture is not {ARCH!r}); {fix}")
+    layers = field_value(reader, BLOCK_COUNT)
+    capacity = field_value(reader, VRAM_CAPACITY)
+    if layers is None or capacity is None:
+        raise PlanError(f"{path} lacks {BLOCK_COUNT} or {VRAM_CAPACITY}; {fix}")
+    tensors = list(reader.tensors)
+    if len(tensors) != 2 * int(layers):
+        raise PlanError(f"{path} has {len(tensors)} tensors for {layers} layers (expected {2 * int(layers)}); {fix}")
+    masks = []
+    for i in range(int(layers)):
+        idx, bucket = tensors[2 * i], tensors[2 * i + 1]
+        for tensor in (idx, bucket):
+            if tensor.tensor_type != GGMLQuantizationType.I32:
+                raise PlanError(f"{path}: {tensor.name} is not I32; {fix}")
+        mask = np.array(idx.data, dtype=np.int32).reshape(-1)
+        ids = np.array(bucket.data, dtype=np.int32).reshape(-1)
+        if not np.isin(mask, (0, 1)).all() or not np.array_equal(np.flatnonzero(mask), ids):
+            raise PlanError(f"{path}: layer {i} gpu_idx and gpu_bucket disagree; {fix}")
+        masks.append(mask)
+    return GpuIndex(vram_capacity=int(capacity), gpu_idx=tuple(masks), provenance=_provenance(reader))
+
+
+def _provenance(reader: GGUFReader) -> Provenance | None:
+    def get(key: str) -> Any:
+        return field_value(reader, PREFIX + key)
+
+    if get("model_size") is None:
+        return None
+    return Provenance(
+        model_size=int(get("model_size")),
+        model_mtime_ns=int(get("model_mtime_ns")),
+        vram_budget=int(get("vram_budget")),
+        activation_sha256=str(get("activation_sha256")),
+        group_size=int(get("group_size")),
+        objective=str(get("objective")),
+        ctx_size=int(get("ctx_size")),
+        batch=int(get("batch")),
+        gpu=str(get("gpu")),
+        cpu=str(get("cpu")),
+        dense=str(get("dense")),
+        attention_on_gpu=tuple(c == "1" for c in str(get("attention_on_gpu"))),
+        output_on_gpu=bool(get("output_on_gpu")),
+    )

@@ -1,0 +1,230 @@
+"""The planner's Python API: account, solve, write or reuse `<model>.generated.gpuidx`. Plain dataclasses in and out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from planner.activation_stats import ActivationStats, load_activation
+from planner.baselines import greedy_placement
+from planner.budget import BudgetOptions, VramAccount, account, require_budget, vram_used
+from planner.device_profiles import load_profile
+from planner.errors import PlanError
+from planner.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
+from planner.model_layout import ModelLayout, read_model_layout
+from planner.neuron_groups import group_neurons
+from planner.placement import Placement
+from planner.placement_ilp import Objective, SolveResult, solve_placement
+from planner.time_model import TimeModel, build_time_model
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    ctx_size: int = 512
+    batch: int = 1
+    group_size: int = 64
+    gpu: str = "rtx4090"
+    cpu: str = "generic-desktop"
+    objective: Objective = "time"
+    time_limit: float = 10.0
+    dense: Literal["gpu", "auto"] = "gpu"
+    gpu_embeddings: bool = False
+    solver: str = "auto"
+
+    def budget_options(self) -> BudgetOptions:
+        return BudgetOptions(ctx_size=self.ctx_size, batch=self.batch, gpu_embeddings=self.gpu_embeddings)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_path: Path
+    vram_budget: int
+    options: PlanOptions
+    layout: ModelLayout
+    account: VramAccount
+    placement: Placement
+    vram: dict[str, float]
+    tokens_per_second: float
+    gpu_activation_share: float
+    layer_activation_share: tuple[float, ...]
+    solve: SolveResult | None
+    gpuidx_path: Path | None = None
+    reused: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def vram_total(self) -> float:
+        return float(sum(self.vram.values()))
+
+    def gpu_index(self, activation_sha256: str) -> GpuIndex:
+        p = self.placement
+        return GpuIndex(
+            vram_capacity=int(round(self.vram["ffn neurons"] + self.vram["predictors"])),
+            gpu_idx=tuple(m.astype(np.int32) for m in p.gpu_neurons),
+            provenance=Provenance(
+                model_size=self.model_path.stat().st_size,
+                model_mtime_ns=self.model_path.stat().st_mtime_ns,
+                vram_budget=self.vram_budget,
+                activation_sha256=activation_sha256,
+                group_size=self.options.group_size,
+                objective=self.options.objective,
+                ctx_size=self.options.ctx_size,
+                batch=self.options.batch,
+                gpu=self.options.gpu,
+                cpu=self.options.cpu,
+                dense=self.options.dense,
+                attention_on_gpu=p.attention_on_gpu,
+                output_on_gpu=p.output_on_gpu,
+            ),
+        )
+
+
+def dry_run_account(model_path: Path, vram_budget_bytes: int, options: PlanOptions) -> tuple[ModelLayout, VramAccount]:
+    """The VRAM account alone (no activation files needed); raises if the budget cannot hold the dense parts."""
+    layout = read_model_layout(model_path)
+    acct = account(layout, options.budget_options())
+    require_budget(acct, vram_budget_bytes, options.dense == "gpu")
+    return layout, acct
+
+
+def _inputs(
+    model_path: Path, vram_budget_bytes: int, activation_dir: Path | None, options: PlanOptions
+) -> tuple[ModelLayout, VramAccount, ActivationStats, TimeModel]:
+    layout, acct = dry_run_account(model_path, vram_budget_bytes, options)
+    stats = load_activation(activation_dir or model_path.parent / "activation", acct.ffn_neurons)
+    gpu = load_profile(options.gpu, "gpu")
+    cpu = load_profile(options.cpu, "cpu")
+    times = build_time_model(layout, stats.firing, gpu, cpu, ctx_size=options.ctx_size, batch=options.batch)
+    return layout, acct, stats, times
+
+
+def _plan(
+    model_path: Path,
+    budget: int,
+    options: PlanOptions,
+    layout: ModelLayout,
+    acct: VramAccount,
+    stats: ActivationStats,
+    times: TimeModel,
+    placement: Placement,
+    solve: SolveResult | None,
+) -> Plan:
+    held = [float(p[m].sum()) for p, m in zip(stats.firing, placement.gpu_neurons, strict=True)]
+    totals = [float(p.sum()) for p in stats.firing]
+    return Plan(
+        model_path=model_path,
+        vram_budget=budget,
+        options=options,
+        layout=layout,
+        account=acct,
+        placement=placement,
+        vram=vram_used(acct, placement),
+        tokens_per_second=times.tokens_per_second(placement),
+        gpu_activation_share=sum(held) / sum(totals) if sum(totals) else 0.0,
+        layer_activation_share=tuple(h / t if t else 0.0 for h, t in zip(held, totals, strict=True)),
+        solve=solve,
+    )
+
+
+def make_plan(
+    model_path: Path, vram_budget_bytes: int, activation_dir: Path | None = None, options: PlanOptions | None = None
+) -> Plan:
+    """Solve the placement for `model_path` under `vram_budget_bytes`; writes nothing."""
+    return _make(model_path, vram_budget_bytes, activation_dir, options or PlanOptions())[0]
+
+
+def _make(
+    model_path: Path, budget: int, activation_dir: Path | None, options: PlanOptions
+) -> tuple[Plan, ActivationStats]:
+    layout, acct, stats, times = _inputs(model_path, budget, activation_dir, options)
+    groups = group_neurons(stats.firing, options.group_size)
+    start = greedy_placement(acct, stats.firing, groups, budget) if options.dense == "gpu" else None
+    result = solve_placement(
+        acct,
+        times,
+        stats.firing,
+        groups,
+        budget,
+        objective=options.objective,
+        dense_on_gpu=options.dense == "gpu",
+        time_limit=options.time_limit,
+        solver=options.solver,
+        warm_start=start,
+    )
+    plan = _plan(model_path, budget, options, layout, acct, stats, times, result.placement, result)
+    return plan, stats
+
+
+def load_or_make_gpuidx(
+    model_path: Path,
+    vram_budget_bytes: int,
+    activation_dir: Path | None = None,
+    options: PlanOptions | None = None,
+    *,
+    reset: bool = False,
+) -> Plan:
+    """Reuse `<model>.generated.gpuidx` when it still matches the model, activation and settings, else refuse;
+    make and write it when absent or when `reset`."""
+    options = options or PlanOptions()
+    path = gpuidx_path_for(model_path)
+    if reset or not path.exists():
+        plan, stats = _make(model_path, vram_budget_bytes, activation_dir, options)
+        write_gpuidx(path, plan.gpu_index(stats.digest))
+        return replace(plan, gpuidx_path=path)
+    layout, acct, stats, times = _inputs(model_path, vram_budget_bytes, activation_dir, options)
+    index = read_gpuidx(path)
+    shapes = tuple(len(m) for m in index.gpu_idx)
+    if shapes != acct.ffn_neurons:
+        raise PlanError(
+            f"{path} was made for a model with FFN sizes {_short(shapes)}, this one has {_short(acct.ffn_neurons)}; "
+            "rerun with --reset-gpu-index"
+        )
+    masks = tuple(m.astype(bool) for m in index.gpu_idx)
+    notes: tuple[str, ...] = ()
+    if index.provenance is None:
+        placement = Placement(masks, (True,) * len(masks), True)
+        room = vram_budget_bytes - acct.dense
+        if index.vram_capacity > room:
+            raise PlanError(
+                f"{path} (made by another tool) needs {index.vram_capacity} bytes for the FFN split but this budget "
+                f"leaves {room}; rerun with --reset-gpu-index"
+            )
+        notes = ("unknown provenance (no qinfer.plan.* keys): reused because it fits the budget and the shapes",)
+    else:
+        _require_fresh(path, index.provenance, model_path, vram_budget_bytes, stats.digest, options)
+        placement = Placement(masks, index.provenance.attention_on_gpu, index.provenance.output_on_gpu)
+    plan = _plan(model_path, vram_budget_bytes, options, layout, acct, stats, times, placement, None)
+    if plan.vram_total > vram_budget_bytes:
+        raise PlanError(f"{path} would use {plan.vram_total:.0f} bytes, over the budget; rerun with --reset-gpu-index")
+    return replace(plan, gpuidx_path=path, reused=True, notes=notes)
+
+
+def _short(values: tuple[int, ...]) -> str:
+    return str(list(values)) if len(set(values)) > 1 else f"{len(values)} x {values[0] if values else 0}"
+
+
+def _require_fresh(
+    path: Path, made: Provenance, model_path: Path, budget: int, digest: str, options: PlanOptions
+) -> None:
+    stat = model_path.stat()
+    now = {
+        "model size": (made.model_size, stat.st_size),
+        "model mtime": (made.model_mtime_ns, stat.st_mtime_ns),
+        "activation files": (made.activation_sha256, digest),
+        "vram budget": (made.vram_budget, budget),
+        "group size": (made.group_size, options.group_size),
+        "objective": (made.objective, options.objective),
+        "ctx size": (made.ctx_size, options.ctx_size),
+        "batch": (made.batch, options.batch),
+        "gpu profile": (made.gpu, options.gpu),
+        "cpu profile": (made.cpu, options.cpu),
+        "dense placement": (made.dense, options.dense),
+    }
+    changed = [name for name, (then, current) in now.items() if then != current]
+    if changed:
+        raise PlanError(
+            f"{path} is stale: {', '.join(changed)} changed since it was made; rebuild it with --reset-gpu-index"
+        )

@@ -1,0 +1,103 @@
+"""What a plan looks like to a person: rich tables, and a per-layer picture (matplotlib, an optional extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from planner.budget import GIB, MIB, VramAccount, minimum_budget
+from planner.errors import PlanError
+from planner.make_plan import Plan
+from qinfer_prep.atomic_file import atomic_output
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3f}" if n >= MIB else f"{n / GIB:.6f}"
+
+
+def account_table(acct: VramAccount, budget: int, *, dense_on_gpu: bool, title: str = "VRAM account") -> Table:
+    table = Table(title=title)
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("note")
+    neurons = sum(acct.ffn_neurons)
+    per_neuron = sum(b * n for b, n in zip(acct.neuron_bytes, acct.ffn_neurons, strict=True)) / max(1, neurons)
+    rows = [
+        ("attention (all layers)", sum(acct.attention), "weights and norms"),
+        ("KV cache", sum(acct.kv_cache), "f16 K and V for ctx x batch"),
+        ("output head", acct.output, "output.weight and output_norm"),
+        ("embeddings", acct.embeddings, "on GPU" if acct.embeddings else "kept on CPU"),
+        ("scratch reserve", acct.scratch, "256 MiB + per-sequence buffers"),
+        ("predictors (all layers)", sum(acct.predictors), "on GPU with a layer's first neuron"),
+        ("FFN neurons (all)", acct.ffn_total - sum(acct.predictors), f"{neurons} neurons x {per_neuron:.1f} B"),
+    ]
+    for name, n, note in rows:
+        table.add_row(name, _gib(n), f"{int(round(n))}", note)
+    need = minimum_budget(acct, dense_on_gpu)
+    table.add_row("minimum budget", _gib(need), str(need), "dense parts on GPU" if dense_on_gpu else "scratch only")
+    table.add_row("budget", _gib(budget), str(budget), f"{_gib(max(0, budget - need))} GiB left for the FFN split")
+    return table
+
+
+def summary_table(plan: Plan) -> Table:
+    table = Table(title=f"plan for {plan.model_path.name}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    solve = plan.solve
+    rows = [
+        ("GPU-served activation share", f"{100 * plan.gpu_activation_share:.2f} %"),
+        ("modelled decode tokens/s", f"{plan.tokens_per_second:.2f}"),
+        ("neurons on GPU", f"{plan.placement.gpu_neuron_count()} / {sum(plan.account.ffn_neurons)}"),
+        ("layers with attention on GPU", f"{sum(plan.placement.attention_on_gpu)} / {len(plan.account.attention)}"),
+    ]
+    rows += [(f"VRAM: {name}", f"{_gib(n)} GiB") for name, n in plan.vram.items()]
+    rows.append(("VRAM used / budget", f"{_gib(plan.vram_total)} / {_gib(plan.vram_budget)} GiB"))
+    if solve is not None:
+        rows += [
+            ("solver", f"{solve.solver} ({solve.status}, {solve.options} options)"),
+            ("solve time", f"{solve.seconds:.2f} s"),
+            ("gap to LP bound", f"{100 * solve.gap:.4f} %"),
+        ]
+    else:
+        rows.append(("solver", "not run: reused the existing .gpuidx"))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def write_report_png(plan: Plan, path: Path) -> None:
+    """Per layer: neurons on GPU vs CPU (bars) and the share of firing the GPU serves (line)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as exc:
+        raise PlanError("--report needs matplotlib: pip install 'qinfer[plot]'") from exc
+    layers = list(range(len(plan.placement.gpu_neurons)))
+    gpu = [int(m.sum()) for m in plan.placement.gpu_neurons]
+    cpu = [len(m) - g for m, g in zip(plan.placement.gpu_neurons, gpu, strict=True)]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.15 * len(layers) + 4), 4.5))
+    ax.bar(layers, gpu, label="neurons on GPU", color="tab:green")
+    ax.bar(layers, cpu, bottom=gpu, label="neurons on CPU", color="tab:gray")
+    ax.set_xlabel("layer")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("FFN neurons")
+    share = ax.twinx()
+    share.plot(layers, [100 * s for s in plan.layer_activation_share], color="tab:red", marker=".", label="GPU share")
+    share.set_ylabel("activation served by GPU (%)")
+    share.set_ylim(0, 100)
+    ax.set_title(
+        f"{plan.model_path.name}\n{100 * plan.gpu_activation_share:.1f}% of firing on GPU, "
+        f"{plan.tokens_per_second:.1f} tok/s modelled, {plan.vram_total / GIB:.2f} of {plan.vram_budget / GIB:.2f} GiB",
+        fontsize=10,
+    )
+    handles = ax.get_legend_handles_labels()[0] + share.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="lower left")
+    fig.tight_layout()
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
