@@ -8,7 +8,14 @@ from __future__ import annotations
 import sys
 
 from planner.errors import PlanError
-from qinfer import plan_command, prep_commands, profile_commands, run_command  # noqa: F401 - they register commands
+from qinfer import (  # noqa: F401 - they register commands
+    download_command,
+    plan_command,
+    prep_commands,
+    profile_commands,
+    profiles_command,
+    run_command,
+)
 from qinfer.app import app
 from qinfer_prep.errors import PrepError
 from qinfer_runtime.errors import RunError
