@@ -1,4 +1,4 @@
-"""`qinfer run`: generate text from a GGUF model."""
+"""`qinfer run`: generate text from a GGUF model, sparse and split between GPU and CPU when it can be."""
 
 from __future__ import annotations
 
@@ -25,42 +25,69 @@ def run_cmd(
         float, typer.Option(help="Sample among the most likely tokens holding this probability mass.")
     ] = 0.95,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating after the end-of-text token.")] = False,
+    vram_budget: Annotated[
+        float | None,
+        typer.Option(help="GiB of GPU memory the model may use; plans (or reuses) <model>.generated.gpuidx."),
+    ] = None,
+    reset_gpu_index: Annotated[bool, typer.Option(help="Re-plan the .gpuidx even if one exists.")] = False,
+    disable_gpu_index: Annotated[bool, typer.Option(help="Ignore any .gpuidx: no FFN neurons on the GPU.")] = False,
+    schedule: Annotated[
+        str,
+        typer.Option(
+            help="static: keep the plan's split; dynamic: rebalance per step and cache hot neurons on the "
+            "GPU; auto: dynamic when a GPU is present."
+        ),
+    ] = "auto",
+    ffn: Annotated[
+        str, typer.Option(help="auto (sparse when the file has predictors), sparse, or dense FFN in decode.")
+    ] = "auto",
+    parallel: Annotated[int, typer.Option(help="Decode this many sequences of the prompt together (seed + i).")] = 1,
 ) -> None:
     """Generate text from a prompt, streaming tokens, then print prompt and decode speed."""
     import torch
 
-    from qinfer_runtime.generate import generate
-    from qinfer_runtime.llama_forward import LlamaForward
-    from qinfer_runtime.model_file import open_model
+    from qinfer_runtime.engine import Engine
+    from qinfer_runtime.generate import generate, generate_many
     from qinfer_runtime.sampling import SamplingParams
-    from qinfer_runtime.tokenizer import GGUFTokenizer
 
+    if parallel < 1:
+        raise typer.BadParameter("at least 1", param_hint="--parallel")
     if threads > 0:
         torch.set_num_threads(threads)
-    loaded = open_model(model)
-    ctx = loaded.config.context_length if ctx_size <= 0 else min(ctx_size, loaded.config.context_length)
-    tokenizer = GGUFTokenizer(loaded.metadata)
+    engine = Engine.open(
+        model,
+        slots=parallel,
+        ctx_size=ctx_size,
+        vram_budget_gib=vram_budget,
+        schedule=schedule,
+        ffn=ffn,
+        reset_gpu_index=reset_gpu_index,
+        disable_gpu_index=disable_gpu_index,
+    )
+    if engine.runtime is not None:
+        for note in engine.runtime.notes:
+            err.print(f"note: {note}")
+    sampling = SamplingParams(temp, top_k, top_p)
     out = sys.stdout
-    out.write(prompt)
-    out.flush()
-
-    def show(piece: str) -> None:
-        out.write(piece)
+    if parallel == 1:
+        out.write(prompt)
         out.flush()
 
-    result = generate(
-        LlamaForward(loaded),
-        tokenizer,
-        prompt,
-        n_predict,
-        SamplingParams(temp, top_k, top_p),
-        ctx,
-        seed=seed,
-        ignore_eos=ignore_eos,
-        on_text=show,
-    )
-    out.write("\n")
+        def show(piece: str) -> None:
+            out.write(piece)
+            out.flush()
+
+        results = [generate(engine, prompt, n_predict, sampling, seed, ignore_eos, show)]
+        out.write("\n")
+    else:
+        results = generate_many(engine, [prompt] * parallel, n_predict, sampling, seed, ignore_eos)
+        for i, result in enumerate(results):
+            out.write(f"[{i}] {prompt}{result.text}\n")
+    first = results[0]
+    tokens = sum(len(r.tokens) for r in results)
+    steps = sum(len(r.tokens) if r.stopped_at_eos else max(len(r.tokens) - 1, 0) for r in results)
+    decode_tps = steps / first.decode_seconds if first.decode_seconds > 0 else 0.0
     err.print(
-        f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tokens/s | "
-        f"decode: {len(result.tokens)} tokens, {result.decode_tps:.1f} tokens/s"
+        f"prompt: {first.prompt_tokens} tokens, {first.prompt_tps:.1f} tokens/s | "
+        f"decode: {tokens} tokens, {decode_tps:.1f} tokens/s"
     )

@@ -1,17 +1,13 @@
-"""Prompt processing and token-by-token decoding, with timing for the run summary."""
+"""Generate text for one prompt or several at once through the engine, with timing for the run summary."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
-
-from qinfer_runtime.errors import RunError
-from qinfer_runtime.llama_forward import KVCache, LlamaForward
-from qinfer_runtime.sampling import SamplingParams, sample_next
-from qinfer_runtime.tokenizer import GGUFTokenizer
+from qinfer_runtime.engine import Engine, Request
+from qinfer_runtime.sampling import SamplingParams
 
 
 @dataclass
@@ -34,48 +30,77 @@ class GenerationResult:
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+@dataclass
+class _Progress:
+    prompt_tokens: int
+    prompt_seconds: float
+    tokens: list[int] = field(default_factory=list)
+    shown: str = ""
+    stopped: bool = False
+
+
+def generate_many(
+    engine: Engine,
+    prompts: list[str],
+    n_predict: int,
+    sampling: SamplingParams,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[GenerationResult]:
+    """Decode all prompts together (prompt i with seed + i); `on_text(i, piece)` streams new text of prompt i.
+
+    Prompts wait for a free slot when there are more of them than the engine has slots.
+    """
+    tokenizer = engine.tokenizer
+    waiting = list(enumerate(prompts))
+    running: dict[int, int] = {}  # slot -> prompt index
+    progress: dict[int, _Progress] = {}
+    decode_seconds = 0.0
+    while waiting or running:
+        while waiting and engine.free_slots():
+            i, prompt = waiting.pop(0)
+            ids = tokenizer.encode(prompt)
+            t0 = time.perf_counter()
+            slot = engine.submit(Request(ids, n_predict, sampling, seed + i, ignore_eos))
+            progress[i] = _Progress(len(ids), time.perf_counter() - t0)
+            running[slot] = i
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        decode_seconds += time.perf_counter() - t0
+        for out in outputs:
+            p = progress[running[out.slot]]
+            if out.token is not None:
+                p.tokens.append(out.token)
+                text = tokenizer.decode(p.tokens)
+                # A multi-byte character can span tokens; hold it back until it decodes completely.
+                if on_text is not None and not text.endswith("\ufffd"):
+                    on_text(running[out.slot], text[len(p.shown) :])
+                    p.shown = text
+            if out.finished:
+                p.stopped = out.reason == "stop"
+                index = running.pop(out.slot)
+                text = tokenizer.decode(p.tokens)
+                if on_text is not None and len(text) > len(p.shown):
+                    on_text(index, text[len(p.shown) :])
+    # Sequences decode together, so each one's decode time is the run's.
+    return [
+        GenerationResult(
+            p.tokens, tokenizer.decode(p.tokens), p.prompt_tokens, p.prompt_seconds, decode_seconds, p.stopped
+        )
+        for _, p in sorted(progress.items())
+    ]
+
+
 def generate(
-    forward: LlamaForward,
-    tokenizer: GGUFTokenizer,
+    engine: Engine,
     prompt: str,
     n_predict: int,
     sampling: SamplingParams,
-    ctx_size: int,
     seed: int = 0,
     ignore_eos: bool = False,
     on_text: Callable[[str], None] | None = None,
 ) -> GenerationResult:
     """Generate up to `n_predict` tokens; `on_text` receives each newly decoded piece of text as it appears."""
-    prompt_ids = tokenizer.encode(prompt)
-    if len(prompt_ids) >= ctx_size:
-        raise RunError(f"the prompt is {len(prompt_ids)} tokens but the context holds {ctx_size}; raise --ctx-size")
-    generator = torch.Generator().manual_seed(seed)
-    cache = KVCache(forward.cfg, ctx_size)
-    n_predict = min(n_predict, ctx_size - len(prompt_ids))
-    new: list[int] = []
-    shown = ""
-    stopped = False
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        logits = forward(torch.tensor(prompt_ids), 0, cache)[-1]
-        prompt_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        while len(new) < n_predict:
-            token = sample_next(logits, sampling, generator)
-            if token == tokenizer.eos_id and not ignore_eos:
-                stopped = True
-                break
-            new.append(token)
-            text = tokenizer.decode(new)
-            # A multi-byte character can span tokens; hold it back until it decodes completely.
-            if on_text is not None and not text.endswith("\ufffd"):
-                on_text(text[len(shown) :])
-                shown = text
-            if len(new) == n_predict:
-                break
-            logits = forward(torch.tensor([token]), len(prompt_ids) + len(new) - 1, cache)[-1]
-        decode_seconds = time.perf_counter() - t1
-    text = tokenizer.decode(new)
-    if on_text is not None and len(text) > len(shown):
-        on_text(text[len(shown) :])
-    return GenerationResult(new, text, len(prompt_ids), prompt_seconds, decode_seconds, stopped)
+    show = None if on_text is None else (lambda _i, piece: on_text(piece))
+    return generate_many(engine, [prompt], n_predict, sampling, seed, ignore_eos, show)[0]

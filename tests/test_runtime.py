@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from qinfer_prep.synth import SynthReport
+from qinfer_runtime.engine import Engine
 from qinfer_runtime.generate import generate
 from qinfer_runtime.gguf_reader import open_gguf
 from qinfer_runtime.llama_forward import KVCache, LlamaForward
@@ -58,9 +59,8 @@ def test_f16_logits_stay_close(gguf_files: dict[str, Path], reference: LlamaForC
 def test_greedy_continuation_matches_transformers(gguf_files: dict[str, Path], reference: LlamaForCausalLM) -> None:
     model = open_model(gguf_files["pi-f32"])
     tokenizer = GGUFTokenizer(model.metadata)
-    result = generate(
-        LlamaForward(model), tokenizer, PROMPT, 32, SamplingParams(temperature=0.0), ctx_size=128, ignore_eos=True
-    )
+    engine = Engine(LlamaForward(model), tokenizer, ctx_size=128)
+    result = generate(engine, PROMPT, 32, SamplingParams(temperature=0.0), ignore_eos=True)
     ids = tokenizer.encode(PROMPT)
     with torch.inference_mode():
         for _ in range(32):

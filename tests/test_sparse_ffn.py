@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qinfer_runtime.engine import Engine
 from qinfer_runtime.ffn_runners import SparseRunner, active_ids, select
 from qinfer_runtime.generate import generate
 from qinfer_runtime.llama_forward import LlamaForward, ffn_weights
@@ -56,7 +57,8 @@ def test_falcon_variant_ignores_gate_and_bamboo_relus_up() -> None:
 
 def _greedy(forward: LlamaForward, path: Path) -> list[int]:
     tokenizer = GGUFTokenizer(open_model(path).metadata)
-    return generate(forward, tokenizer, PROMPT, 24, SamplingParams(temperature=0.0), 128, ignore_eos=True).tokens
+    engine = Engine(forward, tokenizer, ctx_size=128)
+    return generate(engine, PROMPT, 24, SamplingParams(temperature=0.0), ignore_eos=True).tokens
 
 
 def test_oracle_model_matches_dense_model(gguf_files: dict[str, Path]) -> None:
