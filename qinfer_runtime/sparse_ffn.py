@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer_runtime.errors import RunError
-from qinfer_runtime.weight_rows import gather_rows, linear
+from qinfer_runtime.weight_rows import gather_rows, linear, weighted_row_sum
 
 Variant = Literal["llama", "bamboo", "falcon"]
 VARIANTS: dict[str, Variant] = {"llama": "llama", "bamboo": "bamboo", "falcon": "falcon"}
@@ -51,12 +51,8 @@ def activations(variant: Variant, x: torch.Tensor, gate: torch.Tensor | None, up
     return g * (F.relu(u) if variant == "bamboo" else u)
 
 
-def down(act: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
-    return act.to(down_t.dtype).matmul(down_t).float()
-
-
 def dense_ffn(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
-    return down(activations(w.variant, x, w.gate, w.up), w.down_t)
+    return weighted_row_sum(activations(w.variant, x, w.gate, w.up), w.down_t)
 
 
 def sparse_rows(
@@ -75,7 +71,7 @@ def sparse_rows(
     act = activations(variant, x, None if gate is None else gather_rows(gate, ids), gather_rows(up, ids))
     if mask is not None:
         act = act * mask.to(act.device)
-    return down(act, gather_rows(down_t, ids))
+    return weighted_row_sum(act, down_t, ids)
 
 
 def predicted_mask(w: FFNWeights, h: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -1,13 +1,17 @@
 """The one place where the runtime reads weights: whole matrices for matmuls, and rows (neurons) by id.
 
 Weights are torch tensors in the file's dtype (F32/F16 views of the mapped GGUF, or device copies of them);
-every matmul runs in that dtype and returns float32.
+every product runs in that dtype and returns float32.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# Up to this many tokens a weighted row sum runs as an embedding bag, which reads each selected row once and
+# needs no copy; beyond it a matmul on gathered float32 rows wins.
+BAG_MAX_TOKENS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -23,3 +27,25 @@ def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def rows_to(weight: torch.Tensor, ids: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A copy of rows `ids` on `device`, in the stored dtype (GPU residency and rows shipped per step)."""
     return gather_rows(weight, ids).to(device)
+
+
+def weighted_row_sum(act: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j act[t, j] * weight[ids[j]] for each token t, as float32 [T, E]; ids None means all rows.
+
+    This is the down projection in the PowerInfer row layout (down_t [F, E]). A dense GGUF's down_t is the
+    transposed view of a contiguous [E, F] matrix, where a plain linear is fastest. Row-major [F, E] with a
+    vector on the left is a slow path for CPU half-precision matmuls, so few tokens go through an embedding bag.
+    """
+    if weight.device.type != "cpu" or weight.T.is_contiguous():
+        rows = weight if ids is None else gather_rows(weight, ids)
+        return act.to(rows.dtype).matmul(rows).float()
+    n, k = act.shape
+    row_ids = torch.arange(weight.shape[0]) if ids is None else ids
+    if n <= BAG_MAX_TOKENS:
+        offsets = torch.arange(0, n * k, k)
+        out = F.embedding_bag(
+            row_ids.repeat(n), weight, offsets, mode="sum", per_sample_weights=act.reshape(-1).to(weight.dtype)
+        )
+        return out.float()
+    rows = weight if ids is None else gather_rows(weight, ids)
+    return act.matmul(rows.float())
