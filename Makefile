@@ -1,4 +1,7 @@
-# Set-up and the tiny end-to-end pipeline. `make all` and `make test` work on a fresh clone.
+# Set-up and the end-to-end pipelines. `make all` and `make test` work on a fresh clone.
+#   make all                       tiny synth model, no network: synth -> convert -> profile -> plan -> run
+#   make all MODEL=ReluLLaMA-7B    download -> (convert if SOURCE=original) -> (quantize if QUANT=Q4_0) -> plan -> run
+# Every stage is a file, so make skips a stage whose output is newer than its inputs.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,11 +12,35 @@ WORK ?= work/tiny
 SEED ?= 0
 PROMPT ?= Once upon a time
 THREADS ?= 2
+N_PREDICT ?= 32
 
-.PHONY: all setup test lint clean
+# A supported model (`qinfer profiles`); empty = the tiny synth model.
+MODEL ?=
+# GiB of GPU memory the model may use.
+VRAM ?= 8
+# gguf: the PowerInfer GGUF repo; original: HF weights + predictors, converted here.
+SOURCE ?= gguf
+# f16 or q4 from the GGUF repo; empty = f16 where published.
+VARIANT ?=
+# Q4_0 to quantize after download/convert; empty = keep the downloaded type.
+QUANT ?=
+MODELS_DIR ?= models
 
-all: $(WORK)/tiny.powerinfer.gguf
-	$(BIN)/qinfer run -m $< -p "$(PROMPT)" -n 32 -t $(THREADS) --temp 0
+# Tiny pipeline knobs: extra `qinfer prep synth` options (shape, --train-steps), corpus and profile sizes, and a
+# VRAM budget (GiB) that leaves room for about half of the default tiny FFN beside the 256 MiB scratch reserve,
+# so the plan really splits it between GPU and CPU.
+SYNTH_ARGS ?=
+CORPUS_CHARS ?= 200000
+PROFILE_TOKENS ?= 20000
+TINY_VRAM ?= 0.2518
+
+.PHONY: all setup test lint clean tiny model FORCE
+
+ifeq ($(MODEL),)
+all: tiny
+else
+all: model
+endif
 
 setup: $(BIN)/.installed
 
@@ -23,12 +50,72 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-$(WORK)/synth/model/config.json: $(BIN)/.installed
-	$(BIN)/qinfer prep synth --out $(WORK)/synth --seed $(SEED)
+# A value that changed since the last run (echo differs from the file) makes its stamp newer, re-running what uses it.
+%/vram: FORCE
+	@mkdir -p $(@D)
+	@echo "$(VRAM_VALUE)" | cmp -s - $@ || echo "$(VRAM_VALUE)" > $@
 
-$(WORK)/tiny.powerinfer.gguf: $(WORK)/synth/model/config.json
+# --- the tiny synth model -------------------------------------------------------------------------------------
+TINY := $(WORK)/tiny.powerinfer.gguf
+
+tiny: VRAM_VALUE := $(TINY_VRAM)
+tiny: $(TINY).generated.gpuidx
+	$(BIN)/qinfer run -m $(TINY) -p "$(PROMPT)" -n $(N_PREDICT) -t $(THREADS) --temp 0 --vram-budget $(TINY_VRAM)
+
+$(WORK)/synth/model/config.json: $(BIN)/.installed
+	$(BIN)/qinfer prep synth --out $(WORK)/synth --seed $(SEED) $(SYNTH_ARGS)
+
+$(TINY): $(WORK)/synth/model/config.json
 	$(BIN)/qinfer prep convert $(WORK)/synth/model $(WORK)/synth/predictor --outfile $@
 
+$(WORK)/corpus.txt: $(BIN)/.installed
+	$(BIN)/qinfer prep corpus --out $@ --chars $(CORPUS_CHARS) --seed $(SEED)
+
+# summary.json is written last, so it stands for the whole activation directory.
+$(WORK)/activation/summary.json: $(WORK)/synth/model/config.json $(WORK)/corpus.txt
+	$(BIN)/qinfer prep profile $(WORK)/synth/model --data $(WORK)/corpus.txt --seq-len 128 \
+		--tokens $(PROFILE_TOKENS) --out $(WORK)/activation --device cpu
+
+$(TINY).generated.gpuidx: $(TINY) $(WORK)/activation/summary.json $(WORK)/vram
+	$(BIN)/qinfer plan -m $(TINY) --vram-budget $(TINY_VRAM) --reset-gpu-index
+
+# --- a supported model from the hub ---------------------------------------------------------------------------
+# File names come from the model's profile, so each stage's stamp in $(STAGE) holds the path that stage produced.
+DIR := $(MODELS_DIR)/$(MODEL)
+STAGE := $(DIR)/.make
+FINAL := $(STAGE)/$(if $(QUANT),quantized,gguf)
+
+model: VRAM_VALUE := $(VRAM)
+model: $(STAGE)/plan
+	$(BIN)/qinfer run -m "$$(cat $(FINAL))" -p "$(PROMPT)" -n $(N_PREDICT) -t $(THREADS) --temp 0 \
+		--vram-budget $(VRAM)
+
+# Order-only on the set-up: reinstalling must not trigger a new download.
+$(STAGE)/download: | $(BIN)/.installed
+	@mkdir -p $(@D)
+	$(BIN)/qinfer prep download $(MODEL) --source $(SOURCE) $(if $(VARIANT),--variant $(VARIANT)) --dir $(DIR) > $@.tmp
+	mv $@.tmp $@
+
+ifeq ($(SOURCE),original)
+$(STAGE)/gguf: $(STAGE)/download
+	$(BIN)/qinfer prep convert $(DIR)/model $(DIR)/predictor --outfile $(DIR)/$(MODEL).powerinfer.gguf
+	echo "$(DIR)/$(MODEL).powerinfer.gguf" > $@
+else
+$(STAGE)/gguf: $(STAGE)/download
+	cp $< $@
+endif
+
+# X.powerinfer.gguf -> X.q4.powerinfer.gguf, the hub's naming.
+$(STAGE)/quantized: $(STAGE)/gguf
+	in="$$(cat $<)"; case "$$in" in *.powerinfer.gguf) out="$${in%.powerinfer.gguf}.q4.powerinfer.gguf";; \
+		*) out="$${in%.gguf}.q4.gguf";; esac; \
+	$(BIN)/qinfer prep quantize "$$in" "$$out" $(QUANT) && echo "$$out" > $@
+
+$(STAGE)/plan: $(FINAL) $(STAGE)/vram
+	$(BIN)/qinfer plan -m "$$(cat $(FINAL))" --vram-budget $(VRAM) --reset-gpu-index
+	touch $@
+
+# --------------------------------------------------------------------------------------------------------------
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q

@@ -21,7 +21,10 @@ def download_cmd(
     ] = None,
     dir: Annotated[Path | None, typer.Option("--dir", help="Target directory; default models/MODEL.")] = None,
 ) -> None:
-    """Download MODEL through the standard hub cache (resumable; HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT apply)."""
+    """Download MODEL through the standard hub cache (resumable; HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT apply).
+
+    Prints the model's path (the GGUF, or the checkpoint directory of the originals) on stdout, for scripts.
+    """
     from qinfer_prep.download import Source, Variant, download
     from qinfer_prep.errors import PrepError
     from qinfer_prep.model_profiles import load_model_profile
@@ -38,4 +41,5 @@ def download_cmd(
 
     result = download(profile, dest, cast(Source, source), cast(Variant | None, variant), on_file=show)
     main = result.model_file or result.model_dir
-    err.print(f"{profile.name}: {len(result.files)} files in {result.dir} (model: {main})")
+    err.print(f"{profile.name}: {len(result.files)} files in {result.dir}")
+    print(main)

@@ -104,3 +104,23 @@ def convert_dense_cmd(
 ) -> None:
     """Write a plain GGUF that any llama.cpp-style engine can run (no predictors)."""
     _convert(model_dir, None, outfile, outtype)
+
+
+@prep.command("corpus")
+def corpus_cmd(
+    out: Annotated[Path, typer.Option(help="Text file to write (stories separated by blank lines).")],
+    chars: Annotated[int, typer.Option(help="Write at least this many characters.")] = 200_000,
+    split: Annotated[str, typer.Option(help="train, calibrate or heldout: each is its own text.")] = "calibrate",
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same text.")] = 0,
+) -> None:
+    """Write the synth model's TinyStories-like corpus, for profiling or training predictors offline."""
+    from qinfer_prep.atomic_file import atomic_output
+    from qinfer_prep.errors import PrepError
+    from qinfer_prep.synth_corpus import SPLITS, synth_corpus
+
+    if split not in SPLITS:
+        raise PrepError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    text = synth_corpus(seed, chars, split)
+    with atomic_output(out) as tmp:
+        tmp.write_text(text)
+    err.print(f"wrote {out} ({len(text)} characters, {split} split)")
