@@ -93,6 +93,7 @@ class FFNRunner(Protocol):
 
 class ModelForward(Protocol):
     cfg: ModelConfig
+    device: torch.device
 
     def forward(self, batch: TokenBatch, cache: KVCache) -> torch.Tensor: ...
 
