@@ -15,6 +15,7 @@ from qinfer import (  # noqa: F401 - they register commands
     profile_commands,
     profiles_command,
     run_command,
+    serve_command,
 )
 from qinfer.app import app
 from qinfer_prep.errors import PrepError
