@@ -1,18 +1,30 @@
-"""Choose and build a model's runtime: its forward class, the FFN runner (dense, sparse, hybrid) and the device."""
+"""Choose and build a model's runtime: its forward class, the FFN runner (dense, sparse, hybrid) and the device.
+
+With a VRAM budget the planner's `.gpuidx` (made on the spot when missing) says which neurons start on the GPU
+and whether the dense parts go there; budget left over after the plan becomes spare neuron-cache slots for the
+dynamic schedule. Without a GPU the plan is still made or checked, and everything runs sparse on the CPU.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from planner.budget import GIB
+from planner.device_profiles import load_profile
+from planner.make_plan import Plan, PlanOptions, load_or_make_gpuidx
 from qinfer_runtime.errors import RunError
 from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
+from qinfer_runtime.hybrid_ffn import HybridRunner
 from qinfer_runtime.llama_forward import LlamaForward, ffn_weights
 from qinfer_runtime.model_file import ModelFile
 from qinfer_runtime.model_forward import FFNRunner, TransformerForward
 from qinfer_runtime.sparse_ffn import FFNWeights
+from qinfer_runtime.split_cost import SplitCosts
 
 FFN_MODES = ("auto", "sparse", "dense", "oracle")
 SCHEDULES = ("auto", "static", "dynamic")
@@ -44,6 +56,7 @@ class LoadedRuntime:
     forward: TransformerForward
     ffn_mode: str
     schedule: str
+    plan: Plan | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -58,6 +71,55 @@ def ffn_mode(model: ModelFile, requested: str, layers: list[FFNWeights]) -> str:
     return requested
 
 
+def gpu_device(requested: str | None) -> torch.device | None:
+    """The GPU side: CUDA when present (or asked for), "cpu" to simulate one, None for none."""
+    if requested is None:
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"device {requested!r} asked for but CUDA is not available")
+    return torch.device(requested)
+
+
+def gpu_profile_name(device: torch.device | None) -> str:
+    """The planner's GPU profile for this device; the default one when it is unknown or simulated."""
+    if device is not None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        for key, profile in (("h200", "h200"), ("4090", "rtx4090"), ("2080", "rtx2080ti")):
+            if key in name:
+                return profile
+    return PlanOptions().gpu
+
+
+def _row_bytes(w: FFNWeights) -> int:
+    return sum(t.shape[1] * t.element_size() for t in (w.gate, w.up, w.down_t) if t is not None)
+
+
+def _placement(
+    model: ModelFile, options: RuntimeOptions, plan_options: PlanOptions, layers: list[FFNWeights], notes: list[str]
+) -> tuple[Plan | None, list[torch.Tensor], list[int], bool]:
+    """Planned resident neurons per layer, neuron-cache capacity per layer, and whether dense parts fit the GPU."""
+    assert options.vram_budget_gib is not None
+    budget = int(options.vram_budget_gib * GIB)
+    if options.disable_gpu_index:
+        notes.append("--disable-gpu-index: every FFN neuron stays on the CPU")
+        return None, [torch.empty(0, dtype=torch.long) for _ in layers], [0] * len(layers), True
+    plan = load_or_make_gpuidx(model.path, budget, options=plan_options, reset=options.reset_gpu_index)
+    resident = [torch.from_numpy(np.flatnonzero(m)).long() for m in plan.placement.gpu_neurons]
+    spare_per_layer = max(budget - plan.vram_total, 0) / len(layers)
+    capacity = [
+        min(w.neurons, int(r.numel()) + math.floor(spare_per_layer / _row_bytes(w)))
+        for w, r in zip(layers, resident, strict=True)
+    ]
+    share = sum(int(r.numel()) for r in resident) / sum(w.neurons for w in layers)
+    verb = "reused" if plan.reused else "wrote"
+    notes.append(
+        f"plan: {share:.0%} of FFN neurons on the GPU, {plan.gpu_activation_share:.0%} of activations ({verb} "
+        f"{plan.gpuidx_path})"
+    )
+    dense_on_gpu = all(plan.placement.attention_on_gpu) and plan.placement.output_on_gpu
+    return plan, resident, capacity, dense_on_gpu
+
+
 def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
     if options.schedule not in SCHEDULES:
         raise RunError(f"unknown schedule {options.schedule!r}; use static or dynamic")
@@ -69,6 +131,26 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     cpu = torch.device("cpu")
     if mode == "dense":
         return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static")
-    selector = "oracle" if mode == "oracle" else "predictor"
-    runner = SparseRunner(layers, model.config.sparse_threshold, selector)
-    return LoadedRuntime(make_forward(model, runner, cpu), mode, "static")
+    threshold = model.config.sparse_threshold
+    if options.vram_budget_gib is None or mode == "oracle":
+        runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else "predictor")
+        return LoadedRuntime(make_forward(model, runner, cpu), mode, "static")
+    device = gpu_device(options.device)
+    plan_options = PlanOptions(ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device))
+    notes: list[str] = []
+    plan, resident, capacity, dense_on_gpu = _placement(model, options, plan_options, layers, notes)
+    if device is None:
+        notes.append("no GPU: the plan is kept for a GPU machine; everything runs sparse on the CPU")
+        return LoadedRuntime(make_forward(model, SparseRunner(layers, threshold), cpu), mode, "static", plan, notes)
+    schedule = "dynamic" if options.schedule == "auto" else options.schedule
+    w = layers[0]
+    rows = 2 if w.gate is None else 3
+    costs = SplitCosts.from_profiles(
+        _row_bytes(w),
+        2.0 * rows * w.up.shape[1],
+        load_profile(plan_options.gpu, "gpu"),
+        load_profile(plan_options.cpu, "cpu"),
+    )
+    hybrid = HybridRunner(layers, threshold, device, resident, capacity, costs, schedule == "dynamic")
+    forward = make_forward(model, hybrid, device if dense_on_gpu else cpu)
+    return LoadedRuntime(forward, mode, schedule, plan, notes)

@@ -1,0 +1,165 @@
+"""GPU/CPU split FFN: resident neurons' rows live in fixed device slots, the rest are read from the mapped file.
+
+Per decode step and layer: the predictor (on the device) selects neurons; selected resident ones are computed
+on the device while a CPU thread computes the others, and the two disjoint partial sums are added. With the
+dynamic schedule the split moves per step (split_cost.balance) and a neuron cache (neuron_cache.NeuronCache)
+promotes neurons hot for this prompt into device slots. The device may be "cpu": a second tensor set that
+simulates the GPU side, for tests and for machines without one.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from qinfer_runtime.ffn_runners import active_ids
+from qinfer_runtime.neuron_cache import CachePolicy, NeuronCache
+from qinfer_runtime.sparse_ffn import FFNWeights, activations, predicted_mask, sparse_rows
+from qinfer_runtime.split_cost import SplitCosts, balance
+from qinfer_runtime.weight_rows import rows_to, weighted_row_sum
+
+
+@dataclass
+class DeviceSlots:
+    """One layer's device-resident rows: [capacity, E] per matrix; empty slots hold zeros (they add nothing)."""
+
+    up: torch.Tensor
+    down_t: torch.Tensor
+    gate: torch.Tensor | None
+    fc1: torch.Tensor | None
+    fc2: torch.Tensor | None
+
+    @classmethod
+    def allocate(cls, w: FFNWeights, capacity: int, device: torch.device) -> DeviceSlots:
+        def empty(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.zeros(capacity, t.shape[1], dtype=t.dtype, device=device)
+
+        def whole(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        up = torch.zeros(capacity, w.up.shape[1], dtype=w.up.dtype, device=device)
+        down_t = torch.zeros(capacity, w.down_t.shape[1], dtype=w.down_t.dtype, device=device)
+        # The predictors run where the dense parts do, whole.
+        return cls(up, down_t, empty(w.gate), whole(w.fc1), whole(w.fc2))
+
+    def load(self, w: FFNWeights, slots: torch.Tensor, neurons: torch.Tensor) -> None:
+        """Copy neurons' rows from the mapped weights into `slots`."""
+        if slots.numel() == 0:
+            return
+        device_slots = slots.to(self.up.device)
+        for mine, source in ((self.up, w.up), (self.down_t, w.down_t), (self.gate, w.gate)):
+            if mine is not None and source is not None:
+                mine[device_slots] = rows_to(source, neurons, mine.device)
+
+
+@dataclass
+class LayerSplit:
+    """What one layer did in its last decode step: neurons computed on each side and moved between them."""
+
+    device: int = 0
+    cpu: int = 0
+    moved: int = 0
+
+
+class HybridRunner:
+    def __init__(
+        self,
+        layers: list[FFNWeights],
+        threshold: float,
+        device: torch.device,
+        resident: list[torch.Tensor],
+        capacity: list[int],
+        costs: SplitCosts,
+        dynamic: bool,
+        policy: CachePolicy | None = None,
+    ):
+        self.layers = layers
+        self.threshold = threshold
+        self.device = device
+        self.dynamic = dynamic
+        self.costs = costs
+        # Static placement keeps exactly the planned neurons; only the dynamic schedule fills spare slots.
+        caps = capacity if dynamic else [int(r.numel()) for r in resident]
+        policy = policy or CachePolicy()
+        self.caches = [NeuronCache(w.neurons, c, r, policy) for w, c, r in zip(layers, caps, resident, strict=True)]
+        self.slots = []
+        for w, cache in zip(layers, self.caches, strict=True):
+            slots = DeviceSlots.allocate(w, cache.capacity, device)
+            used = torch.nonzero(cache.slot_neuron >= 0).flatten()
+            slots.load(w, used, cache.slot_neuron[used])
+            self.slots.append(slots)
+        self.last = [LayerSplit() for _ in layers]
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qinfer-cpu-ffn")
+
+    def device_bytes(self) -> int:
+        """Bytes of neuron rows held on the device (slots, empty ones included)."""
+        total = 0
+        for s in self.slots:
+            total += sum(t.numel() * t.element_size() for t in (s.up, s.down_t, s.gate) if t is not None)
+        return total
+
+    def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """x and h may live on the CPU (dense parts there) or on the device; the result goes where x is."""
+        x_dev, h_dev = x.to(self.device), h.to(self.device)
+        out = self._prefill(layer, x_dev) if prefill else self._decode(layer, x_dev, h_dev)
+        return out.to(x.device)
+
+    def _prefill(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Dense on both sides: the device over its slots, the CPU over all rows with resident neurons zeroed."""
+        w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
+        x_cpu = x.cpu()
+
+        def cpu_part() -> torch.Tensor:
+            act = activations(w.variant, x_cpu, w.gate, w.up)
+            act[:, cache.slot_neuron[cache.slot_neuron >= 0]] = 0
+            return weighted_row_sum(act, w.down_t)
+
+        future = self.pool.submit(cpu_part)
+        out = weighted_row_sum(activations(w.variant, x, s.gate, s.up), s.down_t)
+        return out + future.result().to(self.device)
+
+    def _decode(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
+        batch = x.shape[0]
+        mask = predicted_mask(FFNWeights(w.variant, w.up, w.down_t, w.gate, s.fc1, s.fc2), h, self.threshold).cpu()
+        ids = active_ids(mask)
+        slot_of = cache.neuron_slot[ids]
+        on_device = slot_of >= 0
+        dev_pos, cpu_pos = torch.nonzero(on_device).flatten(), torch.nonzero(~on_device).flatten()
+        move = balance(self.costs, dev_pos.numel(), cpu_pos.numel(), batch) if self.dynamic else 0
+        shipped = cpu_pos[:move] if move > 0 else cpu_pos[:0]
+        if move > 0:
+            cpu_pos = cpu_pos[move:]
+        elif move < 0:
+            cpu_pos, dev_pos = torch.cat((cpu_pos, dev_pos[move:])), dev_pos[:move]
+
+        def token_mask(pos: torch.Tensor) -> torch.Tensor | None:
+            # One token: every selected neuron is selected for it.
+            return mask[:, ids[pos]] if batch > 1 else None
+
+        x_cpu = x.cpu()
+
+        def cpu_part() -> torch.Tensor:
+            started = time.perf_counter()
+            out = sparse_rows(w.variant, x_cpu, w.gate, w.up, w.down_t, ids[cpu_pos], token_mask(cpu_pos))
+            self.costs.calibrate(cpu_pos.numel(), batch, time.perf_counter() - started)
+            return out
+
+        future = self.pool.submit(cpu_part)
+        out = sparse_rows(w.variant, x, s.gate, s.up, s.down_t, slot_of[dev_pos], token_mask(dev_pos))
+        if shipped.numel():
+            ship_ids = ids[shipped]
+            gate = None if w.gate is None else rows_to(w.gate, ship_ids, self.device)
+            up, down_t = rows_to(w.up, ship_ids, self.device), rows_to(w.down_t, ship_ids, self.device)
+            all_rows = torch.arange(ship_ids.numel(), device=self.device)
+            out = out + sparse_rows(w.variant, x, gate, up, down_t, all_rows, token_mask(shipped))
+        out = out + future.result().to(self.device)
+        self.last[layer] = LayerSplit(int(dev_pos.numel()) + int(shipped.numel()), int(cpu_pos.numel()), move)
+        if self.dynamic:
+            cache.observe(ids)
+            if cache.due():
+                s.load(w, *cache.rebalance())
+        return out

@@ -1,0 +1,86 @@
+"""The GPU neuron cache of one layer: which neurons occupy the device's fixed slots, and which to swap.
+
+Each neuron carries a score, an exponential moving average of how often the predictor selects it during this
+run. A non-resident neuron is promoted into a free slot, or in place of the coldest resident one, only when its
+score beats that one's by `margin` (hysteresis: a neuron that is merely as hot never displaces another, so two
+neurons near the boundary do not swap back and forth), and at most `max_swaps` per rebalance bound the copies.
+The slot count is fixed when the cache is made, so residency can never exceed it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    decay: float = 0.9  # per observed step; 0.9 remembers about the last 10 steps
+    margin: float = 0.15  # score a newcomer must beat the evicted neuron by
+    max_swaps: int = 32  # per rebalance, per layer
+    period: int = 4  # steps between rebalances
+
+
+class NeuronCache:
+    def __init__(self, neurons: int, capacity: int, resident: torch.Tensor, policy: CachePolicy | None = None):
+        """`resident`: the planned GPU neuron ids (at most `capacity`); they take the first slots."""
+        if resident.numel() > capacity:
+            raise ValueError(f"{resident.numel()} planned neurons do not fit {capacity} slots")
+        self.capacity = capacity
+        self.policy = policy = policy or CachePolicy()
+        self.slot_neuron = torch.full((capacity,), -1, dtype=torch.long)
+        self.neuron_slot = torch.full((neurons,), -1, dtype=torch.long)
+        self.slot_neuron[: resident.numel()] = resident
+        self.neuron_slot[resident] = torch.arange(resident.numel())
+        # Planned neurons start as warm as the margin, so the plan holds until this prompt shows otherwise.
+        self.scores = torch.zeros(neurons)
+        self.scores[resident] = policy.margin
+        self.steps = 0
+        self.swaps = 0
+
+    @property
+    def resident(self) -> int:
+        return int((self.slot_neuron >= 0).sum())
+
+    def observe(self, selected: torch.Tensor) -> None:
+        """One decode step's selected neuron ids."""
+        self.scores.mul_(self.policy.decay)
+        self.scores[selected] += 1.0 - self.policy.decay
+        self.steps += 1
+
+    def due(self) -> bool:
+        return self.capacity > 0 and self.steps % self.policy.period == 0
+
+    def rebalance(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose swaps and apply them to the maps; returns (slots, neurons) whose rows the device must load."""
+        outside = torch.nonzero(self.neuron_slot < 0).flatten()
+        if outside.numel() == 0:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+        k = min(self.policy.max_swaps, outside.numel())
+        top = torch.topk(self.scores[outside], k)
+        candidates = outside[top.indices[top.values > 0]]
+        free = torch.nonzero(self.slot_neuron < 0).flatten()
+        occupied = torch.nonzero(self.slot_neuron >= 0).flatten()
+        coldest = occupied[torch.argsort(self.scores[self.slot_neuron[occupied]])]
+        slots, neurons = [], []
+        free_used, evict_next = 0, 0
+        for c in candidates.tolist():
+            if free_used < free.numel():
+                slot = int(free[free_used])
+                free_used += 1
+            elif evict_next < coldest.numel():
+                slot = int(coldest[evict_next])
+                victim = int(self.slot_neuron[slot])
+                if self.scores[c] <= self.scores[victim] + self.policy.margin:
+                    break  # candidates come hottest first: no later one beats a warmer victim either
+                evict_next += 1
+                self.neuron_slot[victim] = -1
+            else:
+                break
+            self.slot_neuron[slot] = c
+            self.neuron_slot[c] = slot
+            slots.append(slot)
+            neurons.append(c)
+        self.swaps += len(slots)
+        return torch.tensor(slots, dtype=torch.long), torch.tensor(neurons, dtype=torch.long)

@@ -1,0 +1,132 @@
+"""GPU/CPU split on a simulated GPU (a second CPU tensor set): the merged result equals the all-CPU sparse one."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from planner.budget import GIB
+from planner.errors import PlanError
+from planner.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
+from planner.make_plan import PlanOptions, dry_run_account
+from qinfer_runtime.engine import Engine
+from qinfer_runtime.generate import generate, generate_many
+from qinfer_runtime.hybrid_ffn import HybridRunner
+from qinfer_runtime.model_forward import KVCache
+from qinfer_runtime.sampling import SamplingParams
+from qinfer_runtime.split_cost import SplitCosts
+
+PROMPTS = ["Once upon a time", "The dog ran fast, and the cat slept.", "Tom said"]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _activation(directory: Path, layers: int = 2, f: int = 256, seed: int = 0) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(layers):
+        counts = (1000.0 / np.arange(1, f + 1)) ** 1.2
+        torch.save(torch.tensor(rng.permutation(counts), dtype=torch.float32), directory / f"activation_{i}.pt")
+
+
+@pytest.fixture
+def model(tmp_path: Path, gguf_files: dict[str, Path]) -> Path:
+    path = tmp_path / "tiny.powerinfer.gguf"
+    shutil.copy(gguf_files["pi-f32"], path)
+    _activation(tmp_path / "activation")
+    return path
+
+
+def _budget_gib(model: Path, slots: int, share: float) -> float:
+    """Room for the dense parts and `share` of the FFN neurons."""
+    _, acct = dry_run_account(model, 1 << 40, PlanOptions(ctx_size=96, batch=slots))
+    return (acct.dense + acct.ffn_total * share) / GIB
+
+
+def _hybrid(engine: Engine) -> HybridRunner:
+    assert engine.runtime is not None
+    runner = engine.runtime.forward.ffn
+    assert isinstance(runner, HybridRunner)
+    return runner
+
+
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_split_merge_equals_all_cpu(model: Path, schedule: str) -> None:
+    cpu_only = Engine.open(model, slots=3, ctx_size=96)
+    expected = [r.tokens for r in generate_many(cpu_only, PROMPTS, 16, GREEDY, ignore_eos=True)]
+    budget = _budget_gib(model, 3, 0.3)
+    split = Engine.open(model, slots=3, ctx_size=96, vram_budget_gib=budget, schedule=schedule, device="cpu")
+    runner = _hybrid(split)
+    assert [r.tokens for r in generate_many(split, PROMPTS, 16, GREEDY, ignore_eos=True)] == expected
+    # The device side really computed neurons; with the static split the CPU did too (dynamic may ship them all).
+    assert sum(s.device for s in runner.last) > 0
+    assert schedule == "dynamic" or sum(s.cpu for s in runner.last) > 0
+    resident = sum(c.resident for c in runner.caches)
+    assert 0 < resident < sum(w.neurons for w in runner.layers)
+    assert gpuidx_path_for(model).exists()
+
+
+def test_split_logits_match_cpu_logits_whichever_way_neurons_move(model: Path) -> None:
+    cpu_only = Engine.open(model, ctx_size=96)
+    split = Engine.open(
+        model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3), schedule="dynamic", device="cpu"
+    )
+    runner = _hybrid(split)
+    ids = torch.tensor(cpu_only.tokenizer.encode(PROMPTS[1]))
+    a, b = KVCache(cpu_only.forward.cfg, 96), KVCache(split.forward.cfg, 96)
+    # A CPU 1000x slower than modelled ships CPU neurons to the device; one 1000x faster takes device neurons.
+    for scale, moved in ((1000.0, 1), (1e-3, -1)):
+        runner.costs = SplitCosts(1e-9, 1e-12, 1e-9, 1e-12, 1e-10, cpu_scale=scale)
+        runner.costs.calibrate = lambda *_: None  # type: ignore[method-assign] - keep the forced scale
+        with torch.inference_mode():
+            cpu_only.forward(ids[:4], 0, a), split.forward(ids[:4], 0, b)
+            for j in range(4, len(ids)):
+                expected = cpu_only.forward(ids[j : j + 1], j, a)
+                assert torch.allclose(split.forward(ids[j : j + 1], j, b), expected, rtol=0, atol=1e-4)
+        assert all(s.moved * moved > 0 for s in runner.last)
+
+
+def test_neuron_rows_on_device_stay_within_the_budget(model: Path) -> None:
+    budget = _budget_gib(model, 1, 0.5)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="dynamic", device="cpu")
+    runner = _hybrid(split)
+    assert split.runtime is not None and split.runtime.plan is not None
+    plan = split.runtime.plan
+    dense = plan.vram_total - plan.vram["ffn neurons"]
+    generate(split, PROMPTS[0], 24, GREEDY, ignore_eos=True)
+    assert dense + runner.device_bytes() <= budget * GIB
+    assert runner.device_bytes() >= plan.vram["ffn neurons"]  # the planned neurons, plus spare slots if any
+
+
+def test_stale_or_mismatched_gpuidx_is_a_clear_error(model: Path) -> None:
+    budget = _budget_gib(model, 1, 0.3)
+    Engine.open(model, ctx_size=96, vram_budget_gib=budget, device="cpu")
+    with pytest.raises(PlanError, match="stale: vram budget changed.*--reset-gpu-index"):
+        Engine.open(model, ctx_size=96, vram_budget_gib=budget * 1.1, device="cpu")
+    Engine.open(model, ctx_size=96, vram_budget_gib=budget * 1.1, device="cpu", reset_gpu_index=True)
+    write_gpuidx(gpuidx_path_for(model), GpuIndex(0, (np.zeros(100, np.int32), np.zeros(100, np.int32))))
+    with pytest.raises(PlanError, match="FFN sizes 2 x 100, this one has 2 x 256"):
+        Engine.open(model, ctx_size=96, vram_budget_gib=budget, device="cpu")
+
+
+def test_missing_activation_names_the_profile_command(model: Path) -> None:
+    shutil.rmtree(model.parent / "activation")
+    with pytest.raises(PlanError, match="qinfer prep profile"):
+        Engine.open(model, ctx_size=96, vram_budget_gib=1.0, device="cpu")
+
+
+def test_without_a_gpu_the_budget_only_shapes_the_plan(model: Path) -> None:
+    engine = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3))
+    assert engine.runtime is not None and engine.runtime.plan is not None
+    if not torch.cuda.is_available():
+        assert any("no GPU" in n for n in engine.runtime.notes)
+        assert engine.forward.device.type == "cpu"
+    disabled = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, disable_gpu_index=True, device="cpu")
+    assert sum(c.capacity for c in _hybrid(disabled).caches) == 0
+    assert (
+        generate(disabled, PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
+        == generate(Engine.open(model, ctx_size=96), PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
+    )
