@@ -13,6 +13,8 @@ SEED ?= 0
 PROMPT ?= Once upon a time
 THREADS ?= 2
 N_PREDICT ?= 32
+# Context length: plan and run must agree on it, since the KV cache is part of the VRAM plan.
+CTX ?= 512
 
 # A supported model (`qinfer profiles`); empty = the tiny synth model.
 MODEL ?=
@@ -33,6 +35,7 @@ SYNTH_ARGS ?=
 CORPUS_CHARS ?= 200000
 PROFILE_TOKENS ?= 20000
 TINY_VRAM ?= 0.2518
+TINY_CTX ?= 256
 
 .PHONY: all setup test lint clean tiny model FORCE
 
@@ -50,17 +53,19 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-# A value that changed since the last run (echo differs from the file) makes its stamp newer, re-running what uses it.
-%/vram: FORCE
+# Plan settings that changed since the last plan (the echo differs from the file) make this stamp newer, so the
+# plan is made again; unchanged ones leave it alone.
+%/plan-settings: FORCE
 	@mkdir -p $(@D)
-	@echo "$(VRAM_VALUE)" | cmp -s - $@ || echo "$(VRAM_VALUE)" > $@
+	@echo "$(PLAN_SETTINGS)" | cmp -s - $@ || echo "$(PLAN_SETTINGS)" > $@
 
 # --- the tiny synth model -------------------------------------------------------------------------------------
 TINY := $(WORK)/tiny.powerinfer.gguf
 
-tiny: VRAM_VALUE := $(TINY_VRAM)
+tiny: PLAN_SETTINGS := vram $(TINY_VRAM) ctx $(TINY_CTX)
 tiny: $(TINY).generated.gpuidx
-	$(BIN)/qinfer run -m $(TINY) -p "$(PROMPT)" -n $(N_PREDICT) -t $(THREADS) --temp 0 --vram-budget $(TINY_VRAM)
+	$(BIN)/qinfer run -m $(TINY) -p "$(PROMPT)" -n $(N_PREDICT) -t $(THREADS) --temp 0 -c $(TINY_CTX) \
+		--vram-budget $(TINY_VRAM)
 
 $(WORK)/synth/model/config.json: $(BIN)/.installed
 	$(BIN)/qinfer prep synth --out $(WORK)/synth --seed $(SEED) $(SYNTH_ARGS)
@@ -76,8 +81,8 @@ $(WORK)/activation/summary.json: $(WORK)/synth/model/config.json $(WORK)/corpus.
 	$(BIN)/qinfer prep profile $(WORK)/synth/model --data $(WORK)/corpus.txt --seq-len 128 \
 		--tokens $(PROFILE_TOKENS) --out $(WORK)/activation --device cpu
 
-$(TINY).generated.gpuidx: $(TINY) $(WORK)/activation/summary.json $(WORK)/vram
-	$(BIN)/qinfer plan -m $(TINY) --vram-budget $(TINY_VRAM) --reset-gpu-index
+$(TINY).generated.gpuidx: $(TINY) $(WORK)/activation/summary.json $(WORK)/plan-settings
+	$(BIN)/qinfer plan -m $(TINY) --vram-budget $(TINY_VRAM) --ctx-size $(TINY_CTX) --reset-gpu-index
 
 # --- a supported model from the hub ---------------------------------------------------------------------------
 # File names come from the model's profile, so each stage's stamp in $(STAGE) holds the path that stage produced.
@@ -85,9 +90,9 @@ DIR := $(MODELS_DIR)/$(MODEL)
 STAGE := $(DIR)/.make
 FINAL := $(STAGE)/$(if $(QUANT),quantized,gguf)
 
-model: VRAM_VALUE := $(VRAM)
+model: PLAN_SETTINGS := vram $(VRAM) ctx $(CTX)
 model: $(STAGE)/plan
-	$(BIN)/qinfer run -m "$$(cat $(FINAL))" -p "$(PROMPT)" -n $(N_PREDICT) -t $(THREADS) --temp 0 \
+	$(BIN)/qinfer run -m "$$(cat $(FINAL))" -p "$(PROMPT)" -n $(N_PREDICT) -t $(THREADS) --temp 0 -c $(CTX) \
 		--vram-budget $(VRAM)
 
 # Order-only on the set-up: reinstalling must not trigger a new download.
@@ -111,8 +116,8 @@ $(STAGE)/quantized: $(STAGE)/gguf
 		*) out="$${in%.gguf}.q4.gguf";; esac; \
 	$(BIN)/qinfer prep quantize "$$in" "$$out" $(QUANT) && echo "$$out" > $@
 
-$(STAGE)/plan: $(FINAL) $(STAGE)/vram
-	$(BIN)/qinfer plan -m "$$(cat $(FINAL))" --vram-budget $(VRAM) --reset-gpu-index
+$(STAGE)/plan: $(FINAL) $(STAGE)/plan-settings
+	$(BIN)/qinfer plan -m "$$(cat $(FINAL))" --vram-budget $(VRAM) --ctx-size $(CTX) --reset-gpu-index
 	touch $@
 
 # --------------------------------------------------------------------------------------------------------------

@@ -26,14 +26,9 @@ def download_cmd(
     Prints the model's path (the GGUF, or the checkpoint directory of the originals) on stdout, for scripts.
     """
     from qinfer_prep.download import Source, Variant, download
-    from qinfer_prep.errors import PrepError
     from qinfer_prep.model_profiles import load_model_profile
 
     profile = load_model_profile(model)
-    if source not in ("gguf", "original"):
-        raise PrepError(f"unknown source {source!r}; use gguf or original")
-    if variant is not None and variant not in ("f16", "q4"):
-        raise PrepError(f"unknown variant {variant!r}; use f16 or q4")
     dest = dir if dir is not None else Path("models") / profile.name
 
     def show(done: int, total: int, what: str) -> None:

@@ -207,3 +207,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _cache_repo(cache: Path, repo: str, files: dict[str, bytes]) -> None:
+    """Lay `files` out as huggingface_hub's cache does: blobs by hash, a snapshot of symlinks, refs/main."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(COMMIT)
+    for name, data in files.items():
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = root / "snapshots" / COMMIT / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+
+
+def test_original_source_from_a_prepopulated_cache_offline(tmp_path: Path) -> None:
+    profile = load_model_profile(MODEL)
+    cache = tmp_path / "cache"
+    checkpoint = {"config.json": b'{"model_type": "llama"}', "tokenizer.model": b"spm", "model.safetensors": b"w"}
+    predictor = {f"model_{i}.pt": f"predictor {i}".encode() for i in range(profile.shape.layers)}
+    _cache_repo(cache, profile.original_repo, checkpoint)
+    _cache_repo(cache, profile.predictor_repo, predictor)
+    _cache_repo(cache, profile.gguf_repo, {name: name.encode() for name in profile.activation_files})
+    out = tmp_path / "m"
+
+    done = _run([MODEL, "--source", "original", "--dir", str(out)], cache, "http://127.0.0.1:9", offline=True)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out / "model")
+    assert {p.name: p.read_bytes() for p in (out / "model").iterdir()} == checkpoint
+    assert {p.name: p.read_bytes() for p in (out / "predictor").iterdir()} == predictor
+    assert (out / "activation" / "activation_7.pt").read_bytes() == b"activation/activation_7.pt"
