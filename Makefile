@@ -98,7 +98,7 @@ model: $(STAGE)/plan
 # Order-only on the set-up: reinstalling must not trigger a new download.
 $(STAGE)/download: | $(BIN)/.installed
 	@mkdir -p $(@D)
-	$(BIN)/qinfer prep download $(MODEL) --source $(SOURCE) $(if $(VARIANT),--variant $(VARIANT)) --dir $(DIR) > $@.tmp
+	$(BIN)/qinfer prep download $(MODEL) --source $(SOURCE) $(if $(VARIANT),--variant $(VARIANT) )--dir $(DIR) > $@.tmp
 	mv $@.tmp $@
 
 ifeq ($(SOURCE),original)

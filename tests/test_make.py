@@ -62,3 +62,28 @@ def test_make_all_runs_the_tiny_pipeline_and_skips_what_is_up_to_date(tmp_path: 
     changed = _make(work, "all")
     assert "prep profile" in changed.stdout and "qinfer plan" in changed.stdout
     assert "prep synth" not in changed.stdout and "prep convert" not in changed.stdout
+
+
+def _stages(output: str) -> list[str]:
+    """The qinfer commands a dry run would execute, in order, as 'prep download', 'plan', 'run', ..."""
+    stages = []
+    for line in output.splitlines():
+        words = line.split("qinfer ", 1)[1].split() if "/qinfer " in line else []
+        if words:
+            stages.append(" ".join(words[:2]) if words[0] == "prep" else words[0])
+    return stages
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+def test_make_all_with_a_model_chains_download_convert_quantize_plan_run(tmp_path: Path) -> None:
+    models = f"MODELS_DIR={tmp_path}"
+    gguf = _make(tmp_path / "w", "-n", "all", "MODEL=ReluLLaMA-7B", "VRAM=6", models)
+    assert gguf.returncode == 0, gguf.stderr
+    assert _stages(gguf.stdout) == ["prep download", "plan", "run"]
+    assert f"download ReluLLaMA-7B --source gguf --dir {tmp_path}/ReluLLaMA-7B" in gguf.stdout
+    assert "--vram-budget 6" in gguf.stdout
+
+    original = _make(tmp_path / "w", "-n", "all", "MODEL=ReluFalcon-40B", "SOURCE=original", "QUANT=Q4_0", models)
+    assert original.returncode == 0, original.stderr
+    assert _stages(original.stdout) == ["prep download", "prep convert", "prep quantize", "plan", "run"]
+    assert f"--outfile {tmp_path}/ReluFalcon-40B/ReluFalcon-40B.powerinfer.gguf" in original.stdout
