@@ -41,12 +41,14 @@ class TokenBatch:
 
 
 class KVCache:
-    """K and V per layer and slot: [layers, slots, kv_heads, ctx, head_dim], float32."""
+    """K and V per layer and slot: [layers, slots, kv_heads, ctx, head_dim]; float32 on the CPU, float16 on a GPU
+    (what the planner budgets for)."""
 
     def __init__(self, cfg: ModelConfig, ctx: int, slots: int = 1, device: torch.device | str = "cpu"):
         shape = (cfg.layers, slots, cfg.kv_heads, ctx, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device)
-        self.v = torch.zeros(shape, device=device)
+        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.ctx = ctx
 
 
@@ -57,8 +59,8 @@ def cached_attention(
     n = q.shape[0]
     device = cache.k.device
     slots, positions = batch.slots.to(device), batch.positions.to(device)
-    cache.k[layer, slots, :, positions] = k
-    cache.v[layer, slots, :, positions] = v
+    cache.k[layer, slots, :, positions] = k.to(cache.k.dtype)
+    cache.v[layer, slots, :, positions] = v.to(cache.v.dtype)
     if batch.single_sequence:
         slot, start = int(batch.slots[0]), int(batch.positions[0])
         end = start + n
@@ -66,8 +68,8 @@ def cached_attention(
         mask = torch.arange(end, device=device)[None, :] <= positions[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
-            cache.k[layer, slot, :, :end],
-            cache.v[layer, slot, :, :end],
+            cache.k[layer, slot, :, :end].to(q.dtype),
+            cache.v[layer, slot, :, :end].to(q.dtype),
             attn_mask=mask,
             enable_gqa=True,
         ).transpose(0, 1)
@@ -76,8 +78,8 @@ def cached_attention(
         mask = (torch.arange(end, device=device)[None, :] <= positions[:, None])[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q[:, :, None],
-            cache.k[layer, slots, :, :end],
-            cache.v[layer, slots, :, :end],
+            cache.k[layer, slots, :, :end].to(q.dtype),
+            cache.v[layer, slots, :, :end].to(q.dtype),
             attn_mask=mask,
             enable_gqa=True,
         )[:, :, 0]

@@ -27,6 +27,7 @@ class SplitCosts:
     gpu_read: float
     gpu_flop: float
     ship: float
+    ship_latency: float = 0.0  # fixed cost of a step that ships anything (a host-to-device copy and its sync)
     cpu_scale: float = 1.0  # measured / modelled CPU time, from `calibrate`
 
     @classmethod
@@ -40,6 +41,7 @@ class SplitCosts:
             gpu_read=neuron_bytes / gpu.bandwidth,
             gpu_flop=neuron_flops / gpu.flops,
             ship=neuron_bytes / pcie,
+            ship_latency=gpu.sync_latency,
         )
 
     def cpu_per_neuron(self, batch: int) -> float:
@@ -62,7 +64,8 @@ def step_times(costs: SplitCosts, n_gpu: int, n_cpu: int, batch: int, move: int)
     c, g = costs.cpu_per_neuron(batch), costs.gpu_per_neuron(batch)
     if move >= 0:
         gather = costs.cpu_scale * costs.cpu_read
-        return n_gpu * g + move * (costs.ship + g), (n_cpu - move) * c + move * gather
+        latency = costs.ship_latency if move else 0.0
+        return n_gpu * g + move * (costs.ship + g) + latency, (n_cpu - move) * c + move * gather
     return (n_gpu + move) * g, (n_cpu - move) * c
 
 
@@ -73,10 +76,10 @@ def balance(costs: SplitCosts, n_gpu: int, n_cpu: int, batch: int) -> int:
     gather = costs.cpu_scale * costs.cpu_read
     gpu_t, cpu_t = n_gpu * g, n_cpu * c
     if cpu_t > gpu_t:
-        # Ship m: n_gpu*g + m*(ship+g) = (n_cpu-m)*c + m*gather.
+        # Ship m: n_gpu*g + m*(ship+g) + latency = (n_cpu-m)*c + m*gather.
         denom = costs.ship + g + c - gather
-        ideal = (cpu_t - gpu_t) / denom if denom > 0 else 0.0
-        candidates = {max(0, min(n_cpu, int(ideal) + d)) for d in (0, 1)}
+        ideal = (cpu_t - gpu_t - costs.ship_latency) / denom if denom > 0 else 0.0
+        candidates = {max(1, min(n_cpu, int(ideal) + d)) for d in (0, 1)} if n_cpu else set()
     else:
         # Give m GPU neurons to the CPU: (n_gpu-m)*g = (n_cpu+m)*c.
         ideal = (gpu_t - cpu_t) / (g + c) if g + c > 0 else 0.0

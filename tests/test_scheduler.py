@@ -64,11 +64,14 @@ def test_split_moves_with_active_counts_and_batch_size() -> None:
     assert 0 < small < big  # at batch 64 the CPU's FLOPs dominate: ship more of its neurons to the GPU
     assert max(step_times(costs, 900, 100, 64, big)) < max(step_times(costs, 900, 100, 64, 0)) / 2
     assert balance(costs, n_gpu=5000, n_cpu=0, batch=1) < 0  # an idle CPU takes some GPU neurons
-    for n_gpu, n_cpu, batch in ((900, 100, 64), (5000, 0, 1), (10, 3000, 4)):
-        best = balance(costs, n_gpu, n_cpu, batch)
-        best_time = max(step_times(costs, n_gpu, n_cpu, batch, best))
-        for m in range(-n_gpu, n_cpu + 1, max(1, (n_gpu + n_cpu) // 200)):
-            assert best_time <= max(step_times(costs, n_gpu, n_cpu, batch, m)) + 1e-12
+    for latency in (0.0, 5e-6):
+        costs.ship_latency = latency
+        for n_gpu, n_cpu, batch in ((900, 100, 64), (5000, 0, 1), (10, 3000, 4), (900, 100, 1)):
+            best = balance(costs, n_gpu, n_cpu, batch)
+            best_time = max(step_times(costs, n_gpu, n_cpu, batch, best))
+            for m in range(-n_gpu, n_cpu + 1):
+                assert best_time <= max(step_times(costs, n_gpu, n_cpu, batch, m)) + 1e-12
+    assert balance(costs, 900, 100, 1) == 0  # a sync costs more than shipping saves at batch 1
 
 
 def test_calibration_follows_measured_cpu_time_within_bounds() -> None:

@@ -1,0 +1,125 @@
+"""Decode speed on the CPU, side by side in one run: transformers, our runtime dense, our runtime sparse.
+
+    .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--work work/bench] [-t THREADS]
+
+(a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
+(b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
+GGUF. Decode tokens/s excludes the prompt: transformers' rate is (n - 1) / (time for n tokens - time for 1),
+ours times n decode steps after a warm-up step. Models are built under --work on first use (`bench_model`, also
+used by bench/gpu_check.sh); the 7B slice takes about a minute and 4 GB of RAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import LlamaForCausalLM
+
+from qinfer_prep.convert import convert
+from qinfer_prep.synth import SynthShape, build_synth
+from qinfer_runtime.engine import Engine, Request
+from qinfer_runtime.sampling import SamplingParams
+
+SHAPES = {
+    "synth": SynthShape(),
+    # Four 7B-shaped layers, constructed (not trained) to ~90% FFN sparsity with exact predictors.
+    "7b-slice": SynthShape(layers=4, hidden=4096, ffn=11008, heads=32, kv_heads=32),
+    # The same layer count at a quarter of the width: a quick stand-in for the 7B slice.
+    "small-slice": SynthShape(layers=4, hidden=1024, ffn=2752, heads=8, kv_heads=8),
+}
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    name: str
+    model_dir: Path  # Hugging Face checkpoint, for transformers
+    powerinfer: Path  # f16 PowerInfer GGUF
+    dense: Path  # f16 dense GGUF
+
+
+def bench_model(work: Path, name: str) -> BenchModel:
+    """Build `name` under `work/name` unless it is already there."""
+    root = work / name
+    model = BenchModel(name, root / "synth" / "model", root / f"{name}.powerinfer.gguf", root / f"{name}.gguf")
+    if not (root / "synth" / "synth.json").exists():
+        steps = None if name == "synth" else 0
+        build_synth(root / "synth", SHAPES[name], seed=0, train_steps=steps)
+    if not model.powerinfer.exists():
+        convert(model.model_dir, model.powerinfer, root / "synth" / "predictor", "f16")
+    if not model.dense.exists():
+        convert(model.model_dir, model.dense, None, "f16")
+    return model
+
+
+PROMPT = "Once upon a time there was a little dog"
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def transformers_tps(model_dir: Path, prompt_ids: list[int], n: int, dtype: torch.dtype) -> float:
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    ids = torch.tensor([prompt_ids])
+
+    def seconds(k: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - started
+
+    seconds(2)
+    return (n - 1) / (seconds(n) - seconds(1))
+
+
+def runtime_tps(path: Path, ffn: str, prompt_ids: list[int], n: int) -> float:
+    engine = Engine.open(path, ctx_size=len(prompt_ids) + n + 8, ffn=ffn)
+    engine.submit(Request(prompt_ids, n + 2, GREEDY, ignore_eos=True))
+    engine.step()
+    started = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    return n / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="synth,7b-slice", help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--work", type=Path, default=Path("work/bench"))
+    parser.add_argument("-t", "--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    console = Console()
+    table = Table(title=f"decode tokens/s on the CPU ({torch.get_num_threads()} threads, {args.tokens} tokens)")
+    for col in ("model", "(a) HF f16", "(a) HF f32", "(b) ours dense", "(c) ours sparse", "b / best a", "c / b"):
+        table.add_column(col, justify="right")
+    for name in args.models.split(","):
+        model = bench_model(args.work, name)
+        engine = Engine.open(model.powerinfer, ctx_size=64)
+        prompt_ids = engine.tokenizer.encode(PROMPT)
+        del engine
+        hf16 = transformers_tps(model.model_dir, prompt_ids, args.tokens, torch.float16)
+        hf32 = transformers_tps(model.model_dir, prompt_ids, args.tokens, torch.float32)
+        dense = runtime_tps(model.dense, "dense", prompt_ids, args.tokens)
+        sparse = runtime_tps(model.powerinfer, "sparse", prompt_ids, args.tokens)
+        best = max(hf16, hf32)
+        console.print(f"{name}: HF f16 {hf16:.2f}, HF f32 {hf32:.2f}, dense {dense:.2f}, sparse {sparse:.2f} tok/s")
+        table.add_row(
+            name,
+            f"{hf16:.2f}",
+            f"{hf32:.2f}",
+            f"{dense:.2f}",
+            f"{sparse:.2f}",
+            f"{dense / best:.2f}x",
+            f"{sparse / dense:.2f}x",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
