@@ -182,3 +182,42 @@ def test_stop_strings_cut_the_text_even_across_pieces() -> None:
     assert scanner.flush() == ""
     other = StopScanner(["\nUser:"])
     assert other.feed("a\nU") + other.feed("p") + other.flush() == "a\nUp" and not other.stopped
+
+
+def test_qinfer_serve_command_answers_on_loopback_by_default(model: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        "-c",
+        "from qinfer.cli import main; main()",
+        "serve",
+        "-m",
+        str(model),
+        "--port",
+        str(port),
+        "--slots",
+        "2",
+    ]
+    server = subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, health = _http(f"http://127.0.0.1:{port}/health")
+                break
+            except urllib.error.URLError:
+                assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.2)
+        assert status == 200 and health["slots"] == 2 and health["model"] == model.name
+        status, answer = _http(
+            f"http://127.0.0.1:{port}/v1/completions", json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+        )
+        assert status == 200 and answer["usage"]["completion_tokens"] <= 2
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
