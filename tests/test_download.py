@@ -180,6 +180,12 @@ def test_gated_unknown_and_unreachable_are_one_line_errors(hub: FakeHub, tmp_pat
     gated = _run([MODEL, "--dir", str(tmp_path / "g")], tmp_path / "cache", f"http://127.0.0.1:{hub.port}")
     assert gated.returncode == 2 and "is gated" in gated.stderr and "HF_TOKEN" in gated.stderr
 
+    hub.gated.clear()
+    private = hub.files.pop(profile.gguf_repo)
+    hidden = _run([MODEL, "--dir", str(tmp_path / "p")], tmp_path / "cache", f"http://127.0.0.1:{hub.port}")
+    assert hidden.returncode == 2 and "not found" in hidden.stderr and "HF_TOKEN" in hidden.stderr
+    hub.files[profile.gguf_repo] = private
+
     unknown = _run(["NoSuchModel-7B"], tmp_path / "cache", f"http://127.0.0.1:{hub.port}")
     assert unknown.returncode == 2 and "known models:" in unknown.stderr and "ReluLLaMA-7B" in unknown.stderr
 
@@ -189,7 +195,7 @@ def test_gated_unknown_and_unreachable_are_one_line_errors(hub: FakeHub, tmp_pat
         [MODEL, "--dir", str(tmp_path / "n")], tmp_path / "cache", f"http://127.0.0.1:{closed}", prelude=NO_BACKOFF
     )
     assert offline.returncode == 2 and "cannot reach" in offline.stderr
-    for result in (gated, unknown, offline):
+    for result in (gated, hidden, unknown, offline):
         assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
 
 
