@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from qinfer_runtime.engine import Engine, Request
 from qinfer_runtime.sampling import SamplingParams
+from qinfer_runtime.tokenizer import GGUFTokenizer
 
 
 @dataclass
@@ -32,11 +33,17 @@ class GenerationResult:
 
 @dataclass
 class _Progress:
-    prompt_tokens: int
+    prompt_ids: list[int]
     prompt_seconds: float
     tokens: list[int] = field(default_factory=list)
     shown: str = ""
     stopped: bool = False
+
+    def text(self, tokenizer: GGUFTokenizer) -> str:
+        # Decoded after the prompt, so that the first new token keeps its leading space.
+        prompt = tokenizer.decode(self.prompt_ids)
+        full = tokenizer.decode(self.prompt_ids + self.tokens)
+        return full[len(prompt) :] if full.startswith(prompt) else tokenizer.decode(self.tokens)
 
 
 def generate_many(
@@ -63,7 +70,7 @@ def generate_many(
             ids = tokenizer.encode(prompt)
             t0 = time.perf_counter()
             slot = engine.submit(Request(ids, n_predict, sampling, seed + i, ignore_eos))
-            progress[i] = _Progress(len(ids), time.perf_counter() - t0)
+            progress[i] = _Progress(ids, time.perf_counter() - t0)
             running[slot] = i
         t0 = time.perf_counter()
         outputs = engine.step()
@@ -72,7 +79,7 @@ def generate_many(
             p = progress[running[out.slot]]
             if out.token is not None:
                 p.tokens.append(out.token)
-                text = tokenizer.decode(p.tokens)
+                text = p.text(tokenizer)
                 # A multi-byte character can span tokens; hold it back until it decodes completely.
                 if on_text is not None and not text.endswith("\ufffd"):
                     on_text(running[out.slot], text[len(p.shown) :])
@@ -80,14 +87,12 @@ def generate_many(
             if out.finished:
                 p.stopped = out.reason == "stop"
                 index = running.pop(out.slot)
-                text = tokenizer.decode(p.tokens)
+                text = p.text(tokenizer)
                 if on_text is not None and len(text) > len(p.shown):
                     on_text(index, text[len(p.shown) :])
     # Sequences decode together, so each one's decode time is the run's.
     return [
-        GenerationResult(
-            p.tokens, tokenizer.decode(p.tokens), p.prompt_tokens, p.prompt_seconds, decode_seconds, p.stopped
-        )
+        GenerationResult(p.tokens, p.text(tokenizer), len(p.prompt_ids), p.prompt_seconds, decode_seconds, p.stopped)
         for _, p in sorted(progress.items())
     ]
 

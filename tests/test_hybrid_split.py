@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +132,29 @@ def test_without_a_gpu_the_budget_only_shapes_the_plan(model: Path) -> None:
         generate(disabled, PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
         == generate(Engine.open(model, ctx_size=96), PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
     )
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_run_command_plans_on_the_spot_and_decodes_in_parallel(model: Path) -> None:
+    budget = f"{_budget_gib(model, 2, 0.3):.6f}"
+    args = ["run", "-m", str(model), "-n", "6", "--temp", "0", "--ignore-eos", "-c", "96", "--vram-budget", budget]
+    result = _cli(*args, "--parallel", "2", "--schedule", "dynamic")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert [line[:4] for line in lines] == ["[0] ", "[1] "] and lines[0][4:] == lines[1][4:]  # greedy: same text
+    assert "plan:" in result.stderr and "decode: 12 tokens" in result.stderr
+    assert gpuidx_path_for(model).exists()
+    stale = _cli(*args[:-1], "0.5", "--parallel", "2")
+    assert stale.returncode == 2 and stale.stderr.strip().count("\n") == 0
+    assert "stale" in stale.stderr and "--reset-gpu-index" in stale.stderr
+    assert _cli(*args[:-1], "0.5", "--parallel", "2", "--reset-gpu-index").returncode == 0
+
+
+def test_run_command_without_activation_statistics_names_the_profile_command(model: Path) -> None:
+    shutil.rmtree(model.parent / "activation")
+    result = _cli("run", "-m", str(model), "-n", "4", "--vram-budget", "1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "qinfer prep profile" in result.stderr

@@ -66,7 +66,9 @@ def test_greedy_continuation_matches_transformers(gguf_files: dict[str, Path], r
         for _ in range(32):
             ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
     assert result.tokens == ids[-32:]
-    assert result.text == tokenizer.decode(ids[-32:])
+    # The new text continues the prompt's, leading space included.
+    assert result.text == tokenizer.decode(ids)[len(tokenizer.decode(ids[:-32])) :]
+    assert result.text.startswith(" ")
 
 
 def test_tokenizer_rebuilt_from_gguf_matches_the_hf_tokenizer(gguf_files: dict[str, Path], tiny: SynthReport) -> None:
