@@ -7,6 +7,7 @@ import asyncio
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qinfer_runtime.engine import Engine, Request, StepOutput
@@ -29,6 +30,15 @@ class Job:
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)
     shown: str = ""
+    prompt_text: str | None = None
+
+    def text(self, decode: Callable[[list[int]], str]) -> str:
+        """The generated text, decoded after the prompt so that its first token keeps its leading space (as
+        generate.py does; a SentencePiece decode of the new tokens alone would drop it)."""
+        if self.prompt_text is None:
+            self.prompt_text = decode(self.request.prompt_ids)
+        full = decode(self.request.prompt_ids + self.tokens)
+        return full[len(self.prompt_text) :] if full.startswith(self.prompt_text) else decode(self.tokens)
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -117,7 +127,7 @@ class EngineWorker:
         job = self._running[out.slot]
         if out.token is not None:
             job.tokens.append(out.token)
-        text = self.engine.tokenizer.decode(job.tokens)
+        text = job.text(self.engine.tokenizer.decode)
         piece = ""
         # A multi-byte character can span tokens; hold it back until it decodes completely.
         if out.finished or not text.endswith("\ufffd"):

@@ -3,6 +3,7 @@ event streaming), /v1/models and /health. Errors use OpenAI's shape: {"error": {
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -19,6 +20,9 @@ from starlette.exceptions import HTTPException
 from qinfer_runtime.engine import Request as EngineRequest
 from qinfer_runtime.engine_worker import EngineWorker, Job
 from qinfer_runtime.openai_schema import ChatRequest, CompletionRequest, SamplingFields
+
+# How often a non-streamed request checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.25
 
 
 class ApiError(Exception):
@@ -136,7 +140,7 @@ def create_app(worker: EngineWorker, model_id: str) -> FastAPI:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    async def run(body: SamplingFields, prompt: str, chat: bool) -> JSONResponse | StreamingResponse:
+    async def run(http: Request, body: SamplingFields, prompt: str, chat: bool) -> JSONResponse | StreamingResponse:
         job, prompt_tokens = start(body, prompt)
         created = int(time.time())
         head = {
@@ -174,24 +178,34 @@ def create_app(worker: EngineWorker, model_id: str) -> FastAPI:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        try:
+        async def collect() -> tuple[str, str | None, int]:
             text, reason, tokens = "", None, 0
             async for piece in pieces(worker, job, body.stop_list()):
                 text, reason, tokens = text + piece.text, piece.finish_reason, piece.completion_tokens
+            return text, reason, tokens
+
+        answer = asyncio.ensure_future(collect())
+        try:
+            # Nothing tells a plain handler that its client left, so ask between waits.
+            while not (await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S))[0]:
+                if await http.is_disconnected():
+                    answer.cancel()
+                    return JSONResponse({}, status_code=499)
+            text, reason, tokens = answer.result()
         finally:
             worker.cancel(job)
         return JSONResponse({**head, "choices": [choice(text, reason)], "usage": usage(prompt_tokens, tokens)})
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def completions(http: Request, body: CompletionRequest) -> JSONResponse | StreamingResponse:
         try:
             prompt = body.prompt_text()
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt") from exc
-        return await run(body, prompt, chat=False)
+        return await run(http, body, prompt, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatRequest) -> JSONResponse | StreamingResponse:
-        return await run(body, body.prompt_text(), chat=True)
+    async def chat_completions(http: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
+        return await run(http, body, body.prompt_text(), chat=True)
 
     return app

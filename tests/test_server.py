@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,6 +67,13 @@ def _http(url: str, body: bytes | None = None) -> tuple[int, dict]:  # type: ign
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def _expected(reference: Engine, prompt: str, n: int) -> str:
@@ -156,9 +164,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(model: Path) -> Non
         next(iter(stream))
         assert _http(f"{url}/health")[1]["busy_slots"] == 1
         stream.close()
-        deadline = time.monotonic() + 3.0  # 200 tokens would take 10 s
-        while _http(f"{url}/health")[1]["busy_slots"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for(lambda: _http(f"{url}/health")[1]["busy_slots"] == 0, 3.0)  # 200 tokens would take 10 s
         assert _http(f"{url}/health")[1] | {"model": None} == {
             "status": "ok",
             "model": None,
@@ -167,6 +173,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(model: Path) -> Non
             "free_slots": 1,
             "waiting": 0,
         }
+        # A non-streamed request whose client hangs up is dropped as well.
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            _wait_for(lambda: _http(f"{url}/health")[1]["busy_slots"] == 1, 3.0)
+        _wait_for(lambda: _http(f"{url}/health")[1]["busy_slots"] == 0, 3.0)
         # The only slot serves the next client.
         after = client.completions.create(
             model="tiny", prompt=PROMPTS[1], max_tokens=3, extra_body={"ignore_eos": True}
@@ -185,7 +202,6 @@ def test_stop_strings_cut_the_text_even_across_pieces() -> None:
 
 
 def test_qinfer_serve_command_answers_on_loopback_by_default(model: Path) -> None:
-    import socket
     import subprocess
     import sys
 
