@@ -158,3 +158,18 @@ def test_run_command_without_activation_statistics_names_the_profile_command(mod
     result = _cli("run", "-m", str(model), "-n", "4", "--vram-budget", "1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "qinfer prep profile" in result.stderr
+
+
+def test_dynamic_cache_swaps_keep_device_rows_equal_to_the_file(model: Path) -> None:
+    split = Engine.open(
+        model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3), schedule="dynamic", device="cpu"
+    )
+    runner = _hybrid(split)
+    generate(split, PROMPTS[1], 40, GREEDY, ignore_eos=True)
+    assert sum(c.swaps for c in runner.caches) > 0
+    for w, slots, cache in zip(runner.layers, runner.slots, runner.caches, strict=True):
+        used = torch.nonzero(cache.slot_neuron >= 0).flatten()
+        neurons = cache.slot_neuron[used]
+        assert torch.equal(slots.up[used], w.up[neurons]) and torch.equal(slots.down_t[used], w.down_t[neurons])
+        assert slots.gate is not None and w.gate is not None and torch.equal(slots.gate[used], w.gate[neurons])
+        assert cache.resident <= cache.capacity == slots.up.shape[0]
