@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -10,8 +9,6 @@ import torch
 from qinfer_runtime.sparse_ffn import FFNWeights, dense_ffn, predicted_mask, sparse_rows, true_mask
 
 Selector = Literal["predictor", "oracle"]
-# Called with (layer, per-token selection [T, F]) on every sparse step: the scheduler's activity counts.
-ActivityHook = Callable[[int, torch.Tensor], None]
 
 
 class DenseRunner:
@@ -35,25 +32,16 @@ def active_ids(mask: torch.Tensor) -> torch.Tensor:
 class SparseRunner:
     """Decode computes only the selected neurons' rows; prefill stays dense."""
 
-    def __init__(
-        self,
-        layers: list[FFNWeights],
-        threshold: float,
-        selector: Selector = "predictor",
-        on_activity: ActivityHook | None = None,
-    ):
+    def __init__(self, layers: list[FFNWeights], threshold: float, selector: Selector = "predictor"):
         self.layers = layers
         self.threshold = threshold
         self.selector = selector
-        self.on_activity = on_activity
 
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
         w = self.layers[layer]
         if prefill:
             return dense_ffn(w, x)
         mask = select(w, x, h, self.threshold, self.selector)
-        if self.on_activity is not None:
-            self.on_activity(layer, mask)
         ids = active_ids(mask)
         # With one token every selected neuron is selected for it: no per-token mask needed.
         token_mask = mask[:, ids] if x.shape[0] > 1 else None
