@@ -1,4 +1,4 @@
-"""`qinfer prep ...`: synth, convert and convert-dense."""
+"""`qinfer prep ...`: synth, convert, convert-dense and quantize."""
 
 from __future__ import annotations
 
@@ -124,3 +124,39 @@ def corpus_cmd(
     with atomic_output(out) as tmp:
         tmp.write_text(text)
     err.print(f"wrote {out} ({len(text)} characters, {split} split)")
+
+
+@prep.command("quantize")
+def quantize_cmd(
+    infile: Annotated[Path, typer.Argument(help="F32 or F16 model file (GGUF or PowerInfer GGUF).")],
+    outfile: Annotated[Path, typer.Argument(help="Output file, by convention NAME.q4.powerinfer.gguf.")],
+    qtype: Annotated[str, typer.Argument(help="Q4_0 or Q8_0.")] = "Q4_0",
+) -> None:
+    """Quantize 2-D weights to Q4_0 or Q8_0 (output.weight to Q8_0, norms stay F32), keeping the file's magic."""
+    from qinfer_prep.gguf_writer import TensorPlan
+    from qinfer_prep.quantize import quantize_gguf
+
+    bar = progress_bar()
+    task = bar.add_task("quantize", total=None)
+
+    def planned(plans: list[TensorPlan]) -> None:
+        bar.update(task, total=len(plans))
+        bar.start()
+
+    try:
+        result = quantize_gguf(
+            infile,
+            outfile,
+            qtype,
+            on_plan=planned,
+            on_tensor=lambda plan: bar.update(task, advance=1, description=plan.name),
+        )
+        bar.update(task, description="quantize")
+    finally:
+        bar.stop()
+    if result.kept_f16:
+        err.print(f"kept F16 (rows not a multiple of 32): {', '.join(result.kept_f16)}")
+    err.print(
+        f"wrote {result.outfile} ({result.target}, {result.tensor_count} tensors, "
+        f"{result.in_bytes / 2**20:.1f} -> {result.out_bytes / 2**20:.1f} MiB)"
+    )

@@ -1,0 +1,44 @@
+"""Dequantize chosen rows of a Q4_0 or Q8_0 tensor held as its raw blocks, so a sparse FFN expands only the
+neurons it uses.
+
+Block layouts (ggml): Q4_0 = f16 scale d, then 16 bytes whose low nibbles are weights 0-15 and high nibbles
+weights 16-31, each weight = d * (nibble - 8); Q8_0 = f16 scale d, then 32 int8, each weight = d * q. The
+arithmetic is float32 as in the gguf package, so the rows come out bit-identical to its dequantization.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+
+
+def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    nibbles = blocks[..., 2:]
+    q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).to(torch.int8) - 8
+    return blocks[..., :2], q
+
+
+def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return blocks[..., :2], blocks[..., 2:].contiguous().view(torch.int8)
+
+
+_SPLIT = {GGMLQuantizationType.Q4_0: _q4_0, GGMLQuantizationType.Q8_0: _q8_0}
+
+
+def dequantize_rows(
+    data: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    rows: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows `rows` (all when None) of `data`, uint8 [R, row_bytes] raw blocks, as `dtype` [len(rows), row_len]."""
+    if qtype not in _SPLIT:
+        raise ValueError(f"{qtype.name} is not a row-dequantizable type ({', '.join(t.name for t in _SPLIT)})")
+    picked = data if rows is None else data.index_select(0, rows.to(data.device))
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = picked.view(picked.shape[0], -1, type_size)
+    scale, q = _SPLIT[qtype](blocks)
+    d = scale.contiguous().view(torch.float16).float()
+    return (d * q.float()).to(dtype).reshape(picked.shape[0], -1)
