@@ -130,7 +130,8 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     mode = ffn_mode(model, options.ffn, layers)
     cpu = torch.device("cpu")
     if mode == "dense":
-        return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static")
+        notes = [] if options.vram_budget_gib is None else ["dense FFN: the VRAM budget is not used; all on the CPU"]
+        return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static", notes=notes)
     threshold = model.config.sparse_threshold
     if options.vram_budget_gib is None or mode == "oracle":
         runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else "predictor")
