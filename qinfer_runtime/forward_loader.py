@@ -16,7 +16,8 @@ import torch
 
 from planner.budget import GIB
 from planner.device_profiles import load_profile
-from planner.make_plan import Plan, PlanOptions, load_or_make_gpuidx
+from planner.make_plan import Plan, PlanOptions, dry_run_account, load_or_make_gpuidx
+from planner.model_layout import ModelLayout
 from qinfer_runtime.errors import RunError
 from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
 from qinfer_runtime.hybrid_ffn import HybridRunner
@@ -90,34 +91,41 @@ def gpu_profile_name(device: torch.device | None) -> str:
     return PlanOptions().gpu
 
 
-def _row_bytes(w: FFNWeights) -> int:
-    return sum(t.shape[1] * t.element_size() for t in (w.gate, w.up, w.down_t) if t is not None)
+@dataclass
+class Placement:
+    """Where FFN neurons start: planned resident ids and neuron-cache slots per layer, and the dense parts' side."""
+
+    plan: Plan | None
+    layout: ModelLayout
+    resident: list[torch.Tensor]
+    capacity: list[int]
+    dense_on_gpu: bool
 
 
-def _placement(
-    model: ModelFile, options: RuntimeOptions, plan_options: PlanOptions, layers: list[FFNWeights], notes: list[str]
-) -> tuple[Plan | None, list[torch.Tensor], list[int], bool]:
-    """Planned resident neurons per layer, neuron-cache capacity per layer, and whether dense parts fit the GPU."""
+def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOptions, notes: list[str]) -> Placement:
     assert options.vram_budget_gib is not None
     budget = int(options.vram_budget_gib * GIB)
     if options.disable_gpu_index:
+        # Still refuse a budget too small for the dense parts, with the planner's message.
+        layout, _ = dry_run_account(model.path, budget, plan_options)
         notes.append("--disable-gpu-index: every FFN neuron stays on the CPU")
-        return None, [torch.empty(0, dtype=torch.long) for _ in layers], [0] * len(layers), True
+        empty = [torch.empty(0, dtype=torch.long) for _ in layout.layers]
+        return Placement(None, layout, empty, [0] * len(empty), True)
     plan = load_or_make_gpuidx(model.path, budget, options=plan_options, reset=options.reset_gpu_index)
     resident = [torch.from_numpy(np.flatnonzero(m)).long() for m in plan.placement.gpu_neurons]
-    spare_per_layer = max(budget - plan.vram_total, 0) / len(layers)
+    spare_per_layer = max(budget - plan.vram_total, 0) / len(resident)
     capacity = [
-        min(w.neurons, int(r.numel()) + math.floor(spare_per_layer / _row_bytes(w)))
-        for w, r in zip(layers, resident, strict=True)
+        min(layer.ffn_neurons, int(r.numel()) + math.floor(spare_per_layer / layer.neuron_bytes))
+        for layer, r in zip(plan.layout.layers, resident, strict=True)
     ]
-    share = sum(int(r.numel()) for r in resident) / sum(w.neurons for w in layers)
+    share = sum(int(r.numel()) for r in resident) / sum(layer.ffn_neurons for layer in plan.layout.layers)
     verb = "reused" if plan.reused else "wrote"
     notes.append(
         f"plan: {share:.0%} of FFN neurons on the GPU, {plan.gpu_activation_share:.0%} of activations ({verb} "
         f"{plan.gpuidx_path})"
     )
     dense_on_gpu = all(plan.placement.attention_on_gpu) and plan.placement.output_on_gpu
-    return plan, resident, capacity, dense_on_gpu
+    return Placement(plan, plan.layout, resident, capacity, dense_on_gpu)
 
 
 def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
@@ -130,8 +138,8 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     mode = ffn_mode(model, options.ffn, layers)
     cpu = torch.device("cpu")
     if mode == "dense":
-        notes = [] if options.vram_budget_gib is None else ["dense FFN: the VRAM budget is not used; all on the CPU"]
-        return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static", notes=notes)
+        unused = [] if options.vram_budget_gib is None else ["dense FFN: the VRAM budget is not used; all on the CPU"]
+        return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static", notes=unused)
     threshold = model.config.sparse_threshold
     if options.vram_budget_gib is None or mode == "oracle":
         runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else "predictor")
@@ -139,19 +147,21 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     device = gpu_device(options.device)
     plan_options = PlanOptions(ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device))
     notes: list[str] = []
-    plan, resident, capacity, dense_on_gpu = _placement(model, options, plan_options, layers, notes)
+    placed = _placement(model, options, plan_options, notes)
     if device is None:
         notes.append("no GPU: the plan is kept for a GPU machine; everything runs sparse on the CPU")
-        return LoadedRuntime(make_forward(model, SparseRunner(layers, threshold), cpu), mode, "static", plan, notes)
-    schedule = "dynamic" if options.schedule == "auto" else options.schedule
-    w = layers[0]
-    rows = 2 if w.gate is None else 3
+        forward = make_forward(model, SparseRunner(layers, threshold), cpu)
+        return LoadedRuntime(forward, mode, "static", placed.plan, notes)
+    # With the index disabled nothing may live on the GPU, so neither may neurons be shipped there.
+    dynamic = options.schedule != "static" and not options.disable_gpu_index
+    layout = placed.layout
+    rows = 3 if layout.has_gate else 2
     costs = SplitCosts.from_profiles(
-        _row_bytes(w),
-        2.0 * rows * w.up.shape[1],
+        layout.layers[0].neuron_bytes,
+        2.0 * rows * layout.embedding,
         load_profile(plan_options.gpu, "gpu"),
         load_profile(plan_options.cpu, "cpu"),
     )
-    hybrid = HybridRunner(layers, threshold, device, resident, capacity, costs, schedule == "dynamic")
-    forward = make_forward(model, hybrid, device if dense_on_gpu else cpu)
-    return LoadedRuntime(forward, mode, schedule, plan, notes)
+    hybrid = HybridRunner(layers, threshold, device, placed.resident, placed.capacity, costs, dynamic)
+    forward = make_forward(model, hybrid, device if placed.dense_on_gpu else cpu)
+    return LoadedRuntime(forward, mode, "dynamic" if dynamic else "static", placed.plan, notes)
