@@ -10,6 +10,7 @@ import sys
 from planner.errors import PlanError
 from qinfer import (  # noqa: F401 - they register commands
     download_command,
+    perplexity_command,
     plan_command,
     prep_commands,
     profile_commands,

@@ -8,13 +8,18 @@ from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from qinfer_runtime.errors import RunError
 from qinfer_runtime.gguf_reader import PowerInferReader, metadata, open_gguf
+from qinfer_runtime.quant_rows import QUANTIZED_TYPES, QuantizedMatrix
 
 SUPPORTED_ARCHS = ("llama", "bamboo")
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 _TORCH_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16}
+# Quantized tensors whose rows are neurons stay as raw blocks, expanded row by row as neurons are used; the
+# dense parts (attention, embedding, output, a dense GGUF's ffn_down) are expanded to float32 once, at load.
+_ROW_TENSORS = ("ffn_up.weight", "ffn_gate.weight", "ffn_down_t.weight", "fc1.weight", "fc2.weight")
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,9 @@ class ModelFile:
     config: ModelConfig
     powerinfer: bool
     metadata: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | QuantizedMatrix]
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str) -> torch.Tensor | QuantizedMatrix:
         try:
             return self.tensors[name]
         except KeyError:
@@ -82,12 +87,21 @@ def _config(meta: dict[str, Any], path: Path) -> ModelConfig:
     )
 
 
-def _tensors(reader: PowerInferReader, path: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
+def _tensors(reader: PowerInferReader, path: Path) -> dict[str, torch.Tensor | QuantizedMatrix]:
+    tensors: dict[str, torch.Tensor | QuantizedMatrix] = {}
     for t in reader.tensors:
+        if t.tensor_type in QUANTIZED_TYPES:
+            blocks = torch.from_numpy(t.data)
+            rows = t.name.endswith(_ROW_TENSORS)
+            tensors[t.name] = (
+                QuantizedMatrix(blocks, t.tensor_type) if rows else torch.from_numpy(dequantize(t.data, t.tensor_type))
+            )
+            continue
         dtype = _TORCH_TYPES.get(t.tensor_type)
         if dtype is None:
-            raise RunError(f"{path}: tensor {t.name} is {t.tensor_type.name}; this runtime reads F32 and F16 files")
+            raise RunError(
+                f"{path}: tensor {t.name} is {t.tensor_type.name}; this runtime reads F32, F16, Q4_0 and Q8_0 files"
+            )
         # The reader maps the file copy-on-write, so these views share its pages instead of copying them.
         tensors[t.name] = torch.from_numpy(t.data)
     return tensors

@@ -42,3 +42,34 @@ def dequantize_rows(
     scale, q = _SPLIT[qtype](blocks)
     d = scale.contiguous().view(torch.float16).float()
     return (d * q.float()).to(dtype).reshape(picked.shape[0], -1)
+
+
+class QuantizedMatrix:
+    """A Q4_0/Q8_0 weight kept as its raw blocks (uint8 [R, row_bytes]); rows are expanded to `dtype` on demand.
+
+    It answers the few tensor questions the runtime asks of a weight (shape, dtype, device, element_size, to)
+    as the dequantized matrix would, so FFN code sizes buffers for the expanded rows it will hold.
+    """
+
+    def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, dtype: torch.dtype = torch.float32):
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        self.blocks = blocks
+        self.qtype = qtype
+        self.dtype = dtype
+        self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // type_size * block_size))
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.blocks, self.qtype, ids, self.dtype)
+
+    def dense(self) -> torch.Tensor:
+        return dequantize_rows(self.blocks, self.qtype, None, self.dtype)
+
+    def to(self, device: torch.device | str) -> torch.Tensor:
+        return self.dense().to(device)

@@ -1,7 +1,8 @@
 """The one place where the runtime reads weights: whole matrices for matmuls, and rows (neurons) by id.
 
-Weights are torch tensors in the file's dtype (F32/F16 views of the mapped GGUF, or device copies of them);
-every product runs in that dtype and returns float32.
+Weights are torch tensors in the file's dtype (F32/F16 views of the mapped GGUF, or device copies of them),
+or quantized FFN matrices whose rows are expanded only when gathered; every product runs in the weight's
+(expanded) dtype and returns float32.
 """
 
 from __future__ import annotations
@@ -9,18 +10,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qinfer_runtime.quant_rows import QuantizedMatrix
+
 # Up to this many tokens a weighted row sum runs as an embedding bag, which reads each selected row once and
 # needs no copy; beyond it a matmul on gathered float32 rows wins.
 BAG_MAX_TOKENS = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
     """x @ weight.T in the weight's dtype, as float32."""
+    if isinstance(weight, QuantizedMatrix):
+        weight = weight.dense()
     return F.linear(x.to(weight.dtype), weight).float()
 
 
-def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def gather_rows(weight: torch.Tensor | QuantizedMatrix, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of `weight` ([F, E] with row i = neuron i) as a dense [len(ids), E] tensor on the weight's device."""
+    if isinstance(weight, QuantizedMatrix):
+        return weight.rows(ids)
     return torch.index_select(weight, 0, ids.to(weight.device))
 
 
@@ -29,13 +36,18 @@ def rows_to(weight: torch.Tensor, ids: torch.Tensor, device: torch.device | str)
     return gather_rows(weight, ids).to(device)
 
 
-def weighted_row_sum(act: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+def weighted_row_sum(
+    act: torch.Tensor, weight: torch.Tensor | QuantizedMatrix, ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """sum_j act[t, j] * weight[ids[j]] for each token t, as float32 [T, E]; ids None means all rows.
 
     This is the down projection in the PowerInfer row layout (down_t [F, E]). A dense GGUF's down_t is the
     transposed view of a contiguous [E, F] matrix, where a plain linear is fastest. Row-major [F, E] with a
     vector on the left is a slow path for CPU half-precision matmuls, so few tokens go through an embedding bag.
     """
+    if isinstance(weight, QuantizedMatrix):
+        weight = weight.dense() if ids is None else weight.rows(ids)
+        return act.to(weight.dtype).matmul(weight).float()
     if weight.device.type != "cpu" or weight.T.is_contiguous():
         rows = weight if ids is None else gather_rows(weight, ids)
         return act.to(rows.dtype).matmul(rows).float()

@@ -1,0 +1,109 @@
+"""Quantized models in the runtime (rows expanded from raw blocks) and llama.cpp-style perplexity."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from qinfer_prep.quantize import quantize_gguf
+from qinfer_prep.synth import SynthReport
+from qinfer_prep.synth_corpus import synth_corpus
+from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
+from qinfer_runtime.model_file import open_model
+from qinfer_runtime.model_forward import KVCache, TokenBatch
+from qinfer_runtime.perplexity import perplexity
+from qinfer_runtime.quant_rows import QuantizedMatrix
+from qinfer_runtime.tokenizer import GGUFTokenizer
+
+CTX = 128
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "heldout.txt"
+    path.write_text(synth_corpus(0, 6000, "heldout"), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def q4(gguf_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return quantize_gguf(gguf_files["pi-f16"], tmp_path_factory.mktemp("q4") / "tiny.q4.powerinfer.gguf").outfile
+
+
+def model_ppl(path: Path, text: Path, ffn: str) -> float:
+    model = open_model(path)
+    tokenizer = GGUFTokenizer(model.metadata)
+    forward = load_forward(model, RuntimeOptions(ffn=ffn)).forward
+    ids = tokenizer.encode(text.read_text(encoding="utf-8"))
+    return perplexity(forward, ids, CTX, tokenizer.bos_id, ffn == "sparse").perplexity
+
+
+def prompt_logits(path: Path, ids: list[int], ffn: str = "dense", expand: bool = False) -> torch.Tensor:
+    model = open_model(path)
+    if expand:
+        model.tensors = {k: v.dense() if isinstance(v, QuantizedMatrix) else v for k, v in model.tensors.items()}
+    forward = load_forward(model, RuntimeOptions(ffn=ffn)).forward
+    cache = KVCache(forward.cfg, CTX)
+    with torch.inference_mode():
+        return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
+
+
+def test_perplexity_matches_transformers(tiny: SynthReport, gguf_files: dict[str, Path], heldout: Path) -> None:
+    """The same windows scored by transformers on the original checkpoint give the same perplexity."""
+    model = open_model(gguf_files["dense-f32"])
+    tokenizer = GGUFTokenizer(model.metadata)
+    ids = tokenizer.encode(heldout.read_text(encoding="utf-8"))
+    result = perplexity(load_forward(model, RuntimeOptions()).forward, ids, CTX, tokenizer.bos_id)
+    assert result.windows == len(ids) // CTX >= 2
+    assert result.scored_tokens == result.windows * (CTX - 1 - CTX // 2)
+    reference = LlamaForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float32).eval()
+    nll = []
+    with torch.inference_mode():
+        for i in range(result.windows):
+            window = torch.tensor([tokenizer.bos_id, *ids[i * CTX + 1 : (i + 1) * CTX]])
+            logp = torch.log_softmax(reference(window[None]).logits[0], -1)
+            nll += [-float(logp[j, window[j + 1]]) for j in range(CTX // 2, CTX - 1)]
+    assert result.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)
+    assert 1.0 < result.perplexity < model.config.vocab_size  # a trained model beats a uniform guess
+
+
+def test_q4_keeps_ffn_rows_as_blocks_and_expands_them_exactly(q4: Path) -> None:
+    model = open_model(q4)
+    assert isinstance(model.tensors["blk.0.ffn_down_t.weight"], QuantizedMatrix)
+    assert isinstance(model.tensors["token_embd.weight"], torch.Tensor)  # dense parts expanded at load
+    ids = GGUFTokenizer(model.metadata).encode("Once upon a time, the dog")
+    # Sparse decoding gathers only the predicted rows from the raw blocks; it must equal expanding all first.
+    gathered = prompt_logits(q4, ids, "sparse")
+    expanded = prompt_logits(q4, ids, "sparse", expand=True)
+    assert torch.allclose(gathered, expanded, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("ffn", ["dense", "sparse"])
+def test_q4_stays_close_to_f16(gguf_files: dict[str, Path], q4: Path, heldout: Path, ffn: str) -> None:
+    ids = GGUFTokenizer(open_model(q4).metadata).encode(heldout.read_text(encoding="utf-8"))[:CTX]
+    diff = (prompt_logits(q4, ids, ffn) - prompt_logits(gguf_files["pi-f16"], ids, ffn)).abs()
+    assert 0 < diff.mean().item() < 0.25 and diff.max().item() < 2.0
+    f16_ppl, q4_ppl = model_ppl(gguf_files["pi-f16"], heldout, ffn), model_ppl(q4, heldout, ffn)
+    assert abs(q4_ppl / f16_ppl - 1) < 0.05
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_perplexity_command(q4: Path, heldout: Path, tmp_path: Path) -> None:
+    result = run_cli("perplexity", "-m", str(q4), "-f", str(heldout), "-c", str(CTX), "--ffn", "sparse")
+    assert result.returncode == 0, result.stderr
+    ppl = float(result.stdout.split("PPL = ")[1].split()[0])
+    assert ppl == pytest.approx(model_ppl(q4, heldout, "sparse"), rel=1e-4)
+    short = tmp_path / "short.txt"
+    short.write_text("Once upon a time")
+    result = run_cli("perplexity", "-m", str(q4), "-f", str(short), "-c", str(CTX))
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error:") and "fewer than one window" in result.stderr
