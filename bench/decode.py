@@ -1,30 +1,36 @@
 """Decode speed on the CPU, side by side in one run: transformers, our runtime dense, our runtime sparse.
 
-    .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--work work/bench] [-t THREADS]
+    .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 3] [--work work/bench] [-t N]
 
 (a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
 (b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
-GGUF. Decode tokens/s excludes the prompt: transformers' rate is (n - 1) / (time for n tokens - time for 1),
-ours times n decode steps after a warm-up step. Models are built under --work on first use (`bench_model`, also
-used by bench/gpu_check.sh); the 7B slice takes about a minute and 4 GB of RAM.
+GGUF. Decode tokens/s is 1 / the median time of one decode step over n steps after the prompt (transformers'
+steps are timed by a logits processor), best of --rounds interleaved runs, so that other load on a shared
+machine skews it little. Models are built under --work on first use (`bench_model`, also used by
+bench/gpu_check.sh); the 7B slice takes about a minute and 4 GB of RAM.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from qinfer_prep.convert import convert
 from qinfer_prep.synth import SynthShape, build_synth
 from qinfer_runtime.engine import Engine, Request
+from qinfer_runtime.model_file import open_model
 from qinfer_runtime.sampling import SamplingParams
+from qinfer_runtime.tokenizer import GGUFTokenizer
 
 SHAPES = {
     "synth": SynthShape(),
@@ -61,34 +67,58 @@ PROMPT = "Once upon a time there was a little dog"
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def transformers_tps(model_dir: Path, prompt_ids: list[int], n: int, dtype: torch.dtype) -> float:
+class _Stamps(LogitsProcessor):
+    """Records when each generation step's logits are ready."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def transformers_decoder(model_dir: Path, prompt_ids: list[int], n: int, dtype: torch.dtype) -> Callable[[], float]:
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    ids = torch.tensor([prompt_ids])
 
-    def seconds(k: int) -> float:
-        started = time.perf_counter()
+    def tps() -> float:
+        stamps = _Stamps()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - started
+            model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=n + 1,
+                min_new_tokens=n + 1,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([stamps]),
+            )
+        return 1.0 / statistics.median(b - a for a, b in itertools.pairwise(stamps.times))
 
-    seconds(2)
-    return (n - 1) / (seconds(n) - seconds(1))
+    return tps
 
 
-def runtime_tps(path: Path, ffn: str, prompt_ids: list[int], n: int) -> float:
+def runtime_decoder(path: Path, ffn: str, prompt_ids: list[int], n: int) -> Callable[[], float]:
     engine = Engine.open(path, ctx_size=len(prompt_ids) + n + 8, ffn=ffn)
-    engine.submit(Request(prompt_ids, n + 2, GREEDY, ignore_eos=True))
-    engine.step()
-    started = time.perf_counter()
-    for _ in range(n):
+
+    def tps() -> float:
+        engine.submit(Request(prompt_ids, n + 2, GREEDY, ignore_eos=True))
         engine.step()
-    return n / (time.perf_counter() - started)
+        seconds = []
+        for _ in range(n):
+            started = time.perf_counter()
+            engine.step()
+            seconds.append(time.perf_counter() - started)
+        engine.cancel(engine.active_slots()[0])
+        return 1.0 / statistics.median(seconds)
+
+    return tps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="synth,7b-slice", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the best of each is shown")
     parser.add_argument("--work", type=Path, default=Path("work/bench"))
     parser.add_argument("-t", "--threads", type=int, default=0)
     args = parser.parse_args()
@@ -100,14 +130,20 @@ def main() -> None:
         table.add_column(col, justify="right")
     for name in args.models.split(","):
         model = bench_model(args.work, name)
-        engine = Engine.open(model.powerinfer, ctx_size=64)
-        prompt_ids = engine.tokenizer.encode(PROMPT)
-        del engine
-        hf16 = transformers_tps(model.model_dir, prompt_ids, args.tokens, torch.float16)
-        hf32 = transformers_tps(model.model_dir, prompt_ids, args.tokens, torch.float32)
-        dense = runtime_tps(model.dense, "dense", prompt_ids, args.tokens)
-        sparse = runtime_tps(model.powerinfer, "sparse", prompt_ids, args.tokens)
-        best = max(hf16, hf32)
+        prompt_ids = GGUFTokenizer(open_model(model.powerinfer).metadata).encode(PROMPT)
+        decoders = {
+            "hf16": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float16),
+            "hf32": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float32),
+            "dense": runtime_decoder(model.dense, "dense", prompt_ids, args.tokens),
+            "sparse": runtime_decoder(model.powerinfer, "sparse", prompt_ids, args.tokens),
+        }
+        best: dict[str, float] = dict.fromkeys(decoders, 0.0)
+        # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run.
+        for _ in range(args.rounds):
+            for key, decode in decoders.items():
+                best[key] = max(best[key], decode())
+        hf16, hf32, dense, sparse = best["hf16"], best["hf32"], best["dense"], best["sparse"]
+        baseline = max(hf16, hf32)
         console.print(f"{name}: HF f16 {hf16:.2f}, HF f32 {hf32:.2f}, dense {dense:.2f}, sparse {sparse:.2f} tok/s")
         table.add_row(
             name,
@@ -115,7 +151,7 @@ def main() -> None:
             f"{hf32:.2f}",
             f"{dense:.2f}",
             f"{sparse:.2f}",
-            f"{dense / best:.2f}x",
+            f"{dense / baseline:.2f}x",
             f"{sparse / dense:.2f}x",
         )
     console.print(table)
