@@ -1,4 +1,4 @@
-"""Convert a Hugging Face ReLU LLaMA/Bamboo checkpoint to a PowerInfer GGUF (with predictors) or a dense GGUF."""
+"""Convert a Hugging Face ReLU LLaMA/Bamboo/Falcon checkpoint to a PowerInfer GGUF (with predictors) or a dense GGUF."""
 
 from __future__ import annotations
 
@@ -41,9 +41,49 @@ def permute_rotary(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def jploski_qkv(weight: torch.Tensor, n_head: int, n_head_kv: int) -> torch.Tensor:
+    """Falcon's fused QKV rows regrouped as llama.cpp's converter does ("jploski" layout).
+
+    HF stores n_head_kv groups, each n_head/n_head_kv query heads then one key and one value head; ggml wants
+    all query heads, then all key heads, then all value heads.
+    """
+    head_dim = weight.shape[0] // (n_head + 2 * n_head_kv)
+    qkv = weight.reshape(n_head_kv, n_head // n_head_kv + 2, head_dim, -1)
+    q = qkv[:, :-2].reshape(n_head * head_dim, -1)
+    k = qkv[:, -2].reshape(n_head_kv * head_dim, -1)
+    v = qkv[:, -1].reshape(n_head_kv * head_dim, -1)
+    return torch.cat((q, k, v))
+
+
+def _falcon_shapes(p: ModelParams, predictors: PredictorDir | None) -> dict[str, tuple[int, ...]]:
+    """Falcon's tensors: LayerNorms with biases, fused QKV, and an FFN of up and down only, relu(up(x))."""
+    e, f, v, kv = p.embedding_length, p.feed_forward_length, p.vocab_size, p.kv_length
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (v, e),
+        "output_norm.weight": (e,),
+        "output_norm.bias": (e,),
+        "output.weight": (v, e),
+    }
+    for i in range(p.block_count):
+        b = f"blk.{i}"
+        shapes |= {
+            f"{b}.attn_norm.weight": (e,),
+            f"{b}.attn_norm.bias": (e,),
+            f"{b}.attn_norm_2.weight": (e,),
+            f"{b}.attn_norm_2.bias": (e,),
+            f"{b}.attn_qkv.weight": (e + 2 * kv, e),
+            f"{b}.attn_output.weight": (e, e),
+            f"{b}.ffn_up.weight": (f, e),
+        }
+        shapes |= _ffn_down_and_predictor(b, e, f, predictors, i)
+    return shapes
+
+
 def expected_shapes(p: ModelParams, predictors: PredictorDir | None) -> dict[str, tuple[int, ...]]:
     """Every output tensor in file order, with its numpy shape (ggml's ne reversed)."""
     e, f, v, kv = p.embedding_length, p.feed_forward_length, p.vocab_size, p.kv_length
+    if p.arch == "falcon":
+        return _falcon_shapes(p, predictors)
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (v, e),
         "output_norm.weight": (e,),
@@ -61,23 +101,30 @@ def expected_shapes(p: ModelParams, predictors: PredictorDir | None) -> dict[str
             f"{b}.ffn_gate.weight": (f, e),
             f"{b}.ffn_up.weight": (f, e),
         }
-        if predictors is None:
-            shapes[f"{b}.ffn_down.weight"] = (e, f)
-        else:
-            rank = predictors.ranks[i]
-            shapes |= {f"{b}.ffn_down_t.weight": (f, e), f"{b}.fc1.weight": (rank, e), f"{b}.fc2.weight": (f, rank)}
+        shapes |= _ffn_down_and_predictor(b, e, f, predictors, i)
     return shapes
+
+
+def _ffn_down_and_predictor(
+    b: str, e: int, f: int, predictors: PredictorDir | None, i: int
+) -> dict[str, tuple[int, ...]]:
+    if predictors is None:
+        return {f"{b}.ffn_down.weight": (e, f)}
+    rank = predictors.ranks[i]
+    return {f"{b}.ffn_down_t.weight": (f, e), f"{b}.fc1.weight": (rank, e), f"{b}.fc2.weight": (f, rank)}
 
 
 def _map_sources(p: ModelParams, refs: dict[str, TensorRef]) -> dict[str, str]:
     """GGUF name -> HF name for the checkpoint's tensors; refuses tensors this architecture does not have."""
-    name_map = get_tensor_name_map(MODEL_ARCH.LLAMA, p.block_count)
+    name_map = get_tensor_name_map(MODEL_ARCH.FALCON if p.arch == "falcon" else MODEL_ARCH.LLAMA, p.block_count)
+    # Falcon's LayerNorms have biases; the LLaMA family has none.
+    suffixes = (".weight", ".bias") if p.arch == "falcon" else (".weight",)
     sources: dict[str, str] = {}
     for hf_name in refs:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None or not gguf_name.endswith(".weight"):
+        if gguf_name is None or not gguf_name.endswith(suffixes):
             raise PrepError(f"unexpected tensor {hf_name!r} for a {p.arch} model; is config.json from this checkpoint?")
         sources[gguf_name] = hf_name
     if "output.weight" not in sources and p.tie_word_embeddings and "token_embd.weight" in sources:
@@ -85,11 +132,17 @@ def _map_sources(p: ModelParams, refs: dict[str, TensorRef]) -> dict[str, str]:
     return sources
 
 
-def _load_weight(hf_name: str, ref: TensorRef, dtype: np.dtype, n_head: int | None, transpose: bool) -> np.ndarray:
+def _load_weight(
+    hf_name: str,
+    ref: TensorRef,
+    dtype: np.dtype,
+    regroup: Callable[[torch.Tensor], torch.Tensor] | None,
+    transpose: bool,
+) -> np.ndarray:
     # Cast in torch, which knows bf16, straight to the output type: no float32 copy of a large tensor.
     tensor = load_tensor(hf_name, ref).to(TORCH_DTYPES[dtype])
-    if n_head is not None:
-        tensor = permute_rotary(tensor, n_head)
+    if regroup is not None:
+        tensor = regroup(tensor)
     if transpose:
         tensor = tensor.T
     return tensor.numpy()
@@ -102,6 +155,19 @@ def _load_predictor(path: Path, key: str, dtype: np.dtype) -> np.ndarray:
 def _dtype_for(shape: tuple[int, ...], outtype: np.dtype) -> np.dtype:
     # Norms stay f32 in every GGUF: the engine reads 1-D tensors only as f32.
     return np.dtype(np.float32) if len(shape) == 1 else outtype
+
+
+def _regroup(p: ModelParams, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The row reordering llama.cpp's converter applies to this tensor, if any.
+
+    LLaMA's q/k go from HF's rotate-half rope to ggml's adjacent pairs; Falcon keeps rotate-half (ggml's NeoX
+    rope) and only regroups its fused QKV.
+    """
+    kind = name.split(".")[-2]
+    if p.arch == "falcon":
+        return partial(jploski_qkv, n_head=p.head_count, n_head_kv=p.head_count_kv) if kind == "attn_qkv" else None
+    n_head = {"attn_q": p.head_count, "attn_k": p.head_count_kv}.get(kind)
+    return None if n_head is None else partial(permute_rotary, n_head=n_head)
 
 
 def plan_tensors(
@@ -129,8 +195,7 @@ def plan_tensors(
         want = shape[::-1] if transpose else shape
         if source_shape != want:
             raise PrepError(f"{hf_name} has shape {list(source_shape)} but config.json implies {list(want)}")
-        n_head = {"attn_q": p.head_count, "attn_k": p.head_count_kv}.get(name.split(".")[-2])
-        load = partial(_load_weight, hf_name, refs[hf_name], dtype, n_head, transpose)
+        load = partial(_load_weight, hf_name, refs[hf_name], dtype, _regroup(p, name), transpose)
         plans.append(TensorPlan(name, shape, dtype, load))
     return plans
 
@@ -144,10 +209,18 @@ def _metadata_writer(
         writer.add_embedding_length(p.embedding_length)
         writer.add_block_count(p.block_count)
         writer.add_feed_forward_length(p.feed_forward_length)
-        writer.add_rope_dimension_count(p.head_dim)
+        # As llama.cpp's falcon converter: the QKV layout tag instead of a rope dimension, LayerNorm epsilon.
+        falcon = p.arch == "falcon"
+        if falcon:
+            writer.add_tensor_data_layout("jploski")
+        else:
+            writer.add_rope_dimension_count(p.head_dim)
         writer.add_head_count(p.head_count)
         writer.add_head_count_kv(p.head_count_kv)
-        writer.add_layer_norm_rms_eps(p.rms_norm_eps)
+        if falcon:
+            writer.add_layer_norm_eps(p.rms_norm_eps)
+        else:
+            writer.add_layer_norm_rms_eps(p.rms_norm_eps)
         if p.rope_theta is not None:
             writer.add_rope_freq_base(p.rope_theta)
         writer.add_file_type(file_type)

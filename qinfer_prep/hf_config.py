@@ -9,9 +9,12 @@ from pathlib import Path
 from qinfer_prep.errors import PrepError
 
 # HF class name -> GGUF architecture. Bamboo is Mistral-shaped with LLaMA's tensor names and relu on gate and up.
+# ReluFalcon is Falcon-40B's new decoder architecture (fused QKV, grouped kv heads, two LayerNorms per block)
+# with relu as the MLP activation.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "BambooForCausalLM": "bamboo",
+    "FalconForCausalLM": "falcon",
 }
 
 
@@ -26,7 +29,7 @@ class ModelParams:
     feed_forward_length: int
     head_count: int
     head_count_kv: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon: RMSNorm for llama and bamboo, LayerNorm for falcon
     rope_theta: float | None
     tie_word_embeddings: bool
 
@@ -60,6 +63,8 @@ def read_hf_config(model_dir: Path) -> ModelParams:
         raise PrepError(
             f"unsupported architecture {names or cfg.get('model_type')!r} in {path}; supported: {supported}"
         )
+    if arch == "falcon":
+        return _falcon_params(cfg, model_dir, path)
     if cfg.get("hidden_act", "relu") != "relu":
         raise PrepError(f"{path} has hidden_act={cfg['hidden_act']!r}; only ReLU models (hidden_act=relu) are sparse")
     for flag in ("attention_bias", "mlp_bias"):
@@ -85,6 +90,34 @@ def read_hf_config(model_dir: Path) -> ModelParams:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except KeyError as exc:
+        raise PrepError(f"{path} lacks the key {exc.args[0]!r}") from exc
+
+
+def _falcon_params(cfg: dict, model_dir: Path, path: Path) -> ModelParams:
+    """Falcon's own config keys; only the layout ReluFalcon-40B has (what llama.cpp's falcon graph runs)."""
+    if cfg.get("activation", "gelu") != "relu":
+        raise PrepError(f"{path} has activation={cfg.get('activation', 'gelu')!r}; only ReLU Falcon models are sparse")
+    required = {"new_decoder_architecture": True, "parallel_attn": True, "bias": False, "alibi": False}
+    for flag, want in required.items():
+        if bool(cfg.get(flag, not want)) != want:
+            raise PrepError(f"{path}: {flag}={cfg.get(flag)!r} is not supported; only Falcon-40B's layout is")
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return ModelParams(
+            arch="falcon",
+            name=model_dir.resolve().name,
+            vocab_size=int(cfg["vocab_size"]),
+            context_length=int(cfg.get("max_position_embeddings", 2048)),
+            embedding_length=hidden,
+            block_count=int(cfg["num_hidden_layers"]),
+            feed_forward_length=int(cfg.get("ffn_hidden_size") or 4 * hidden),
+            head_count=heads,
+            head_count_kv=int(cfg.get("num_kv_heads") or heads),
+            rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            rope_theta=_rope_theta(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )
     except KeyError as exc:
         raise PrepError(f"{path} lacks the key {exc.args[0]!r}") from exc

@@ -19,6 +19,7 @@ from planner.device_profiles import load_profile
 from planner.make_plan import Plan, PlanOptions, dry_run_account, load_or_make_gpuidx
 from planner.model_layout import ModelLayout
 from qinfer_runtime.errors import RunError
+from qinfer_runtime.falcon_forward import FalconForward
 from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
 from qinfer_runtime.hybrid_ffn import HybridRunner
 from qinfer_runtime.llama_forward import LlamaForward, ffn_weights
@@ -35,6 +36,7 @@ ForwardFactory = Callable[[ModelFile, FFNRunner, torch.device], TransformerForwa
 FORWARDS: dict[str, tuple[ForwardFactory, Callable[[ModelFile, int], FFNWeights]]] = {
     "llama": (LlamaForward, ffn_weights),
     "bamboo": (LlamaForward, ffn_weights),
+    "falcon": (FalconForward, ffn_weights),
 }
 
 

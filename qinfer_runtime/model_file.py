@@ -14,7 +14,7 @@ from qinfer_runtime.errors import RunError
 from qinfer_runtime.gguf_reader import PowerInferReader, metadata, open_gguf
 from qinfer_runtime.quant_rows import QUANTIZED_TYPES, QuantizedMatrix
 
-SUPPORTED_ARCHS = ("llama", "bamboo")
+SUPPORTED_ARCHS = ("llama", "bamboo", "falcon")
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 _TORCH_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16}
 # Quantized tensors whose rows are neurons stay as raw blocks, expanded row by row as neurons are used; the
@@ -81,7 +81,8 @@ def _config(meta: dict[str, Any], path: Path) -> ModelConfig:
         heads=heads,
         kv_heads=int(key("attention.head_count_kv", heads)),
         rope_dim=int(key("rope.dimension_count", hidden // heads)),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        # Falcon's norms are LayerNorms; the field holds whichever epsilon the architecture's norms use.
+        rms_eps=float(key("attention.layer_norm_epsilon" if arch == "falcon" else "attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         sparse_threshold=float(meta.get(SPARSE_THRESHOLD_KEY, 0.0)),
     )

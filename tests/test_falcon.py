@@ -1,0 +1,100 @@
+"""ReLU Falcon across convert, quantize and the runtime, against transformers' FalconForCausalLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from safetensors.torch import load_file
+from transformers import FalconForCausalLM
+
+from qinfer_prep.convert import convert
+from qinfer_prep.quantize import quantize_gguf
+from qinfer_prep.synth_falcon import FalconShape, build_synth_falcon
+from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
+from qinfer_runtime.gguf_reader import metadata, open_gguf
+from qinfer_runtime.model_file import open_model
+from qinfer_runtime.model_forward import KVCache, TokenBatch
+from qinfer_runtime.tokenizer import GGUFTokenizer
+
+SHAPE = FalconShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=2, vocab=512)
+TEXT = "The dog ran fast,\nand the cat  slept. 42 times!"
+
+
+@pytest.fixture(scope="module")
+def falcon(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("falcon")
+    model_dir, predictor_dir = build_synth_falcon(out / "synth", SHAPE)
+    files = {"model": model_dir, "predictor": predictor_dir}
+    for outtype in ("f32", "f16"):
+        files[f"pi-{outtype}"] = convert(
+            model_dir, out / f"f-{outtype}.powerinfer.gguf", predictor_dir, outtype
+        ).outfile
+    files["dense-f32"] = convert(model_dir, out / "f-f32.gguf", None, "f32").outfile
+    files["pi-q4"] = quantize_gguf(files["pi-f16"], out / "f-q4.powerinfer.gguf", "Q4_0").outfile
+    return files
+
+
+def our_logits(path: Path, ids: list[int], ffn: str, split: int = 5) -> torch.Tensor:
+    """A prompt of `split` tokens, then one token at a time through the KV cache (the sparse decode path)."""
+    forward = load_forward(open_model(path), RuntimeOptions(ffn=ffn)).forward
+    cache = KVCache(forward.cfg, 64)
+    with torch.inference_mode():
+        parts = [forward.forward(TokenBatch.prompt(torch.tensor(ids[:split]), 0), cache)]
+        parts += [forward.forward(TokenBatch.decode([t], [split + j], [0]), cache) for j, t in enumerate(ids[split:])]
+    return torch.cat(parts)
+
+
+@pytest.fixture(scope="module")
+def reference(falcon: dict[str, Path]) -> tuple[list[int], torch.Tensor]:
+    ids = GGUFTokenizer(open_model(falcon["pi-f32"]).metadata).encode(TEXT)
+    model = FalconForCausalLM.from_pretrained(falcon["model"], dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return ids, model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize(("kind", "ffn"), [("pi-f32", "dense"), ("pi-f32", "sparse"), ("dense-f32", "dense")])
+def test_logits_match_transformers(
+    falcon: dict[str, Path], reference: tuple[list[int], torch.Tensor], kind: str, ffn: str
+) -> None:
+    ids, expected = reference
+    assert len(ids) > 12 and expected.abs().mean() > 0.1
+    assert (our_logits(falcon[kind], ids, ffn) - expected).abs().max().item() < 1e-3
+
+
+def test_file_layout_follows_llama_cpp(falcon: dict[str, Path]) -> None:
+    reader = open_gguf(falcon["pi-f32"])
+    meta = metadata(reader)
+    assert reader.is_powerinfer and meta["general.architecture"] == "falcon"
+    assert meta["falcon.tensor_data_layout"] == "jploski"
+    assert meta["falcon.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    assert (meta["falcon.attention.head_count"], meta["falcon.attention.head_count_kv"]) == (8, 2)
+    assert "falcon.rope.dimension_count" not in meta and "falcon.attention.layer_norm_rms_epsilon" not in meta
+    tensors = {t.name: t for t in reader.tensors}
+    assert {n.split(".", 2)[2] for n in tensors if n.startswith("blk.0.")} == {
+        "attn_norm.weight", "attn_norm.bias", "attn_norm_2.weight", "attn_norm_2.bias", "attn_qkv.weight",
+        "attn_output.weight", "ffn_up.weight", "ffn_down_t.weight", "fc1.weight", "fc2.weight",
+    }  # fmt: skip
+    hf = load_file(falcon["model"] / "model.safetensors")
+    # The fused QKV regrouped by hand: group g holds 4 query heads, then its key head, then its value head.
+    fused = hf["transformer.h.1.self_attention.query_key_value.weight"].numpy()
+    heads = fused.reshape(2, 6, 8, 64)
+    q = [heads[g, j] for g in range(2) for j in range(4)]
+    want = np.concatenate(q + [heads[g, 4] for g in range(2)] + [heads[g, 5] for g in range(2)])
+    assert np.array_equal(tensors["blk.1.attn_qkv.weight"].data, want)
+    assert np.array_equal(tensors["blk.1.attn_norm.weight"].data, hf["transformer.h.1.ln_mlp.weight"].numpy())
+    assert np.array_equal(tensors["blk.1.attn_norm_2.bias"].data, hf["transformer.h.1.ln_attn.bias"].numpy())
+    assert np.array_equal(tensors["blk.1.ffn_down_t.weight"].data, hf["transformer.h.1.mlp.dense_4h_to_h.weight"].T)
+
+
+def test_quantized_falcon_runs_close_to_f16(falcon: dict[str, Path], reference: tuple[list[int], torch.Tensor]) -> None:
+    types = {t.name: t.tensor_type for t in open_gguf(falcon["pi-q4"]).tensors}
+    assert types["output.weight"] == GGMLQuantizationType.Q8_0
+    assert types["blk.0.attn_qkv.weight"] == types["blk.0.ffn_down_t.weight"] == GGMLQuantizationType.Q4_0
+    assert types["blk.0.attn_norm.bias"] == GGMLQuantizationType.F32
+    ids, _ = reference
+    diff = (our_logits(falcon["pi-q4"], ids, "sparse") - our_logits(falcon["pi-f16"], ids, "sparse")).abs()
+    assert 0 < diff.mean().item() < 0.1 and diff.max().item() < 0.5
