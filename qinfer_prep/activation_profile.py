@@ -95,7 +95,7 @@ def profile_activations(
     with torch.inference_mode(), firing_counts(loaded.layers, params.arch, counts):
         for batch in batches(windows, batch_size):
             # The decoder alone: the LM head's logits would be the largest tensor and are not needed.
-            loaded.model.model(input_ids=batch.to(loaded.device), use_cache=False)
+            loaded.model.base_model(input_ids=batch.to(loaded.device), use_cache=False)
             done_tokens += batch.numel()
             done_windows += len(batch)
             since_checkpoint += len(batch)

@@ -32,6 +32,10 @@ def firing_counts(layers: list[nn.Module], arch: str, counts: torch.Tensor) -> I
         return hook
 
     for i, layer in enumerate(layers):
+        if arch == "falcon":
+            # relu(up(x)) is the whole FFN: a neuron fires where up is positive.
+            handles.append(layer.mlp.dense_h_to_4h.register_forward_hook(on_gate(i)))
+            continue
         handles.append(layer.mlp.gate_proj.register_forward_hook(on_gate(i)))
         if arch == "bamboo":
             handles.append(layer.mlp.up_proj.register_forward_hook(on_up(i)))
@@ -43,16 +47,18 @@ def firing_counts(layers: list[nn.Module], arch: str, counts: torch.Tensor) -> I
 
 
 @contextlib.contextmanager
-def ffn_inputs(layers: list[nn.Module], captured: dict[int, torch.Tensor]) -> Iterator[None]:
-    """While active, captured[i] holds layer i's residual stream before ffn_norm from the latest forward pass."""
+def ffn_inputs(layers: list[nn.Module], captured: dict[int, torch.Tensor], arch: str = "llama") -> Iterator[None]:
+    """While active, captured[i] holds layer i's predictor input from the latest forward pass: the residual stream
+    before ffn_norm, or for falcon (attention and FFN read the same input) the layer's input."""
 
-    def on_norm(i: int) -> Callable[..., None]:
+    def on_input(i: int) -> Callable[..., None]:
         def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             captured[i] = args[0].detach()
 
         return hook
 
-    handles = [layer.post_attention_layernorm.register_forward_pre_hook(on_norm(i)) for i, layer in enumerate(layers)]
+    tapped = layers if arch == "falcon" else [layer.post_attention_layernorm for layer in layers]
+    handles = [module.register_forward_pre_hook(on_input(i)) for i, module in enumerate(tapped)]
     try:
         yield
     finally:

@@ -1,4 +1,5 @@
-"""Load a ReLU LLaMA-family checkpoint with transformers for profiling and predictor training, on CPU or CUDA."""
+"""Load a ReLU LLaMA-family or Falcon checkpoint with transformers for profiling and predictor training, on CPU or
+CUDA."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    AutoTokenizer,
+    FalconForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from qinfer_prep.errors import PrepError
@@ -20,7 +28,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class ReluModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | FalconForCausalLM
     params: ModelParams
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
@@ -29,6 +37,8 @@ class ReluModel:
 
     @property
     def layers(self) -> list[nn.Module]:
+        if self.params.arch == "falcon":
+            return list(self.model.transformer.h)
         return list(self.model.model.layers)
 
 
@@ -55,16 +65,20 @@ def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "au
     params = read_hf_config(model_dir)
     where, fell_back = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, where)
-    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    # A Bamboo config names a model_type transformers does not know; its keys are LLaMA's.
-    cfg.pop("model_type", None)
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    config = LlamaConfig(**cfg)
+    model_class: type[PreTrainedModel] = FalconForCausalLM
+    config = None
+    if params.arch != "falcon":
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        # A Bamboo config names a model_type transformers does not know; its keys are LLaMA's.
+        cfg.pop("model_type", None)
+        cfg["architectures"] = ["LlamaForCausalLM"]
+        config = LlamaConfig(**cfg)
+        model_class = LlamaForCausalLM
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # unused-weight notices for tied or extra tensors are not the user's concern
     hf_logging.disable_progress_bar()  # the commands draw their own progress
     try:
-        model = LlamaForCausalLM.from_pretrained(
+        model = model_class.from_pretrained(
             model_dir, config=config, dtype=torch_dtype, local_files_only=True, low_cpu_mem_usage=True
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -83,7 +97,10 @@ def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "au
 
 
 def fires(layer: nn.Module, residual: torch.Tensor, arch: str) -> torch.Tensor:
-    """Which FFN neurons of `layer` fire for the residual stream before its ffn_norm: [..., E] -> bool [..., F]."""
+    """Which FFN neurons of `layer` fire for the predictor's input (the residual stream before ffn_norm; falcon:
+    the layer input): [..., E] -> bool [..., F]."""
+    if arch == "falcon":
+        return layer.mlp.dense_h_to_4h(layer.ln_mlp(residual)) > 0
     x = layer.post_attention_layernorm(residual)
     active = layer.mlp.gate_proj(x) > 0
     if arch == "bamboo":

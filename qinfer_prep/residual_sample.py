@@ -42,9 +42,9 @@ def collect_residuals(
     residuals: list[list[torch.Tensor]] = [[] for _ in layers]
     fired_bits: list[list[np.ndarray]] = [[] for _ in layers]
     captured: dict[int, torch.Tensor] = {}
-    with torch.inference_mode(), ffn_inputs(layers, captured):
+    with torch.inference_mode(), ffn_inputs(layers, captured, loaded.params.arch):
         for batch in batches(iter(windows), batch_size):
-            loaded.model.model(input_ids=batch.to(loaded.device), use_cache=False)
+            loaded.model.base_model(input_ids=batch.to(loaded.device), use_cache=False)
             for i, layer in enumerate(layers):
                 h = captured.pop(i).flatten(0, -2)
                 residuals[i].append(h.to("cpu", torch.float16))

@@ -11,8 +11,13 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 from transformers import FalconForCausalLM
 
+from qinfer_prep.activation_files import read_activations
+from qinfer_prep.activation_profile import profile_activations
 from qinfer_prep.convert import convert
+from qinfer_prep.corpus_reader import token_windows
 from qinfer_prep.quantize import quantize_gguf
+from qinfer_prep.relu_model import load_relu_model
+from qinfer_prep.residual_sample import collect_residuals
 from qinfer_prep.synth_falcon import FalconShape, build_synth_falcon
 from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
 from qinfer_runtime.gguf_reader import metadata, open_gguf
@@ -98,3 +103,27 @@ def test_quantized_falcon_runs_close_to_f16(falcon: dict[str, Path], reference: 
     ids, _ = reference
     diff = (our_logits(falcon["pi-q4"], ids, "sparse") - our_logits(falcon["pi-f16"], ids, "sparse")).abs()
     assert 0 < diff.mean().item() < 0.1 and diff.max().item() < 0.5
+
+
+def test_profile_counts_relu_up_and_samples_the_layer_input(falcon: dict[str, Path], tmp_path: Path) -> None:
+    text = tmp_path / "one.txt"
+    text.write_text('Lily found a red ball in the park. "Look, Tom!" she said, and they played until 5 o\'clock.\n')
+    profile_activations(falcon["model"], text, tmp_path / "activation", seq_len=64)
+    loaded = load_relu_model(falcon["model"], "f32", "cpu")
+    [ids] = token_windows(loaded.tokenizer, [text], 64)
+    with torch.inference_mode():
+        inputs = loaded.model(ids[None], output_hidden_states=True).hidden_states  # inputs[i]: layer i's input
+    fired = [
+        layer.mlp.dense_h_to_4h(layer.ln_mlp(inputs[i][0])) > 0 for i, layer in enumerate(loaded.model.transformer.h)
+    ]
+    counts = torch.stack(read_activations(tmp_path / "activation"))
+    assert torch.equal(counts, torch.stack([f.sum(0) for f in fired]))
+    assert 0 < int(counts.sum()) < counts.numel() * len(ids)
+    sample = collect_residuals(loaded, [ids], batch_size=1)
+    for i in range(SHAPE.layers):
+        assert torch.allclose(sample.residuals[i].float(), inputs[i][0], atol=1e-2)
+        assert torch.equal(sample.fired(i), fired[i])
+        predictor = torch.load(falcon["predictor"] / f"model_{i}.pt")
+        # The synth predictors are exact on the layer input: they flag exactly the neurons that fire.
+        scores = torch.relu(inputs[i][0] @ predictor["fc1.weight"].T) @ predictor["fc2.weight"].T
+        assert torch.equal(scores > 0, fired[i])
