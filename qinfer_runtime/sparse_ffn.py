@@ -68,7 +68,9 @@ def sparse_rows(
     only the neurons selected for it (None: all of them)."""
     if ids.numel() == 0:
         return torch.zeros(x.shape[0], down_t.shape[1], device=x.device)
-    act = activations(variant, x, None if gate is None else gather_rows(gate, ids), gather_rows(up, ids))
+    # `activations` consumes both gathers before anything reuses their scratch buffers.
+    gate_rows = None if gate is None else gather_rows(gate, ids, "gate")
+    act = activations(variant, x, gate_rows, gather_rows(up, ids, "up"))
     if mask is not None:
         act = act * mask.to(act.device)
     return weighted_row_sum(act, down_t, ids)

@@ -7,6 +7,8 @@ or quantized FFN matrices whose rows are expanded only when gathered; every prod
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,7 @@ from qinfer_runtime.quant_rows import QuantizedMatrix
 # Up to this many tokens a weighted row sum runs as an embedding bag, which reads each selected row once and
 # needs no copy; beyond it a matmul on gathered float32 rows wins.
 BAG_MAX_TOKENS = 16
+_scratch = threading.local()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
@@ -24,13 +27,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Ten
     return F.linear(x.to(weight.dtype), weight).float()
 
 
-def gather_rows(weight: torch.Tensor | QuantizedMatrix, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of `weight` ([F, E] with row i = neuron i) as a dense [len(ids), E] tensor on the weight's device."""
+def gather_rows(weight: torch.Tensor | QuantizedMatrix, ids: torch.Tensor, scratch: str | None = None) -> torch.Tensor:
+    """Rows `ids` of `weight` ([F, E] with row i = neuron i) as a dense [len(ids), E] tensor on the weight's device.
+
+    With `scratch`, a CPU result lands in this thread's reusable buffer of that name and stays valid only until
+    the next call with the same name: a fresh multi-megabyte allocation per step costs page faults that can
+    take longer than the copy itself.
+    """
     if isinstance(weight, QuantizedMatrix):
         return weight.rows(ids)
     ids = ids.to(weight.device)
-    # The same rows as index_select; torch's embedding kernel copies contiguous rows faster on the CPU.
-    return F.embedding(ids, weight) if weight.is_contiguous() else torch.index_select(weight, 0, ids)
+    if scratch is None or weight.device.type != "cpu":
+        return torch.index_select(weight, 0, ids)
+    buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    key = (scratch, weight.dtype, weight.shape[1])
+    buf = buffers.get(key)
+    if buf is None or buf.shape[0] < ids.numel():
+        grown = max(ids.numel(), 2 * (0 if buf is None else buf.shape[0]))
+        buf = buffers[key] = torch.empty(grown, weight.shape[1], dtype=weight.dtype)
+    return torch.index_select(weight, 0, ids, out=buf[: ids.numel()])
 
 
 def rows_to(weight: torch.Tensor, ids: torch.Tensor, device: torch.device | str) -> torch.Tensor:
