@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +155,24 @@ def test_refuses_bad_input(tiny_file: Path, tmp_path: Path) -> None:
     with pytest.raises(PrepError, match="replace the input"):
         quantize_gguf(tiny_file, tiny_file)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.powerinfer.gguf", "q4.gguf"]
+
+
+def test_quantize_command(tiny_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli.q4.powerinfer.gguf"
+    done = subprocess.run(
+        [sys.executable, "-m", "qinfer", "prep", "quantize", str(tiny_file), str(out), "Q4_0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "kept F16 (rows not a multiple of 32): blk.0.fc2.weight" in done.stderr
+    assert out.read_bytes() == quantize_gguf(tiny_file, tmp_path / "api.gguf").outfile.read_bytes()
+    failed = subprocess.run(
+        [sys.executable, "-m", "qinfer", "prep", "quantize", str(tmp_path / "none.gguf"), str(out), "Q4_0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert failed.returncode == 2
+    assert failed.stderr.strip().splitlines() == [f"error: model file not found: {tmp_path / 'none.gguf'}"]
