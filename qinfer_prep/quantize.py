@@ -60,6 +60,9 @@ def tensor_type(name: str, shape: tuple[int, ...], target: QType) -> QType:
     return OUTPUT_TYPE if name == "output.weight" else target
 
 
+ROWS_PER_READ = 1024  # rows read and quantized at a time: a few MiB for 7B rows, whatever the tensor's size
+
+
 def _read(path: Path, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     # A plain read, not the reader's memory map: mapped pages once touched stay resident for the whole run,
     # and a 7B model would end up in memory; a read buffer is freed with the tensor.
@@ -68,10 +71,17 @@ def _read(path: Path, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> n
 
 
 def _convert(path: Path, offset: int, src: np.dtype, shape: tuple[int, ...], out: QType) -> np.ndarray:
-    data = _read(path, offset, src, shape)
     if out in _FLOAT_TYPES:
-        return data.astype(_FLOAT_TYPES[out], copy=False)
-    return quantize(data, out)
+        return _read(path, offset, src, shape).astype(_FLOAT_TYPES[out], copy=False)
+    # Blocks never span rows, so quantizing a slice of rows at a time gives the same bytes, and only the
+    # (4 to 7 times smaller) output is held whole.
+    rows, width = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+    result = np.empty((rows, quant_shape_to_byte_shape((width,), out)[0]), dtype=np.uint8)
+    for start in range(0, rows, ROWS_PER_READ):
+        n = min(ROWS_PER_READ, rows - start)
+        chunk = _read(path, offset + start * width * src.itemsize, src, (n, width))
+        result[start : start + n] = quantize(chunk, out)
+    return result.reshape(quant_shape_to_byte_shape(shape, out))
 
 
 def _plan(path: Path, reader: GGUFReader, target: QType) -> tuple[list[TensorPlan], list[str]]:
