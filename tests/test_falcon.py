@@ -15,9 +15,11 @@ from qinfer_prep.activation_files import read_activations
 from qinfer_prep.activation_profile import profile_activations
 from qinfer_prep.convert import convert
 from qinfer_prep.corpus_reader import token_windows
+from qinfer_prep.predictor_training import TrainSettings, train_predictors
 from qinfer_prep.quantize import quantize_gguf
 from qinfer_prep.relu_model import load_relu_model
 from qinfer_prep.residual_sample import collect_residuals
+from qinfer_prep.synth_corpus import synth_corpus
 from qinfer_prep.synth_falcon import FalconShape, build_synth_falcon
 from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
 from qinfer_runtime.gguf_reader import metadata, open_gguf
@@ -127,3 +129,16 @@ def test_profile_counts_relu_up_and_samples_the_layer_input(falcon: dict[str, Pa
         # The synth predictors are exact on the layer input: they flag exactly the neurons that fire.
         scores = torch.relu(inputs[i][0] @ predictor["fc1.weight"].T) @ predictor["fc2.weight"].T
         assert torch.equal(scores > 0, fired[i])
+
+
+def test_trained_falcon_predictors_convert_and_run(falcon: dict[str, Path], tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(synth_corpus(0, 30000, "train"), encoding="utf-8")
+    settings = TrainSettings(rank=64, train_tokens=6000, heldout_tokens=1500, seq_len=128, epochs=4, device="cpu")
+    report = train_predictors(falcon["model"], corpus, tmp_path / "predictor", settings)
+    assert all(q.recall >= 0.9 and q.true_sparsity > 0.3 for q in report.layers)
+    path = convert(falcon["model"], tmp_path / "trained.powerinfer.gguf", tmp_path / "predictor", "f32").outfile
+    ids = GGUFTokenizer(open_model(path).metadata).encode(TEXT)
+    dense, sparse = our_logits(path, ids, "dense"), our_logits(path, ids, "sparse")
+    # Missed neurons change the output a little; the prompt (dense) part is identical.
+    assert torch.equal(dense[:5], sparse[:5]) and 0 < (dense - sparse).abs().max().item() < 1.0
