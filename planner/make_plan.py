@@ -82,23 +82,39 @@ class Plan:
         )
 
 
-def dry_run_account(model_path: Path, vram_budget_bytes: int, options: PlanOptions) -> tuple[ModelLayout, VramAccount]:
-    """The VRAM account alone (no activation files needed); raises if the budget cannot hold the dense parts."""
+def _fit_context(options: PlanOptions, layout: ModelLayout) -> PlanOptions:
+    """`options` with the context capped at the model's own, as the runtime caps it, so that a plan made with the
+    default --ctx-size is the plan a run of the same model asks for."""
+    if 0 < layout.context_length < options.ctx_size:
+        return replace(options, ctx_size=layout.context_length)
+    return options
+
+
+def _account(
+    model_path: Path, vram_budget_bytes: int, options: PlanOptions
+) -> tuple[PlanOptions, ModelLayout, VramAccount]:
     layout = read_model_layout(model_path)
+    options = _fit_context(options, layout)
     acct = account(layout, options.budget_options())
     require_budget(acct, vram_budget_bytes, options.dense == "gpu")
+    return options, layout, acct
+
+
+def dry_run_account(model_path: Path, vram_budget_bytes: int, options: PlanOptions) -> tuple[ModelLayout, VramAccount]:
+    """The VRAM account alone (no activation files needed); raises if the budget cannot hold the dense parts."""
+    _, layout, acct = _account(model_path, vram_budget_bytes, options)
     return layout, acct
 
 
 def _inputs(
     model_path: Path, vram_budget_bytes: int, activation_dir: Path | None, options: PlanOptions
-) -> tuple[ModelLayout, VramAccount, ActivationStats, TimeModel]:
-    layout, acct = dry_run_account(model_path, vram_budget_bytes, options)
+) -> tuple[PlanOptions, ModelLayout, VramAccount, ActivationStats, TimeModel]:
+    options, layout, acct = _account(model_path, vram_budget_bytes, options)
     stats = load_activation(activation_dir or model_path.parent / "activation", acct.ffn_neurons)
     gpu = load_profile(options.gpu, "gpu")
     cpu = load_profile(options.cpu, "cpu")
     times = build_time_model(layout, stats.firing, gpu, cpu, ctx_size=options.ctx_size, batch=options.batch)
-    return layout, acct, stats, times
+    return options, layout, acct, stats, times
 
 
 def _plan(
@@ -139,7 +155,7 @@ def make_plan(
 def _make(
     model_path: Path, budget: int, activation_dir: Path | None, options: PlanOptions
 ) -> tuple[Plan, ActivationStats]:
-    layout, acct, stats, times = _inputs(model_path, budget, activation_dir, options)
+    options, layout, acct, stats, times = _inputs(model_path, budget, activation_dir, options)
     groups = group_neurons(stats.firing, options.group_size)
     start = greedy_placement(acct, stats.firing, groups, budget) if options.dense == "gpu" else None
     result = solve_placement(
@@ -174,7 +190,7 @@ def load_or_make_gpuidx(
         plan, stats = _make(model_path, vram_budget_bytes, activation_dir, options)
         write_gpuidx(path, plan.gpu_index(stats.digest))
         return replace(plan, gpuidx_path=path)
-    layout, acct, stats, times = _inputs(model_path, vram_budget_bytes, activation_dir, options)
+    options, layout, acct, stats, times = _inputs(model_path, vram_budget_bytes, activation_dir, options)
     index = read_gpuidx(path)
     shapes = tuple(len(m) for m in index.gpu_idx)
     if shapes != acct.ffn_neurons:

@@ -44,6 +44,8 @@ class ModelLayout:
     ffn_type: str
     ffn_element_bytes: float
     has_gate: bool
+    # Tokens of context the model was trained for; 0 when unknown (a layout made from a bare shape).
+    context_length: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +68,7 @@ def read_model_layout(path: Path) -> ModelLayout:
     embedding = int(field_value(reader, f"{arch}.embedding_length"))
     heads = int(field_value(reader, f"{arch}.attention.head_count"))
     kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv") or heads)
+    context_length = int(field_value(reader, f"{arch}.context_length") or 0)
     per_layer: dict[int, dict[str, list[tuple[int, int, int]]]] = defaultdict(lambda: defaultdict(list))
     output_bytes = output_weights = embedding_bytes = 0
     ffn_type = ""
@@ -123,6 +126,7 @@ def read_model_layout(path: Path) -> ModelLayout:
         ffn_type=ffn_type,
         ffn_element_bytes=ffn_element_bytes,
         has_gate=has_gate,
+        context_length=context_length,
     )
 
 

@@ -88,6 +88,21 @@ def test_stale_plan_is_refused_until_reset(model: Path) -> None:
         load_or_make_gpuidx(model, budget)
 
 
+def test_context_is_capped_at_the_models_as_the_runtime_does(model: Path) -> None:
+    budget = _binding_budget(model)
+    model_context = 256  # the tiny synth model's context_length
+    plan = load_or_make_gpuidx(model, budget, options=PlanOptions(ctx_size=4 * model_context))
+    index = read_gpuidx(gpuidx_path_for(model))
+    assert plan.options.ctx_size == model_context
+    assert index.provenance is not None and index.provenance.ctx_size == model_context
+    assert load_or_make_gpuidx(model, budget, options=PlanOptions(ctx_size=model_context)).reused
+    _, capped = dry_run_account(model, budget, PlanOptions(ctx_size=4 * model_context))
+    _, exact = dry_run_account(model, budget, PlanOptions(ctx_size=model_context))
+    assert capped == exact
+    with pytest.raises(PlanError, match="stale: ctx size changed"):
+        load_or_make_gpuidx(model, budget, options=PlanOptions(ctx_size=model_context // 2))
+
+
 def test_reference_engine_index_is_used_only_when_it_fits(model: Path) -> None:
     budget = _binding_budget(model)
     masks = (np.arange(256) < 64, np.zeros(256, dtype=bool))
