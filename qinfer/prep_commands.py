@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from qinfer.app import err, prep, progress_bar
+
+if TYPE_CHECKING:
+    from qinfer_prep.gguf_writer import TensorPlan
 
 
 @prep.command("synth")
@@ -55,12 +60,11 @@ def synth_cmd(
     )
 
 
-def _convert(model_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str) -> None:
-    from qinfer_prep.convert import convert
-    from qinfer_prep.gguf_writer import TensorPlan
-
+@contextmanager
+def tensor_progress(stage: str) -> Iterator[tuple[Callable[[list[TensorPlan]], None], Callable[[TensorPlan], None]]]:
+    """Callbacks for a tensor-by-tensor writer: (on_plan, on_tensor) driving one progress bar."""
     bar = progress_bar()
-    task = bar.add_task("convert", total=None)
+    task = bar.add_task(stage, total=None)
 
     def planned(plans: list[TensorPlan]) -> None:
         # The bar appears only once every input has been checked, so an error is the only output.
@@ -68,17 +72,17 @@ def _convert(model_dir: Path, predictor_dir: Path | None, outfile: Path, outtype
         bar.start()
 
     try:
-        result = convert(
-            model_dir,
-            outfile,
-            predictor_dir,
-            outtype,
-            on_plan=planned,
-            on_tensor=lambda plan: bar.update(task, advance=1, description=plan.name),
-        )
-        bar.update(task, description="convert")
+        yield planned, lambda plan: bar.update(task, advance=1, description=plan.name)
+        bar.update(task, description=stage)
     finally:
         bar.stop()
+
+
+def _convert(model_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str) -> None:
+    from qinfer_prep.convert import convert
+
+    with tensor_progress("convert") as (planned, done):
+        result = convert(model_dir, outfile, predictor_dir, outtype, on_plan=planned, on_tensor=done)
     err.print(f"wrote {result.outfile} ({result.arch}, {result.tensor_count} tensors, {result.nbytes / 2**20:.1f} MiB)")
 
 
@@ -133,27 +137,10 @@ def quantize_cmd(
     qtype: Annotated[str, typer.Argument(help="Q4_0 or Q8_0.")] = "Q4_0",
 ) -> None:
     """Quantize 2-D weights to Q4_0 or Q8_0 (output.weight to Q8_0, norms stay F32), keeping the file's magic."""
-    from qinfer_prep.gguf_writer import TensorPlan
     from qinfer_prep.quantize import quantize_gguf
 
-    bar = progress_bar()
-    task = bar.add_task("quantize", total=None)
-
-    def planned(plans: list[TensorPlan]) -> None:
-        bar.update(task, total=len(plans))
-        bar.start()
-
-    try:
-        result = quantize_gguf(
-            infile,
-            outfile,
-            qtype,
-            on_plan=planned,
-            on_tensor=lambda plan: bar.update(task, advance=1, description=plan.name),
-        )
-        bar.update(task, description="quantize")
-    finally:
-        bar.stop()
+    with tensor_progress("quantize") as (planned, done):
+        result = quantize_gguf(infile, outfile, qtype, on_plan=planned, on_tensor=done)
     if result.kept_f16:
         err.print(f"kept F16 (rows not a multiple of 32): {', '.join(result.kept_f16)}")
     err.print(
