@@ -7,6 +7,7 @@ so rope rotates adjacent pairs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +64,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
+@functools.cache
+def _inv_freq(theta: float, dim: int, device: torch.device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
 def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rope_dim, 2, dtype=torch.float32) / cfg.rope_dim))
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    # The frequencies depend on the model only: computed once, not per layer and step.
+    angles = positions.float()[:, None] * _inv_freq(cfg.rope_theta, cfg.rope_dim, positions.device)[None, :]
     return angles.cos(), angles.sin()
 
 

@@ -58,14 +58,15 @@ def cached_attention(
     """Store k, v [T, kv_heads, d] at the batch's slots and positions, attend q [T, heads, d]; returns [T, heads*d]."""
     n = q.shape[0]
     device = cache.k.device
-    slots, positions = batch.slots.to(device), batch.positions.to(device)
-    cache.k[layer, slots, :, positions] = k.to(cache.k.dtype)
-    cache.v[layer, slots, :, positions] = v.to(cache.v.dtype)
     if batch.single_sequence:
         slot, start = int(batch.slots[0]), int(batch.positions[0])
         end = start + n
-        # Query t (absolute position start+t) sees cached positions up to and including its own.
-        mask = torch.arange(end, device=device)[None, :] <= positions[:, None]
+        # A slice write: no index tensors to build or move for the one sequence's consecutive positions.
+        cache.k[layer, slot, :, start:end] = k.transpose(0, 1)
+        cache.v[layer, slot, :, start:end] = v.transpose(0, 1)
+        # Query t (absolute position start+t) sees cached positions up to and including its own; a single
+        # token sees all of them, so it needs no mask (and SDPA then takes its unmasked kernel).
+        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=device).tril(start)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             cache.k[layer, slot, :, :end].to(q.dtype),
@@ -74,6 +75,9 @@ def cached_attention(
             enable_gqa=True,
         ).transpose(0, 1)
     else:
+        slots, positions = batch.slots.to(device), batch.positions.to(device)
+        cache.k[layer, slots, :, positions] = k.to(cache.k.dtype)
+        cache.v[layer, slots, :, positions] = v.to(cache.v.dtype)
         end = int(batch.positions.max()) + 1
         mask = (torch.arange(end, device=device)[None, :] <= positions[:, None])[:, None, None, :]
         out = F.scaled_dot_product_attention(
