@@ -17,33 +17,61 @@ import torch
 
 from qinfer_runtime.ffn_runners import active_ids
 from qinfer_runtime.neuron_cache import CachePolicy, NeuronCache
-from qinfer_runtime.sparse_ffn import FFNWeights, activations, predicted_mask, sparse_rows
+from qinfer_runtime.quant_rows import QuantizedMatrix
+from qinfer_runtime.sparse_ffn import FFNWeights, Variant, activations, predicted_mask, sparse_rows
 from qinfer_runtime.split_cost import SplitCosts, balance
 from qinfer_runtime.weight_rows import rows_to, weighted_row_sum
+
+Weight = torch.Tensor | QuantizedMatrix
+
+# A dense pass over quantized slots (prefill) expands them this many bytes of rows per matrix at a time, so the
+# transient stays inside the planner's scratch reserve instead of growing with the slots.
+EXPAND_CHUNK_BYTES = 16 << 20
+
+
+def empty_rows(t: Weight, capacity: int, device: torch.device) -> Weight:
+    """Zeroed rows for `capacity` neurons: zero blocks (scale 0) expand to zeros, so empty slots add nothing."""
+    if isinstance(t, QuantizedMatrix):
+        return t.like(torch.zeros(capacity, t.blocks.shape[1], dtype=torch.uint8, device=device))
+    return torch.zeros(capacity, t.shape[1], dtype=t.dtype, device=device)
+
+
+def rows_on(t: Weight, ids: torch.Tensor, device: torch.device) -> Weight:
+    """Rows `ids` on `device`; quantized rows travel as their blocks and are expanded only where they are used."""
+    return t.raw_rows(ids, device) if isinstance(t, QuantizedMatrix) else rows_to(t, ids, device)
+
+
+def weight_bytes(t: Weight | None) -> int:
+    """Bytes a weight really occupies: raw blocks for a quantized one."""
+    if t is None:
+        return 0
+    return t.nbytes if isinstance(t, QuantizedMatrix) else t.numel() * t.element_size()
 
 
 @dataclass
 class DeviceSlots:
-    """One layer's device-resident rows: [capacity, E] per matrix; empty slots hold zeros (they add nothing)."""
+    """One layer's device-resident rows: [capacity, E] per matrix (raw blocks when the file is quantized)."""
 
-    up: torch.Tensor
-    down_t: torch.Tensor
-    gate: torch.Tensor | None
-    fc1: torch.Tensor | None
-    fc2: torch.Tensor | None
+    up: Weight
+    down_t: Weight
+    gate: Weight | None
+    fc1: Weight | None
+    fc2: Weight | None
 
     @classmethod
-    def allocate(cls, w: FFNWeights, capacity: int, device: torch.device) -> DeviceSlots:
-        def empty(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else torch.zeros(capacity, t.shape[1], dtype=t.dtype, device=device)
+    def allocate(cls, w: FFNWeights, capacity: int, device: torch.device, predictors: bool) -> DeviceSlots:
+        """`predictors`: whether fc1/fc2 go to the device too (the planner budgets them where a layer has neurons)."""
 
-        def whole(t: torch.Tensor | None) -> torch.Tensor | None:
+        def empty(t: Weight | None) -> Weight | None:
+            return None if t is None else empty_rows(t, capacity, device)
+
+        def whole(t: Weight | None) -> Weight | None:
             return None if t is None else t.to(device)
 
-        up = torch.zeros(capacity, w.up.shape[1], dtype=w.up.dtype, device=device)
-        down_t = torch.zeros(capacity, w.down_t.shape[1], dtype=w.down_t.dtype, device=device)
-        # The predictors run where the dense parts do, whole.
-        return cls(up, down_t, empty(w.gate), whole(w.fc1), whole(w.fc2))
+        up, down_t = empty_rows(w.up, capacity, device), empty_rows(w.down_t, capacity, device)
+        # On the device the predictors stay whole and still quantized, as the planner budgets them.
+        fc1, fc2 = (whole(w.fc1), whole(w.fc2)) if predictors else (None, None)
+        return cls(up, down_t, empty(w.gate), fc1, fc2)
 
     def load(self, w: FFNWeights, slots: torch.Tensor, neurons: torch.Tensor) -> None:
         """Copy neurons' rows from the mapped weights into `slots`."""
@@ -51,8 +79,25 @@ class DeviceSlots:
             return
         device_slots = slots.to(self.up.device)
         for mine, source in ((self.up, w.up), (self.down_t, w.down_t), (self.gate, w.gate)):
-            if mine is not None and source is not None:
-                mine[device_slots] = rows_to(source, neurons, mine.device)
+            if mine is None or source is None:
+                continue
+            rows = rows_on(source, neurons, mine.device)
+            if isinstance(mine, QuantizedMatrix) and isinstance(rows, QuantizedMatrix):
+                mine.blocks[device_slots] = rows.blocks
+            else:
+                mine[device_slots] = rows
+
+    def dense(self, variant: Variant, x: torch.Tensor) -> torch.Tensor:
+        """The FFN over every slot (prefill); quantized slots are expanded a chunk of rows at a time."""
+        if not isinstance(self.up, QuantizedMatrix):
+            return weighted_row_sum(activations(variant, x, self.gate, self.up), self.down_t)
+        capacity = self.up.shape[0]
+        step = max(1, EXPAND_CHUNK_BYTES // (self.up.shape[1] * self.up.element_size()))
+        out = torch.zeros(x.shape[0], self.down_t.shape[1], device=x.device)
+        for start in range(0, capacity, step):
+            ids = torch.arange(start, min(start + step, capacity), device=x.device)
+            out += sparse_rows(variant, x, self.gate, self.up, self.down_t, ids, None)
+        return out
 
 
 @dataclass
@@ -86,8 +131,8 @@ class HybridRunner:
         policy = policy or CachePolicy()
         self.caches = [NeuronCache(w.neurons, c, r, policy) for w, c, r in zip(layers, caps, resident, strict=True)]
         self.slots = []
-        for w, cache in zip(layers, self.caches, strict=True):
-            slots = DeviceSlots.allocate(w, cache.capacity, device)
+        for w, cache, r in zip(layers, self.caches, resident, strict=True):
+            slots = DeviceSlots.allocate(w, cache.capacity, device, predictors=r.numel() > 0)
             used = torch.nonzero(cache.slot_neuron >= 0).flatten()
             slots.load(w, used, cache.slot_neuron[used])
             self.slots.append(slots)
@@ -96,10 +141,11 @@ class HybridRunner:
 
     def device_bytes(self) -> int:
         """Bytes of neuron rows held on the device (slots, empty ones included)."""
-        total = 0
-        for s in self.slots:
-            total += sum(t.numel() * t.element_size() for t in (s.up, s.down_t, s.gate) if t is not None)
-        return total
+        return sum(weight_bytes(s.up) + weight_bytes(s.down_t) + weight_bytes(s.gate) for s in self.slots)
+
+    def predictor_bytes(self) -> int:
+        """Bytes of the predictors held on the device."""
+        return sum(weight_bytes(s.fc1) + weight_bytes(s.fc2) for s in self.slots)
 
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
         """x and h may live on the CPU (dense parts there) or on the device; the result goes where x is."""
@@ -118,13 +164,16 @@ class HybridRunner:
             return weighted_row_sum(act, w.down_t)
 
         future = self.pool.submit(cpu_part)
-        out = weighted_row_sum(activations(w.variant, x, s.gate, s.up), s.down_t)
-        return out + future.result().to(self.device)
+        return s.dense(w.variant, x) + future.result().to(self.device)
 
     def _decode(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
         batch = x.shape[0]
-        mask = predicted_mask(FFNWeights(w.variant, w.up, w.down_t, w.gate, s.fc1, s.fc2), h, self.threshold).cpu()
+        if s.fc1 is None:
+            # The plan gave this layer no GPU neuron, so it budgeted no room for its predictor there either.
+            mask = predicted_mask(w, h.cpu(), self.threshold)
+        else:
+            mask = predicted_mask(FFNWeights(w.variant, w.up, w.down_t, w.gate, s.fc1, s.fc2), h, self.threshold).cpu()
         ids = active_ids(mask)
         slot_of = cache.neuron_slot[ids]
         on_device = slot_of >= 0
@@ -152,8 +201,8 @@ class HybridRunner:
         out = sparse_rows(w.variant, x, s.gate, s.up, s.down_t, slot_of[dev_pos], token_mask(dev_pos))
         if shipped.numel():
             ship_ids = ids[shipped]
-            gate = None if w.gate is None else rows_to(w.gate, ship_ids, self.device)
-            up, down_t = rows_to(w.up, ship_ids, self.device), rows_to(w.down_t, ship_ids, self.device)
+            gate = None if w.gate is None else rows_on(w.gate, ship_ids, self.device)
+            up, down_t = rows_on(w.up, ship_ids, self.device), rows_on(w.down_t, ship_ids, self.device)
             all_rows = torch.arange(ship_ids.numel(), device=self.device)
             out = out + sparse_rows(w.variant, x, gate, up, down_t, all_rows, token_mask(shipped))
         out = out + future.result().to(self.device)

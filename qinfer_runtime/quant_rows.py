@@ -47,8 +47,9 @@ def dequantize_rows(
 class QuantizedMatrix:
     """A Q4_0/Q8_0 weight kept as its raw blocks (uint8 [R, row_bytes]); rows are expanded to `dtype` on demand.
 
-    It answers the few tensor questions the runtime asks of a weight (shape, dtype, device, element_size, to)
-    as the dequantized matrix would, so FFN code sizes buffers for the expanded rows it will hold.
+    It answers the few tensor questions the runtime asks of a weight (shape, dtype, device, element_size)
+    as the dequantized matrix would, so FFN code sizes buffers for the expanded rows it will hold. Moving it
+    (`to`) moves the blocks: a device copy stays quantized, as the planner budgets it.
     """
 
     def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, dtype: torch.dtype = torch.float32):
@@ -62,6 +63,10 @@ class QuantizedMatrix:
     def device(self) -> torch.device:
         return self.blocks.device
 
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
     def element_size(self) -> int:
         return torch.empty(0, dtype=self.dtype).element_size()
 
@@ -71,5 +76,13 @@ class QuantizedMatrix:
     def dense(self) -> torch.Tensor:
         return dequantize_rows(self.blocks, self.qtype, None, self.dtype)
 
-    def to(self, device: torch.device | str) -> torch.Tensor:
-        return self.dense().to(device)
+    def like(self, blocks: torch.Tensor) -> QuantizedMatrix:
+        """Other blocks of this type and row length (a subset of rows, a device copy, empty slots)."""
+        return QuantizedMatrix(blocks, self.qtype, self.dtype)
+
+    def raw_rows(self, ids: torch.Tensor, device: torch.device | str) -> QuantizedMatrix:
+        """Rows `ids`, still quantized, on `device` (Q4_0 moves 18 bytes per 32 weights where float32 moves 128)."""
+        return self.like(self.blocks.index_select(0, ids.to(self.device)).to(device))
+
+    def to(self, device: torch.device | str) -> QuantizedMatrix:
+        return self.like(self.blocks.to(device))
