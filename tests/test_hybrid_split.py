@@ -21,24 +21,17 @@ from qinfer_runtime.hybrid_ffn import HybridRunner
 from qinfer_runtime.model_forward import KVCache
 from qinfer_runtime.sampling import SamplingParams
 from qinfer_runtime.split_cost import SplitCosts
+from tests.fake_activation import write_power_law_activation
 
 PROMPTS = ["Once upon a time", "The dog ran fast, and the cat slept.", "Tom said"]
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def _activation(directory: Path, layers: int = 2, f: int = 256, seed: int = 0) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for i in range(layers):
-        counts = (1000.0 / np.arange(1, f + 1)) ** 1.2
-        torch.save(torch.tensor(rng.permutation(counts), dtype=torch.float32), directory / f"activation_{i}.pt")
 
 
 @pytest.fixture
 def model(tmp_path: Path, gguf_files: dict[str, Path]) -> Path:
     path = tmp_path / "tiny.powerinfer.gguf"
     shutil.copy(gguf_files["pi-f32"], path)
-    _activation(tmp_path / "activation")
+    write_power_law_activation(tmp_path / "activation")
     return path
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from planner.activation_stats import activation_files, load_activation
@@ -18,21 +17,14 @@ from planner.errors import PlanError
 from planner.gpuidx import GpuIndex, gpuidx_path_for, read_gpuidx, write_gpuidx
 from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx, make_plan
 from qinfer.cli import app
-
-
-def _activation(directory: Path, layers: int = 2, f: int = 256, seed: int = 0) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for i in range(layers):
-        counts = (1000.0 / np.arange(1, f + 1)) ** 1.2
-        torch.save(torch.tensor(rng.permutation(counts), dtype=torch.float32), directory / f"activation_{i}.pt")
+from tests.fake_activation import write_power_law_activation
 
 
 @pytest.fixture
 def model(tmp_path: Path, gguf_files: dict[str, Path]) -> Path:
     path = tmp_path / "tiny.powerinfer.gguf"
     shutil.copy(gguf_files["pi-f16"], path)
-    _activation(tmp_path / "activation")
+    write_power_law_activation(tmp_path / "activation")
     return path
 
 
@@ -53,7 +45,7 @@ def test_layer_files_sort_by_integer_index(tmp_path: Path) -> None:
 
 
 def test_wrong_length_activation_is_refused(tmp_path: Path) -> None:
-    _activation(tmp_path, f=100)
+    write_power_law_activation(tmp_path, f=100)
     with pytest.raises(PlanError, match="expected a 1-D tensor of 256 counts"):
         load_activation(tmp_path, (256, 256))
 
@@ -77,7 +69,7 @@ def test_plan_is_written_reused_and_read_back(model: Path) -> None:
 def test_stale_plan_is_refused_until_reset(model: Path) -> None:
     budget = _binding_budget(model)
     load_or_make_gpuidx(model, budget)
-    _activation(model.parent / "activation", seed=1)
+    write_power_law_activation(model.parent / "activation", seed=1)
     with pytest.raises(PlanError, match="stale: activation files changed.*--reset-gpu-index"):
         load_or_make_gpuidx(model, budget)
     with pytest.raises(PlanError, match="stale: activation files, vram budget changed"):
