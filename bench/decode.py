@@ -1,10 +1,11 @@
 """Decode speed on the CPU, side by side in one run: transformers, our runtime dense, our runtime sparse.
 
-    .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 3] [--work work/bench] [-t N]
+    .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 5] [--work work/bench] [-t N]
 
 (a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
 (b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
-GGUF. Decode tokens/s is 1 / the median time of one decode step over n steps after the prompt (transformers'
+GGUF, with the native sparse FFN kernel, and (c') the same on torch's gather path (QINFER_NATIVE=0).
+Decode tokens/s is 1 / the median time of one decode step over n steps after the prompt (transformers'
 steps are timed by a logits processor), best of --rounds interleaved runs, so that other load on a shared
 machine skews it little. Models are built under --work on first use (`bench_model`, also used by
 bench/gpu_check.sh); the 7B slice takes about a minute and 4 GB of RAM.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -97,10 +99,11 @@ def transformers_decoder(model_dir: Path, prompt_ids: list[int], n: int, dtype: 
     return tps
 
 
-def runtime_decoder(path: Path, ffn: str, prompt_ids: list[int], n: int) -> Callable[[], float]:
+def runtime_decoder(path: Path, ffn: str, prompt_ids: list[int], n: int, native: bool = True) -> Callable[[], float]:
     engine = Engine.open(path, ctx_size=len(prompt_ids) + n + 8, ffn=ffn)
 
     def tps() -> float:
+        os.environ["QINFER_NATIVE"] = "1" if native else "0"
         engine.submit(Request(prompt_ids, n + 2, GREEDY, ignore_eos=True))
         engine.step()
         seconds = []
@@ -118,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="synth,7b-slice", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the best of each is shown")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions; the best of each is shown")
     parser.add_argument("--work", type=Path, default=Path("work/bench"))
     parser.add_argument("-t", "--threads", type=int, default=0)
     args = parser.parse_args()
@@ -126,7 +129,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     console = Console()
     table = Table(title=f"decode tokens/s on the CPU ({torch.get_num_threads()} threads, {args.tokens} tokens)")
-    for col in ("model", "(a) HF f16", "(a) HF f32", "(b) ours dense", "(c) ours sparse", "b / best a", "c / b"):
+    columns = ("model", "(a) HF f16", "(a) HF f32", "(b) ours dense", "(c) ours sparse", "(c') torch path")
+    for col in (*columns, "b / best a", "c / b", "c' / b"):
         table.add_column(col, justify="right")
     for name in args.models.split(","):
         model = bench_model(args.work, name)
@@ -136,23 +140,30 @@ def main() -> None:
             "hf32": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float32),
             "dense": runtime_decoder(model.dense, "dense", prompt_ids, args.tokens),
             "sparse": runtime_decoder(model.powerinfer, "sparse", prompt_ids, args.tokens),
+            "torch": runtime_decoder(model.powerinfer, "sparse", prompt_ids, args.tokens, native=False),
         }
         best: dict[str, float] = dict.fromkeys(decoders, 0.0)
         # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run.
         for _ in range(args.rounds):
             for key, decode in decoders.items():
                 best[key] = max(best[key], decode())
-        hf16, hf32, dense, sparse = best["hf16"], best["hf32"], best["dense"], best["sparse"]
+        os.environ.pop("QINFER_NATIVE")
+        hf16, hf32, dense, sparse, gather = (best[k] for k in ("hf16", "hf32", "dense", "sparse", "torch"))
         baseline = max(hf16, hf32)
-        console.print(f"{name}: HF f16 {hf16:.2f}, HF f32 {hf32:.2f}, dense {dense:.2f}, sparse {sparse:.2f} tok/s")
+        console.print(
+            f"{name}: HF f16 {hf16:.2f}, HF f32 {hf32:.2f}, dense {dense:.2f}, sparse {sparse:.2f}, "
+            f"sparse on torch's path {gather:.2f} tok/s"
+        )
         table.add_row(
             name,
             f"{hf16:.2f}",
             f"{hf32:.2f}",
             f"{dense:.2f}",
             f"{sparse:.2f}",
+            f"{gather:.2f}",
             f"{dense / baseline:.2f}x",
             f"{sparse / dense:.2f}x",
+            f"{gather / dense:.2f}x",
         )
     console.print(table)
 

@@ -39,8 +39,9 @@ def gather_rows(weight: torch.Tensor | QuantizedMatrix, ids: torch.Tensor, scrat
     ids = ids.to(weight.device)
     if scratch is None or weight.device.type != "cpu":
         return torch.index_select(weight, 0, ids)
-    buffers: dict[tuple[str, torch.dtype, int], torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
-    key = (scratch, weight.dtype, weight.shape[1])
+    buffers: dict[tuple[str, torch.dtype, int, bool], torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    # A buffer made under inference mode cannot be written outside it (and the other way round).
+    key = (scratch, weight.dtype, weight.shape[1], torch.is_inference_mode_enabled())
     buf = buffers.get(key)
     if buf is None or buf.shape[0] < ids.numel():
         grown = max(ids.numel(), 2 * (0 if buf is None else buf.shape[0]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,9 @@ def test_oracle_sparse_equals_dense_for_each_variant(variant: str, dtype: torch.
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
     mask = select(w, x, x, 0.0, "oracle")
     ids = active_ids(mask)
-    tol = 1e-6 if dtype == torch.float32 else 2e-3  # only the summation order of the down projection differs
+    # f32: only the summation order of the down projection differs. f16: the torch path rounds x and products to
+    # half (up to ~2.5e-3 here) while the native kernel sums in float32 (within 1e-6 of float64).
+    tol = 1e-6 if dtype == torch.float32 else 5e-3
     assert 0 < ids.numel() < w.neurons  # some neurons idle, so the sparse path really skips rows
     for t in range(3):
         one = sparse_rows(w.variant, x[t : t + 1], w.gate, w.up, w.down_t, torch.nonzero(mask[t]).flatten(), None)
@@ -92,3 +95,19 @@ def test_predictor_sparse_model_computes_few_neurons_and_stays_on_track(
     assert computed and sum(computed) / len(computed) < 0.5 * model.config.ffn  # the synth model fires ~10%
     # The synth predictors are exact (recall 1.0), so predictor-sparse decoding is dense decoding.
     assert tokens == _greedy(LlamaForward(model), gguf_files["pi-f32"])
+
+
+def test_gather_scratch_works_in_and_out_of_inference_mode() -> None:
+    w = _weights("llama", torch.float32)
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(5))
+    ids = torch.arange(0, 96, 2)
+
+    def inside_then_outside() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            inside = sparse_rows(w.variant, x, w.gate, w.up, w.down_t, ids, None)
+        return inside, sparse_rows(w.variant, x, w.gate, w.up, w.down_t, ids, None)
+
+    # Scratch buffers are per thread: a fresh thread makes the first one under inference mode.
+    with ThreadPoolExecutor(1) as pool:
+        inside, outside = pool.submit(inside_then_outside).result()
+    assert torch.equal(inside, outside)
