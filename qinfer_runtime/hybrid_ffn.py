@@ -24,11 +24,6 @@ from qinfer_runtime.weight_rows import rows_to, weighted_row_sum
 
 Weight = torch.Tensor | QuantizedMatrix
 
-# A dense pass over quantized slots (prefill) expands them this many bytes of rows per matrix at a time, so the
-# transient stays inside the planner's scratch reserve instead of growing with the slots.
-EXPAND_CHUNK_BYTES = 16 << 20
-
-
 def empty_rows(t: Weight, capacity: int, device: torch.device) -> Weight:
     """Zeroed rows for `capacity` neurons: zero blocks (scale 0) expand to zeros, so empty slots add nothing."""
     if isinstance(t, QuantizedMatrix):
@@ -91,8 +86,8 @@ class DeviceSlots:
         """The FFN over every slot (prefill); quantized slots are expanded a chunk of rows at a time."""
         if not isinstance(self.up, QuantizedMatrix):
             return weighted_row_sum(activations(variant, x, self.gate, self.up), self.down_t)
-        capacity = self.up.shape[0]
-        step = max(1, EXPAND_CHUNK_BYTES // (self.up.shape[1] * self.up.element_size()))
+        # Chunks of rows, so the expanded transient stays inside the planner's scratch reserve.
+        capacity, step = self.up.shape[0], self.up.chunk_rows()
         out = torch.zeros(x.shape[0], self.down_t.shape[1], device=x.device)
         for start in range(0, capacity, step):
             ids = torch.arange(start, min(start + step, capacity), device=x.device)

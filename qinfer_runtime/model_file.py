@@ -17,9 +17,9 @@ from qinfer_runtime.quant_rows import QUANTIZED_TYPES, QuantizedMatrix
 SUPPORTED_ARCHS = ("llama", "bamboo", "falcon")
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 _TORCH_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16}
-# Quantized tensors whose rows are neurons stay as raw blocks, expanded row by row as neurons are used; the
-# dense parts (attention, embedding, output, a dense GGUF's ffn_down) are expanded to float32 once, at load.
-_ROW_TENSORS = ("ffn_up.weight", "ffn_gate.weight", "ffn_down_t.weight", "fc1.weight", "fc2.weight")
+# Quantized matrices stay raw blocks (the native kernels read them as they are; elsewhere rows are expanded as
+# they are used), except the token embedding, which is looked up row by row and so expanded once, at load.
+_EXPANDED_AT_LOAD = "token_embd.weight"
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,10 @@ def _tensors(reader: PowerInferReader, path: Path) -> dict[str, torch.Tensor | Q
     tensors: dict[str, torch.Tensor | QuantizedMatrix] = {}
     for t in reader.tensors:
         if t.tensor_type in QUANTIZED_TYPES:
-            blocks = torch.from_numpy(t.data)
-            rows = t.name.endswith(_ROW_TENSORS)
             tensors[t.name] = (
-                QuantizedMatrix(blocks, t.tensor_type) if rows else torch.from_numpy(dequantize(t.data, t.tensor_type))
+                torch.from_numpy(dequantize(t.data, t.tensor_type))
+                if t.name == _EXPANDED_AT_LOAD
+                else QuantizedMatrix(torch.from_numpy(t.data), t.tensor_type)
             )
             continue
         dtype = _TORCH_TYPES.get(t.tensor_type)

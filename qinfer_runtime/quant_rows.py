@@ -12,6 +12,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+# Whole-matrix products expand this many bytes of rows at a time, so the float copy stays a bounded transient
+# (inside the planner's scratch reserve on a GPU) instead of the size of the matrix.
+EXPAND_CHUNK_BYTES = 16 << 20
 
 
 def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +79,17 @@ class QuantizedMatrix:
     def dense(self) -> torch.Tensor:
         return dequantize_rows(self.blocks, self.qtype, None, self.dtype)
 
+    def row_range(self, start: int, end: int) -> torch.Tensor:
+        return dequantize_rows(self.blocks[start:end], self.qtype, None, self.dtype)
+
+    def chunk_rows(self) -> int:
+        """Rows per expansion chunk (EXPAND_CHUNK_BYTES of expanded rows)."""
+        return max(1, EXPAND_CHUNK_BYTES // (self.shape[1] * self.element_size()))
+
+    @property
+    def T(self) -> TransposedQuantized:  # noqa: N802 - mirrors torch.Tensor.T
+        return TransposedQuantized(self)
+
     def like(self, blocks: torch.Tensor) -> QuantizedMatrix:
         """Other blocks of this type and row length (a subset of rows, a device copy, empty slots)."""
         return QuantizedMatrix(blocks, self.qtype, self.dtype)
@@ -86,3 +100,17 @@ class QuantizedMatrix:
 
     def to(self, device: torch.device | str) -> QuantizedMatrix:
         return self.like(self.blocks.to(device))
+
+
+class TransposedQuantized:
+    """The transpose of a quantized matrix, as a dense GGUF's ffn_down [E, F] is read for the down_t [F, E] row
+    layout: whole products use the matrix itself; picking its rows (columns of the file's) expands it."""
+
+    def __init__(self, matrix: QuantizedMatrix):
+        self.matrix = matrix
+        self.shape = torch.Size((matrix.shape[1], matrix.shape[0]))
+        self.dtype = matrix.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.matrix.device

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from qinfer_runtime import sparse_ffn_native
+from qinfer_runtime import row_kernels
 from qinfer_runtime.errors import RunError
 from qinfer_runtime.weight_rows import gather_rows, linear, weighted_row_sum
 
@@ -69,8 +69,8 @@ def sparse_rows(
     only the neurons selected for it (None: all of them)."""
     if ids.numel() == 0:
         return torch.zeros(x.shape[0], down_t.shape[1], device=x.device)
-    if mask is None and sparse_ffn_native.applies(variant, x, gate, up, down_t):
-        return sparse_ffn_native.sparse_ffn(variant, x, gate, up, down_t, ids)
+    if mask is None and (out := row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids)) is not None:
+        return out
     # `activations` consumes both gathers before anything reuses their scratch buffers.
     gate_rows = None if gate is None else gather_rows(gate, ids, "gate")
     act = activations(variant, x, gate_rows, gather_rows(up, ids, "up"))

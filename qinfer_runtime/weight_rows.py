@@ -12,7 +12,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from qinfer_runtime.quant_rows import QuantizedMatrix
+from qinfer_runtime import row_kernels
+from qinfer_runtime.quant_rows import QuantizedMatrix, TransposedQuantized
 
 # Up to this many tokens a weighted row sum runs as an embedding bag, which reads each selected row once and
 # needs no copy; beyond it a matmul on gathered float32 rows wins.
@@ -23,8 +24,19 @@ _scratch = threading.local()
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
     """x @ weight.T in the weight's dtype, as float32."""
     if isinstance(weight, QuantizedMatrix):
-        weight = weight.dense()
+        out = row_kernels.matvec(x, weight)
+        return _expanded_linear(x, weight) if out is None else out
     return F.linear(x.to(weight.dtype), weight).float()
+
+
+def _expanded_linear(x: torch.Tensor, weight: QuantizedMatrix) -> torch.Tensor:
+    """x @ weight.T over a chunk of expanded rows at a time (prompts, and matrices on a GPU)."""
+    rows, step = weight.shape[0], weight.chunk_rows()
+    out = torch.empty(x.shape[0], rows, device=x.device)
+    for start in range(0, rows, step):
+        chunk = weight.row_range(start, min(start + step, rows))
+        out[:, start : start + chunk.shape[0]] = F.linear(x.to(chunk.dtype), chunk).float()
+    return out
 
 
 def gather_rows(weight: torch.Tensor | QuantizedMatrix, ids: torch.Tensor, scratch: str | None = None) -> torch.Tensor:
@@ -55,7 +67,7 @@ def rows_to(weight: torch.Tensor, ids: torch.Tensor, device: torch.device | str)
 
 
 def weighted_row_sum(
-    act: torch.Tensor, weight: torch.Tensor | QuantizedMatrix, ids: torch.Tensor | None = None
+    act: torch.Tensor, weight: torch.Tensor | QuantizedMatrix | TransposedQuantized, ids: torch.Tensor | None = None
 ) -> torch.Tensor:
     """sum_j act[t, j] * weight[ids[j]] for each token t, as float32 [T, E]; ids None means all rows.
 
@@ -63,6 +75,11 @@ def weighted_row_sum(
     transposed view of a contiguous [E, F] matrix, where a plain linear is fastest. Row-major [F, E] with a
     vector on the left is a slow path for CPU half-precision matmuls, so few tokens go through an embedding bag.
     """
+    if isinstance(weight, TransposedQuantized):
+        if ids is None:
+            return linear(act, weight.matrix)
+        # Rows of the transpose are columns of the stored blocks: only an oracle check of a dense file gets here.
+        weight = weight.matrix.dense().T
     if isinstance(weight, QuantizedMatrix):
         weight = weight.dense() if ids is None else weight.rows(ids)
         return act.to(weight.dtype).matmul(weight).float()

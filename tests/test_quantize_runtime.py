@@ -13,7 +13,7 @@ from planner.budget import GIB
 from planner.make_plan import PlanOptions, dry_run_account
 from qinfer_prep.activation_files import write_activations
 from qinfer_prep.quantize import quantize_gguf
-from qinfer_runtime import hybrid_ffn
+from qinfer_runtime import quant_rows
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
 from qinfer_runtime.generate import generate
@@ -120,5 +120,5 @@ def test_prefill_over_quantized_slots_expands_chunk_by_chunk(q4: Path, monkeypat
     slots.load(w, torch.arange(w.neurons), order)
     x = torch.randn(7, w.up.shape[1], generator=torch.Generator().manual_seed(2))
     # 40 expanded rows per chunk: the 261 slots (5 empty) take 7 chunks, and the sum is the layer's dense FFN.
-    monkeypatch.setattr(hybrid_ffn, "EXPAND_CHUNK_BYTES", 40 * w.up.shape[1] * 4)
+    monkeypatch.setattr(quant_rows, "EXPAND_CHUNK_BYTES", 40 * w.up.shape[1] * 4)
     assert torch.allclose(slots.dense(w.variant, x), dense_ffn(w, x), rtol=0, atol=1e-4)

@@ -1,0 +1,241 @@
+/* Decode-time products over weight rows read straight from the (mapped) file: a sparse ReLU FFN over rows picked
+ * by id, and a matrix-vector product over all rows. Rows are F16, Q4_0 or Q8_0 (ggml block layouts, see
+ * qinfer_runtime/quant_rows.py), so quantized weights are never expanded into a float copy.
+ *
+ * torch can only compute on picked rows after gathering them into a new tensor, which writes every byte it
+ * reads and then reads it again, and on quantized rows only after dequantizing them; here each row is read once.
+ * Built on first use by qinfer_runtime/sparse_ffn_native.py with the machine's C compiler and OpenMP.
+ *
+ * A weight is a base pointer, a row stride in bytes and a type (0 F16, 1 Q4_0, 2 Q8_0). Neuron ids[j] is row
+ * ids[j] of gate, up and down_t. variant: 0 llama relu(g)*u, 1 bamboo relu(g)*relu(u), 2 falcon relu(u).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+enum { F16 = 0, Q4_0 = 1, Q8_0 = 2 };
+#define QK 32 /* weights per quantized block */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LANES 16
+typedef __m512 vec;
+static inline vec vload_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vset(float a) { return _mm512_set1_ps(a); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+/* 16 signed bytes, or 16 nibbles (low or high halves of 16 bytes) minus 8, as floats. */
+static inline vec vload_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline void vload_q4(const uint8_t *p, vec *lo, vec *hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), eight = _mm512_set1_epi32(8);
+    *lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), eight));
+    *hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define LANES 8
+typedef __m256 vec;
+static inline vec vload_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vset(float a) { return _mm256_set1_ps(a); }
+static inline float vsum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define LANES 1
+#endif
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* Subnormal half: normalise the mantissa into a float exponent. */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float block_scale(const uint8_t *block) { return half_to_float((uint16_t)(block[0] | block[1] << 8)); }
+
+static inline int64_t block_bytes(int type) { return type == Q4_0 ? 2 + QK / 2 : 2 + QK; }
+
+/* Weights i0..i0+31 of a quantized row as floats (one block; i0 is a multiple of 32). */
+static void dequantize_block(int type, const uint8_t *row, int64_t i0, float *w) {
+    const uint8_t *b = row + i0 / QK * block_bytes(type);
+    float d = block_scale(b);
+    for (int i = 0; i < QK / 2; i++) {
+        if (type == Q4_0) {
+            w[i] = d * (float)((b[2 + i] & 15) - 8);
+            w[i + QK / 2] = d * (float)((b[2 + i] >> 4) - 8);
+        } else {
+            w[i] = d * (float)(int8_t)b[2 + i];
+            w[i + QK / 2] = d * (float)(int8_t)b[2 + QK / 2 + i];
+        }
+    }
+}
+
+/* Rows are scattered, so the hardware prefetcher restarts at each one; reading the next row (`next`) ahead while
+ * this one is summed keeps enough reads in flight to run near memory bandwidth. */
+static inline void prefetch(const uint8_t *next, int64_t byte) { __builtin_prefetch(next + byte); }
+
+static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if LANES > 1
+    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (; i + 4 * LANES <= n; i += 4 * LANES) {
+        prefetch(next, 2 * i);
+        prefetch(next, 2 * i + 64);
+        a0 = vfma(vload_half(w + i), vload(x + i), a0);
+        a1 = vfma(vload_half(w + i + LANES), vload(x + i + LANES), a1);
+        a2 = vfma(vload_half(w + i + 2 * LANES), vload(x + i + 2 * LANES), a2);
+        a3 = vfma(vload_half(w + i + 3 * LANES), vload(x + i + 3 * LANES), a3);
+    }
+    s = vsum(a0) + vsum(a1) + vsum(a2) + vsum(a3);
+#endif
+    for (; i < n; i++) s += half_to_float(w[i]) * x[i];
+    return s;
+}
+
+/* n is a multiple of 32 for quantized rows (the file format requires it). */
+static float dot_quant(int type, const uint8_t *row, const uint8_t *next, const float *x, int64_t n) {
+    int64_t bb = block_bytes(type);
+#if LANES == 16
+    vec acc = vzero();
+    for (int64_t i = 0; i < n; i += QK) {
+        const uint8_t *b = row + i / QK * bb;
+        prefetch(next, i / QK * bb);
+        vec lo, hi;
+        if (type == Q4_0) {
+            vload_q4(b + 2, &lo, &hi);
+        } else {
+            lo = vload_i8((const int8_t *)b + 2);
+            hi = vload_i8((const int8_t *)b + 2 + 16);
+        }
+        acc = vfma(vset(block_scale(b)), vfma(hi, vload(x + i + 16), _mm512_mul_ps(lo, vload(x + i))), acc);
+    }
+    return vsum(acc);
+#else
+    float s = 0.0f, w[QK];
+    for (int64_t i = 0; i < n; i += QK) {
+        prefetch(next, i / QK * bb);
+        dequantize_block(type, row, i, w);
+        for (int k = 0; k < QK; k++) s += w[k] * x[i + k];
+    }
+    return s;
+#endif
+}
+
+static float dot_row(int type, const uint8_t *row, const uint8_t *next, const float *x, int64_t n) {
+    return type == F16 ? dot_f16((const uint16_t *)row, next, x, n) : dot_quant(type, row, next, x, n);
+}
+
+/* out[0:w] += sum over 4 rows of a[m] * row_m[c0:c0+w] (four rows per pass read and write out a quarter as often).
+ * For quantized rows c0 and w are multiples of 32. */
+static void add_rows4(int type, float *out, const uint8_t *const r[4], const float a[4], int64_t c0, int64_t w) {
+    int64_t c = 0;
+    if (type == F16) {
+        const uint16_t *h[4];
+        for (int m = 0; m < 4; m++) h[m] = (const uint16_t *)r[m] + c0;
+#if LANES > 1
+        vec b0 = vset(a[0]), b1 = vset(a[1]), b2 = vset(a[2]), b3 = vset(a[3]);
+        for (; c + LANES <= w; c += LANES) {
+            vec s = vload(out + c);
+            s = vfma(vload_half(h[0] + c), b0, s);
+            s = vfma(vload_half(h[1] + c), b1, s);
+            s = vfma(vload_half(h[2] + c), b2, s);
+            s = vfma(vload_half(h[3] + c), b3, s);
+            vstore(out + c, s);
+        }
+#endif
+        for (; c < w; c++)
+            out[c] += a[0] * half_to_float(h[0][c]) + a[1] * half_to_float(h[1][c]) + a[2] * half_to_float(h[2][c]) +
+                      a[3] * half_to_float(h[3][c]);
+        return;
+    }
+    float q[4][QK];
+    for (; c < w; c += QK) {
+        for (int m = 0; m < 4; m++) dequantize_block(type, r[m], c0 + c, q[m]);
+        for (int k = 0; k < QK; k++) out[c + k] += a[0] * q[0][k] + a[1] * q[1][k] + a[2] * q[2][k] + a[3] * q[3][k];
+    }
+}
+
+/* act[j] for each selected neuron, then out[n] = sum_j act[j] * down_t[ids[j]]. act is caller scratch [k]. */
+void qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const uint8_t *up, int64_t up_stride,
+                       int up_type, const uint8_t *down, int64_t down_stride, int down_type, const float *x, int64_t n,
+                       const int64_t *ids, int64_t k, int variant, float *act, float *out, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < k; j++) {
+            int64_t next = ids[j + 1 < k ? j + 1 : j];
+            float g = 1.0f;
+            if (variant != 2) {
+                g = dot_row(gate_type, gate + ids[j] * gate_stride, gate + next * gate_stride, x, n);
+                /* A neuron whose gate does not fire contributes nothing: its up and down rows are never read. */
+                if (g <= 0.0f) {
+                    act[j] = 0.0f;
+                    continue;
+                }
+            }
+            float u = dot_row(up_type, up + ids[j] * up_stride, up + next * up_stride, x, n);
+            if (variant != 0 && u < 0.0f) u = 0.0f;
+            act[j] = variant == 2 ? u : g * u;
+        }
+        /* Each thread owns a slice of the output columns (whole blocks), so the sums need no locks. */
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t per = ((n + nt - 1) / nt + QK - 1) / QK * QK;
+        int64_t c0 = t * per < n ? t * per : n, c1 = c0 + per < n ? c0 + per : n;
+        float *o = out + c0;
+        memset(o, 0, (size_t)(c1 - c0) * sizeof(float));
+        const uint8_t *rows[4];
+        float a[4];
+        int m = 0;
+        for (int64_t j = 0; j < k && c0 < c1; j++) {
+            if (act[j] == 0.0f) continue;
+            rows[m] = down + ids[j] * down_stride;
+            a[m] = act[j];
+            if (++m == 4) {
+                add_rows4(down_type, o, rows, a, c0, c1 - c0);
+                m = 0;
+            }
+        }
+        if (m > 0 && c0 < c1) {
+            for (int i = m; i < 4; i++) {
+                rows[i] = rows[0];
+                a[i] = 0.0f;
+            }
+            add_rows4(down_type, o, rows, a, c0, c1 - c0);
+        }
+    }
+}
+
+/* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n]: each row is read once for all of them. */
+void qinfer_matvec(const uint8_t *w, int64_t stride, int type, int64_t rows, const float *x, int64_t n,
+                   int64_t tokens, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * stride, *next = w + (r + 1 < rows ? r + 1 : r) * stride;
+        for (int64_t t = 0; t < tokens; t++) out[t * rows + r] = dot_row(type, row, next, x + t * n, n);
+    }
+}

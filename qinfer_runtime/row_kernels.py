@@ -1,0 +1,147 @@
+"""Native decode kernels over weight rows (row_kernels.c): the sparse FFN of one token over F16, Q4_0 or Q8_0
+rows picked by id, and matrix-vector products over quantized matrices, both without a float copy of the rows.
+
+The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and OpenMP into the user
+cache (`$XDG_CACHE_HOME/qinfer/kernels`, named by a hash of the source and the compiler) and loaded with ctypes.
+Where it cannot be built the runtime keeps its torch path (gather, or expand then matmul), so the kernels are an
+accelerator, never a requirement; QINFER_NATIVE=0 turns them off (for side-by-side benchmarks and debugging).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+from qinfer_runtime.quant_rows import QuantizedMatrix
+
+SOURCE = Path(__file__).with_name("row_kernels.c")
+VARIANT_CODES = {"llama": 0, "bamboo": 1, "falcon": 2}
+TYPE_CODES = {GGMLQuantizationType.Q4_0: 1, GGMLQuantizationType.Q8_0: 2}
+# Tuned flags first; the portable build is for compilers that do not know -march=native.
+FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
+# Up to this many tokens a quantized matrix-vector product reads each row once for all of them; beyond it
+# (prompts) expanding rows and one matmul wins.
+MATVEC_MAX_TOKENS = 8
+
+Rows = torch.Tensor | QuantizedMatrix
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qinfer" / "kernels"
+
+
+def _build(compiler: str, target: Path) -> str | None:
+    """Compile SOURCE into `target` (atomically); the compiler's last error line when no flag set works."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    error = ""
+    for flags in FLAG_SETS:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+        os.close(fd)
+        cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            Path(tmp).unlink(missing_ok=True)
+            return str(exc)
+        if done.returncode == 0:
+            os.replace(tmp, target)
+            # Builds of older sources are never loaded again.
+            for stale in target.parent.glob("row_kernels_*.so"):
+                if stale != target:
+                    stale.unlink(missing_ok=True)
+            return None
+        Path(tmp).unlink(missing_ok=True)
+        error = (done.stderr.strip().splitlines() or ["failed"])[-1]
+    return error
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where no compiler with OpenMP builds them (one line on stderr says so)."""
+    compiler = os.environ.get("CC", "cc")
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{compiler}|{platform.machine()}".encode()).hexdigest()[:16]
+    target = cache_dir() / f"row_kernels_{key}.so"
+    try:
+        if not target.exists() and (error := _build(compiler, target)) is not None:
+            print(
+                f"qinfer: native row kernels not built ({compiler}: {error}); using torch's slower path",
+                file=sys.stderr,
+            )
+            return None
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        print(f"qinfer: native row kernels not loaded ({exc}); using torch's slower path", file=sys.stderr)
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.qinfer_sparse_ffn.argtypes = [p, i64, i32, p, i64, i32, p, i64, i32, p, i64, p, i64, i32, p, p, i32]
+    lib.qinfer_sparse_ffn.restype = None
+    lib.qinfer_matvec.argtypes = [p, i64, i32, i64, p, i64, i64, p, i32]
+    lib.qinfer_matvec.restype = None
+    return lib
+
+
+def enabled() -> bool:
+    return os.environ.get("QINFER_NATIVE", "1") != "0" and kernel() is not None
+
+
+def _layout(t: object) -> tuple[int, int, int] | None:
+    """(address, row stride in bytes, type code) of CPU rows the kernels read, or None where they cannot."""
+    if isinstance(t, QuantizedMatrix):
+        b = t.blocks
+        if b.device.type != "cpu" or b.stride(1) != 1 or t.qtype not in TYPE_CODES:
+            return None
+        return b.data_ptr(), b.stride(0), TYPE_CODES[t.qtype]
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.float16 or t.stride(1) != 1:
+        return None
+    return t.data_ptr(), t.stride(0) * 2, 0
+
+
+def sparse_ffn(
+    variant: str, x: torch.Tensor, gate: Rows | None, up: Rows, down_t: Rows, ids: torch.Tensor
+) -> torch.Tensor | None:
+    """FFN output [1, E] float32 of neurons `ids` for the single CPU token x [1, E], or None where the kernel does
+    not apply (off, several tokens, a device, float32 rows, a llama FFN without gate)."""
+    if x.shape[0] != 1 or x.device.type != "cpu" or (gate is None and variant != "falcon") or not enabled():
+        return None
+    layouts = [_layout(t) for t in (up if gate is None else gate, up, down_t)]
+    if any(lay is None for lay in layouts):
+        return None
+    (g, gs, gt), (u, us, ut), (d, ds, dt) = layouts  # type: ignore[misc]
+    xf = x.reshape(-1).float().contiguous()
+    ids64 = ids.to(torch.int64).contiguous()
+    act = torch.empty(ids64.numel())
+    out = torch.empty(1, down_t.shape[1])
+    kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
+        g, gs, gt, u, us, ut, d, ds, dt, xf.data_ptr(), up.shape[1], ids64.data_ptr(), ids64.numel(),
+        VARIANT_CODES[variant], act.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def matvec(x: torch.Tensor, weight: QuantizedMatrix) -> torch.Tensor | None:
+    """x [T, E] @ weight.T as float32 [T, R] for a few CPU tokens over a quantized matrix, or None where the
+    kernel does not apply."""
+    if x.shape[0] > MATVEC_MAX_TOKENS or x.device.type != "cpu" or not enabled():
+        return None
+    layout = _layout(weight)
+    if layout is None:
+        return None
+    address, stride, code = layout
+    xf = x.float().contiguous()
+    rows = weight.shape[0]
+    out = torch.empty(x.shape[0], rows)
+    kernel().qinfer_matvec(  # type: ignore[union-attr]
+        address, stride, code, rows, xf.data_ptr(), weight.shape[1], x.shape[0], out.data_ptr(), torch.get_num_threads()
+    )
+    return out

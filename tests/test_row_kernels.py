@@ -1,0 +1,230 @@
+"""The native row kernels: float64-exact up to float32 sums for F16, Q4_0 and Q8_0 rows (strides, tails, gating,
+several tokens), the dispatch from the runtime's products, the build, and the fallback without a compiler."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from qinfer_runtime import quant_rows, row_kernels
+from qinfer_runtime.quant_rows import QuantizedMatrix
+from qinfer_runtime.sparse_ffn import sparse_rows
+from qinfer_runtime.weight_rows import linear
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler to build the kernel"
+)
+
+
+@pytest.fixture
+def fresh_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache, so the kernel is built (or fails to build) inside the test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    row_kernels.kernel.cache_clear()
+    yield tmp_path / "qinfer" / "kernels"
+    row_kernels.kernel.cache_clear()
+
+
+def _half_rows(rows: int, cols: int, stride: int, seed: int) -> torch.Tensor:
+    """[rows, cols] f16 rows inside wider storage (row stride `stride`), with subnormal halves and negative zero in
+    the last columns, which the kernel converts without vector lanes when cols % 16 != 0."""
+    g = torch.Generator().manual_seed(seed)
+    wide = (torch.randn(rows, stride, generator=g) / cols**0.5).half()
+    special = torch.tensor([6e-8, -3e-5, -0.0, 1.5]).half()
+    wide[:, cols - 4 : cols] = special * torch.randn(rows, 1, generator=g).sign().half()
+    return wide[:, :cols]
+
+
+def _reference(variant: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor,
+               ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    xd = x.double()
+    u = xd @ up[ids].double().T
+    if variant == "falcon":
+        act = torch.relu(u)
+    else:
+        assert gate is not None
+        g = torch.relu(xd @ gate[ids].double().T)
+        act = g * (torch.relu(u) if variant == "bamboo" else u)
+    return act @ down_t[ids].double()
+
+
+@needs_compiler
+@pytest.mark.parametrize("variant", ["llama", "bamboo", "falcon"])
+@pytest.mark.parametrize("cols", [100, 256])
+def test_kernel_matches_float64(variant: str, cols: int) -> None:
+    rows = 57
+    gate = None if variant == "falcon" else _half_rows(rows, cols, cols + 28, 0)
+    up, down_t = _half_rows(rows, cols, cols + 12, 1), _half_rows(rows, cols, cols, 2)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([0, 3, 4, 9, 10, 11, 20, 33, 41, 42, 56])
+    out = row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids)
+    assert out is not None
+    ref = _reference(variant, x, gate, up, down_t, ids)
+    assert out.shape == (1, cols) and out.dtype == torch.float32
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # Neurons whose gate does not fire are skipped, not approximated: the same ids minus them give the same sum.
+    if gate is not None:
+        firing = ids[(x @ gate[ids].float().T)[0] > 0]
+        assert 0 < firing.numel() < ids.numel()
+        assert torch.equal(row_kernels.sparse_ffn(variant, x, gate, up, down_t, firing), out)
+
+
+@needs_compiler
+def test_subnormal_halves_convert_exactly() -> None:
+    """Every weight sits in the columns past the last vector lane and is a subnormal half, so the output depends
+    only on the kernel's scalar conversion; x is large there to lift the products far above float32 rounding."""
+    g = torch.Generator().manual_seed(5)
+
+    def subnormal_rows(rows: int) -> torch.Tensor:
+        bits = torch.randint(1, 1024, (rows, 4), generator=g) | (torch.randint(0, 2, (rows, 4), generator=g) << 15)
+        w = torch.zeros(rows, 100, dtype=torch.float16)
+        w[:, 96:] = bits.to(torch.int16).view(torch.float16)
+        return w
+
+    gate, up, down_t = subnormal_rows(30), subnormal_rows(30), subnormal_rows(30)
+    x = torch.zeros(1, 100)
+    x[0, 96:] = torch.tensor([3e6, -2e6, 4e6, 1e6])
+    ids = torch.arange(30)
+    ref = _reference("bamboo", x, gate, up, down_t, ids)
+    assert ref.abs().max() > 0
+    out = row_kernels.sparse_ffn("bamboo", x, gate, up, down_t, ids)
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def _quantized(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) -> QuantizedMatrix:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) / cols**0.5
+    return QuantizedMatrix(torch.from_numpy(quants.quantize(w, qtype)), qtype)
+
+
+def _float(t: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
+    """The weights as the gguf package dequantizes them (the values the kernels must use)."""
+    return t.dense() if isinstance(t, QuantizedMatrix) else t.float()
+
+
+Q4, Q8 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0
+
+
+@needs_compiler
+@pytest.mark.parametrize(("gate_type", "up_type", "down_type"), [(Q4, Q4, Q4), (Q8, Q8, Q8), (None, Q4, Q8)])
+@pytest.mark.parametrize("variant", ["llama", "falcon"])
+def test_quantized_rows_match_float64(gate_type: object, up_type: object, down_type: object, variant: str) -> None:
+    """96 columns are three blocks, split between the threads' output slices at a block edge; None is F16."""
+    rows, cols = 45, 96
+
+    def weight(qtype: object, seed: int) -> torch.Tensor | QuantizedMatrix:
+        return _half_rows(rows, cols, cols, seed) if qtype is None else _quantized(rows, cols, qtype, seed)  # type: ignore[arg-type]
+
+    gate = None if variant == "falcon" else weight(gate_type, 0)
+    up, down_t = weight(up_type, 1), weight(down_type, 2)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(6))
+    ids = torch.tensor([0, 2, 3, 17, 18, 30, 44])
+    out = row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids)
+    assert out is not None
+    ref = _reference(variant, x, None if gate is None else _float(gate), _float(up), _float(down_t), ids)
+    assert ref.abs().max() > 0
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize("qtype", [Q4, Q8])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_quantized_matvec_matches_float64(qtype: GGMLQuantizationType, tokens: int) -> None:
+    w = _quantized(45, 320, qtype, 7)
+    x = torch.randn(tokens, 320, generator=torch.Generator().manual_seed(8))
+    out = row_kernels.matvec(x, w)
+    assert out is not None and out.shape == (tokens, 45)
+    ref = x.double() @ w.dense().double().T
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_linear_on_quantized_rows_takes_the_kernel_for_few_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few tokens go through the kernel; a prompt (or no kernel) expands 7 rows at a time, never the whole."""
+    w = _quantized(45, 64, Q4, 9)
+    ref = lambda x: x.double() @ w.dense().double().T  # noqa: E731
+    expanded: list[int] = []
+    real = QuantizedMatrix.row_range
+
+    def counting(self: QuantizedMatrix, start: int, end: int) -> torch.Tensor:
+        expanded.append(end - start)
+        return real(self, start, end)
+
+    monkeypatch.setattr(QuantizedMatrix, "row_range", counting)
+    monkeypatch.setattr(quant_rows, "EXPAND_CHUNK_BYTES", 7 * 64 * 4)
+    prompt = torch.randn(row_kernels.MATVEC_MAX_TOKENS + 1, 64, generator=torch.Generator().manual_seed(10))
+    assert (linear(prompt, w).double() - ref(prompt)).abs().max() < 1e-5
+    assert expanded == [7] * 6 + [3]
+    few = prompt[:2]
+    expanded.clear()
+    assert (linear(few, w).double() - ref(few)).abs().max() < 1e-5
+    assert expanded == ([] if row_kernels.kernel() is not None else [7] * 6 + [3])
+
+
+@needs_compiler
+def test_sparse_rows_takes_the_kernel_for_one_token_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, up, down_t = (_half_rows(40, 64, 64, s) for s in range(3))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    ids = torch.arange(0, 40, 3)
+    taken: list[bool] = []
+    real = row_kernels.sparse_ffn
+
+    def recording(*args: object) -> torch.Tensor | None:
+        out = real(*args)  # type: ignore[arg-type]
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(row_kernels, "sparse_ffn", recording)
+    native = sparse_rows("llama", x[:1], gate, up, down_t, ids, None)
+    sparse_rows("llama", x, gate, up, down_t, ids, torch.ones(2, ids.numel(), dtype=torch.bool))
+    sparse_rows("llama", x[:1], gate.float(), up.float(), down_t.float(), ids, None)
+    monkeypatch.setenv("QINFER_NATIVE", "0")
+    torch_path = sparse_rows("llama", x[:1], gate, up, down_t, ids, None)
+    # One f16 token: kernel; a masked batch never asks; float32 rows and QINFER_NATIVE=0 stay on torch.
+    assert taken == [True, False, False]
+    assert torch.allclose(native, torch_path, rtol=0, atol=5e-3)
+
+
+@needs_compiler
+def test_kernel_builds_into_an_empty_cache(fresh_kernel: Path) -> None:
+    assert row_kernels.kernel() is not None
+    built = sorted(p.name for p in fresh_kernel.iterdir())
+    assert len(built) == 1 and built[0].startswith("row_kernels_") and built[0].endswith(".so")
+
+
+def test_without_a_compiler_the_torch_path_runs(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
+    assert row_kernels.kernel() is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "native row kernels not built" in err and "torch" in err
+    gate, up, down_t = (_half_rows(40, 64, 64, s) for s in range(3))
+    x, ids = torch.randn(1, 64), torch.arange(0, 40, 2)
+    assert row_kernels.sparse_ffn("llama", x, gate, up, down_t, ids) is None
+    out = sparse_rows("llama", x, gate, up, down_t, ids, None)
+    ref = _reference("llama", x, gate, up, down_t, ids)
+    assert (out.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
+    assert not list(fresh_kernel.glob("*.tmp"))
+
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
+@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-f16c", "-mno-fma"]])
+def test_avx2_and_scalar_builds_give_the_same_results(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, narrower: list[str]
+) -> None:
+    """The AVX2 and the plain C paths, which machines without AVX-512 run, built here by turning features off."""
+    monkeypatch.setattr(row_kernels, "FLAG_SETS", ([*row_kernels.FLAG_SETS[0], *narrower],))
+    assert row_kernels.kernel() is not None
+    test_kernel_matches_float64("bamboo", 100)
+    test_subnormal_halves_convert_exactly()
+    test_quantized_rows_match_float64(None, Q4, Q8, "llama")
+    test_quantized_rows_match_float64(Q8, Q8, Q8, "falcon")
+    test_quantized_matvec_matches_float64(Q4, 3)
