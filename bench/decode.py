@@ -1,14 +1,16 @@
 """Decode speed on the CPU, side by side in one run: transformers, our runtime dense, our runtime sparse.
 
-    .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 5] [--work work/bench] [-t N]
+    .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 5] [--quant Q4_0]
+                                     [--work work/bench] [-t N]
 
 (a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
 (b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
 GGUF, with the native sparse FFN kernel, and (c') the same on torch's gather path (QINFER_NATIVE=0).
-Decode tokens/s is 1 / the median time of one decode step over n steps after the prompt (transformers'
-steps are timed by a logits processor), best of --rounds interleaved runs, so that other load on a shared
-machine skews it little. Models are built under --work on first use (`bench_model`, also used by
-bench/gpu_check.sh); the 7B slice takes about a minute and 4 GB of RAM.
+With --quant, a second row per model runs (b), (c) and (c') on the files quantized to that type
+(against the same transformers baselines). Decode tokens/s is 1 / the median time of one decode step over n
+steps after the prompt (transformers' steps are timed by a logits processor), best of --rounds interleaved
+runs, so that other load on a shared machine skews it little. Models are built under --work on first use
+(`bench_model`, also used by bench/gpu_check.sh); the 7B slice takes about a minute and 4 GB of RAM.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rich.table import Table
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from qinfer_prep.convert import convert
+from qinfer_prep.quantize import quantize_gguf
 from qinfer_prep.synth import SynthShape, build_synth
 from qinfer_runtime.engine import Engine, Request
 from qinfer_runtime.model_file import open_model
@@ -63,6 +66,17 @@ def bench_model(work: Path, name: str) -> BenchModel:
     if not model.dense.exists():
         convert(model.model_dir, model.dense, None, "f16")
     return model
+
+
+def quantized(model: BenchModel, qtype: str) -> BenchModel:
+    """The model's GGUFs quantized to `qtype` (made on first use)."""
+    files = []
+    for source in (model.powerinfer, model.dense):
+        target = source.with_name(source.name.replace(model.name, f"{model.name}.{qtype}", 1))
+        if not target.exists():
+            quantize_gguf(source, target, qtype)
+        files.append(target)
+    return BenchModel(f"{model.name} {qtype}", model.model_dir, files[0], files[1])
 
 
 PROMPT = "Once upon a time there was a little dog"
@@ -122,6 +136,7 @@ def main() -> None:
     parser.add_argument("--models", default="synth,7b-slice", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions; the best of each is shown")
+    parser.add_argument("--quant", choices=["Q4_0", "Q8_0"], help="also run the files quantized to this type")
     parser.add_argument("--work", type=Path, default=Path("work/bench"))
     parser.add_argument("-t", "--threads", type=int, default=0)
     args = parser.parse_args()
@@ -138,33 +153,37 @@ def main() -> None:
         decoders = {
             "hf16": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float16),
             "hf32": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float32),
-            "dense": runtime_decoder(model.dense, "dense", prompt_ids, args.tokens),
-            "sparse": runtime_decoder(model.powerinfer, "sparse", prompt_ids, args.tokens),
-            "torch": runtime_decoder(model.powerinfer, "sparse", prompt_ids, args.tokens, native=False),
         }
+        variants = [model, *([quantized(model, args.quant)] if args.quant else [])]
+        for v in variants:
+            decoders[f"{v.name} dense"] = runtime_decoder(v.dense, "dense", prompt_ids, args.tokens)
+            decoders[f"{v.name} sparse"] = runtime_decoder(v.powerinfer, "sparse", prompt_ids, args.tokens)
+            decoders[f"{v.name} torch"] = runtime_decoder(v.powerinfer, "sparse", prompt_ids, args.tokens, False)
         best: dict[str, float] = dict.fromkeys(decoders, 0.0)
         # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run.
         for _ in range(args.rounds):
             for key, decode in decoders.items():
                 best[key] = max(best[key], decode())
         os.environ.pop("QINFER_NATIVE")
-        hf16, hf32, dense, sparse, gather = (best[k] for k in ("hf16", "hf32", "dense", "sparse", "torch"))
+        hf16, hf32 = best["hf16"], best["hf32"]
         baseline = max(hf16, hf32)
-        console.print(
-            f"{name}: HF f16 {hf16:.2f}, HF f32 {hf32:.2f}, dense {dense:.2f}, sparse {sparse:.2f}, "
-            f"sparse on torch's path {gather:.2f} tok/s"
-        )
-        table.add_row(
-            name,
-            f"{hf16:.2f}",
-            f"{hf32:.2f}",
-            f"{dense:.2f}",
-            f"{sparse:.2f}",
-            f"{gather:.2f}",
-            f"{dense / baseline:.2f}x",
-            f"{sparse / dense:.2f}x",
-            f"{gather / dense:.2f}x",
-        )
+        for v in variants:
+            dense, sparse, gather = (best[f"{v.name} {k}"] for k in ("dense", "sparse", "torch"))
+            console.print(
+                f"{v.name}: HF f16 {hf16:.2f}, HF f32 {hf32:.2f}, dense {dense:.2f}, sparse {sparse:.2f}, "
+                f"sparse on torch's path {gather:.2f} tok/s"
+            )
+            table.add_row(
+                v.name,
+                f"{hf16:.2f}",
+                f"{hf32:.2f}",
+                f"{dense:.2f}",
+                f"{sparse:.2f}",
+                f"{gather:.2f}",
+                f"{dense / baseline:.2f}x",
+                f"{sparse / dense:.2f}x",
+                f"{gather / dense:.2f}x",
+            )
     console.print(table)
 
 
