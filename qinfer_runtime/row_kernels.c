@@ -180,52 +180,64 @@ static void add_rows4(int type, float *out, const uint8_t *const r[4], const flo
     }
 }
 
-/* act[j] for each selected neuron, then out[n] = sum_j act[j] * down_t[ids[j]]. act is caller scratch [k]. */
+/* For `tokens` inputs x [tokens, n]: act[t, j] for each selected neuron (0 where mask [tokens, k], if given, leaves
+ * neuron j out for token t), then out[t] = sum_j act[t, j] * down_t[ids[j]]. act is caller scratch [tokens, k].
+ * Each picked row is read from memory once for all the tokens. */
 void qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const uint8_t *up, int64_t up_stride,
                        int up_type, const uint8_t *down, int64_t down_stride, int down_type, const float *x, int64_t n,
-                       const int64_t *ids, int64_t k, int variant, float *act, float *out, int threads) {
+                       int64_t tokens, const int64_t *ids, int64_t k, const uint8_t *mask, int variant, float *act,
+                       float *out, int threads) {
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < k; j++) {
             int64_t next = ids[j + 1 < k ? j + 1 : j];
-            float g = 1.0f;
-            if (variant != 2) {
-                g = dot_row(gate_type, gate + ids[j] * gate_stride, gate + next * gate_stride, x, n);
-                /* A neuron whose gate does not fire contributes nothing: its up and down rows are never read. */
-                if (g <= 0.0f) {
-                    act[j] = 0.0f;
-                    continue;
+            for (int64_t t = 0; t < tokens; t++) {
+                float *a = act + t * k + j;
+                const float *xt = x + t * n;
+                *a = 0.0f;
+                if (mask && !mask[t * k + j]) continue;
+                float g = 1.0f;
+                if (variant != 2) {
+                    g = dot_row(gate_type, gate + ids[j] * gate_stride, gate + next * gate_stride, xt, n);
+                    /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
+                    if (g <= 0.0f) continue;
                 }
+                float u = dot_row(up_type, up + ids[j] * up_stride, up + next * up_stride, xt, n);
+                if (variant != 0 && u < 0.0f) u = 0.0f;
+                *a = variant == 2 ? u : g * u;
             }
-            float u = dot_row(up_type, up + ids[j] * up_stride, up + next * up_stride, x, n);
-            if (variant != 0 && u < 0.0f) u = 0.0f;
-            act[j] = variant == 2 ? u : g * u;
         }
-        /* Each thread owns a slice of the output columns (whole blocks), so the sums need no locks. */
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* Each thread owns a slice of the output columns (whole blocks), so the sums need no locks; rows go four
+         * at a time, and each group serves every token while it is in cache. */
+        int th = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t per = ((n + nt - 1) / nt + QK - 1) / QK * QK;
-        int64_t c0 = t * per < n ? t * per : n, c1 = c0 + per < n ? c0 + per : n;
-        float *o = out + c0;
-        memset(o, 0, (size_t)(c1 - c0) * sizeof(float));
-        const uint8_t *rows[4];
-        float a[4];
+        int64_t c0 = th * per < n ? th * per : n, c1 = c0 + per < n ? c0 + per : n;
+        for (int64_t t = 0; t < tokens; t++) memset(out + t * n + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+        int64_t group[4];
         int m = 0;
-        for (int64_t j = 0; j < k && c0 < c1; j++) {
-            if (act[j] == 0.0f) continue;
-            rows[m] = down + ids[j] * down_stride;
-            a[m] = act[j];
-            if (++m == 4) {
-                add_rows4(down_type, o, rows, a, c0, c1 - c0);
-                m = 0;
+        for (int64_t j = 0; j <= k && c0 < c1; j++) {
+            if (j < k) {
+                int used = 0;
+                for (int64_t t = 0; t < tokens && !used; t++) used = act[t * k + j] != 0.0f;
+                if (!used) continue;
+                group[m++] = j;
+                if (m < 4) continue;
+            } else if (m == 0) {
+                break;
             }
-        }
-        if (m > 0 && c0 < c1) {
-            for (int i = m; i < 4; i++) {
-                rows[i] = rows[0];
-                a[i] = 0.0f;
+            const uint8_t *rows[4];
+            for (int i = 0; i < 4; i++) rows[i] = down + ids[group[i < m ? i : 0]] * down_stride;
+            for (int64_t t = 0; t < tokens; t++) {
+                float a[4];
+                int any = 0;
+                for (int i = 0; i < 4; i++) {
+                    a[i] = i < m ? act[t * k + group[i]] : 0.0f;
+                    any |= a[i] != 0.0f;
+                }
+                if (any) add_rows4(down_type, out + t * n + c0, rows, a, c0, c1 - c0);
             }
-            add_rows4(down_type, o, rows, a, c0, c1 - c0);
+            m = 0;
         }
     }
 }

@@ -29,9 +29,10 @@ VARIANT_CODES = {"llama": 0, "bamboo": 1, "falcon": 2}
 TYPE_CODES = {GGMLQuantizationType.Q4_0: 1, GGMLQuantizationType.Q8_0: 2}
 # Tuned flags first; the portable build is for compilers that do not know -march=native.
 FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
-# Up to this many tokens a quantized matrix-vector product reads each row once for all of them; beyond it
-# (prompts) expanding rows and one matmul wins.
+# Up to this many tokens the kernels read each row once for all of them; beyond it (prompts, big batches)
+# expanding or gathering rows for one matmul wins.
 MATVEC_MAX_TOKENS = 8
+SPARSE_MAX_TOKENS = 16
 
 Rows = torch.Tensor | QuantizedMatrix
 
@@ -84,7 +85,7 @@ def kernel() -> ctypes.CDLL | None:
         print(f"qinfer: native row kernels not loaded ({exc}); using torch's slower path", file=sys.stderr)
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.qinfer_sparse_ffn.argtypes = [p, i64, i32, p, i64, i32, p, i64, i32, p, i64, p, i64, i32, p, p, i32]
+    lib.qinfer_sparse_ffn.argtypes = [p, i64, i32, p, i64, i32, p, i64, i32, p, i64, i64, p, i64, p, i32, p, p, i32]
     lib.qinfer_sparse_ffn.restype = None
     lib.qinfer_matvec.argtypes = [p, i64, i32, i64, p, i64, i64, p, i32]
     lib.qinfer_matvec.restype = None
@@ -108,23 +109,35 @@ def _layout(t: object) -> tuple[int, int, int] | None:
 
 
 def sparse_ffn(
-    variant: str, x: torch.Tensor, gate: Rows | None, up: Rows, down_t: Rows, ids: torch.Tensor
+    variant: str,
+    x: torch.Tensor,
+    gate: Rows | None,
+    up: Rows,
+    down_t: Rows,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """FFN output [1, E] float32 of neurons `ids` for the single CPU token x [1, E], or None where the kernel does
-    not apply (off, several tokens, a device, float32 rows, a llama FFN without gate)."""
-    if x.shape[0] != 1 or x.device.type != "cpu" or (gate is None and variant != "falcon") or not enabled():
+    """FFN output [T, E] float32 of neurons `ids` for the CPU tokens x [T, E], each using only the neurons its
+    row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (off, too many tokens, a
+    device, float32 rows, a llama FFN without gate)."""
+    tokens = x.shape[0]
+    if tokens > SPARSE_MAX_TOKENS or x.device.type != "cpu" or (gate is None and variant != "falcon"):
+        return None
+    if not enabled():
         return None
     layouts = [_layout(t) for t in (up if gate is None else gate, up, down_t)]
     if any(lay is None for lay in layouts):
         return None
     (g, gs, gt), (u, us, ut), (d, ds, dt) = layouts  # type: ignore[misc]
-    xf = x.reshape(-1).float().contiguous()
+    xf = x.float().contiguous()
     ids64 = ids.to(torch.int64).contiguous()
-    act = torch.empty(ids64.numel())
-    out = torch.empty(1, down_t.shape[1])
+    keep = None if mask is None else mask.to("cpu", torch.uint8).contiguous()
+    act = torch.empty(tokens, ids64.numel())
+    out = torch.empty(tokens, down_t.shape[1])
     kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
-        g, gs, gt, u, us, ut, d, ds, dt, xf.data_ptr(), up.shape[1], ids64.data_ptr(), ids64.numel(),
-        VARIANT_CODES[variant], act.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        g, gs, gt, u, us, ut, d, ds, dt, xf.data_ptr(), up.shape[1], tokens, ids64.data_ptr(), ids64.numel(),
+        None if keep is None else keep.data_ptr(), VARIANT_CODES[variant], act.data_ptr(), out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 

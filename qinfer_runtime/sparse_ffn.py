@@ -69,7 +69,7 @@ def sparse_rows(
     only the neurons selected for it (None: all of them)."""
     if ids.numel() == 0:
         return torch.zeros(x.shape[0], down_t.shape[1], device=x.device)
-    if mask is None and (out := row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids)) is not None:
+    if (out := row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids, mask)) is not None:
         return out
     # `activations` consumes both gathers before anything reuses their scratch buffers.
     gate_rows = None if gate is None else gather_rows(gate, ids, "gate")

@@ -168,10 +168,41 @@ def test_linear_on_quantized_rows_takes_the_kernel_for_few_tokens(monkeypatch: p
 
 
 @needs_compiler
-def test_sparse_rows_takes_the_kernel_for_one_token_only(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("qtype", [None, Q4])
+@pytest.mark.parametrize("variant", ["llama", "bamboo"])
+def test_several_tokens_each_with_their_own_neurons(qtype: object, variant: str) -> None:
+    """A decode batch: each token sums only the neurons its mask row keeps (one row picks none at all)."""
+    rows, cols, tokens = 45, 96, 4
+
+    def weight(seed: int) -> torch.Tensor | QuantizedMatrix:
+        return _half_rows(rows, cols, cols, seed) if qtype is None else _quantized(rows, cols, qtype, seed)  # type: ignore[arg-type]
+
+    gate, up, down_t = weight(0), weight(1), weight(2)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(11))
+    ids = torch.arange(0, rows, 2)
+    fires = [_reference(variant, x[t : t + 1], *(_float(w)[ids] for w in (gate, up)), torch.eye(ids.numel()).double(),
+                        torch.arange(ids.numel()))[0] != 0 for t in range(tokens)]  # fmt: skip
+    # Tokens 0, 1 and 3 each drop some of their firing neurons and keep others; token 2 keeps none.
+    mask = torch.ones(tokens, ids.numel(), dtype=torch.bool)
+    mask[2] = False
+    for t in (0, 1, 3):
+        firing = torch.nonzero(fires[t]).flatten()
+        assert firing.numel() >= 2
+        mask[t, firing[t % 2 :: 2]] = False
+    out = row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids, mask)
+    assert out is not None and out.shape == (tokens, cols)
+    assert not out[2].any()
+    for t in (0, 1, 3):
+        ref = _reference(variant, x[t : t + 1], _float(gate), _float(up), _float(down_t), ids[mask[t]])
+        assert (out[t].double() - ref[0]).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_compiler
+def test_sparse_rows_takes_the_kernel_for_f16_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     gate, up, down_t = (_half_rows(40, 64, 64, s) for s in range(3))
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
     ids = torch.arange(0, 40, 3)
+    mask = torch.rand(2, ids.numel(), generator=torch.Generator().manual_seed(13)) < 0.5
     taken: list[bool] = []
     real = row_kernels.sparse_ffn
 
@@ -181,14 +212,16 @@ def test_sparse_rows_takes_the_kernel_for_one_token_only(monkeypatch: pytest.Mon
         return out
 
     monkeypatch.setattr(row_kernels, "sparse_ffn", recording)
-    native = sparse_rows("llama", x[:1], gate, up, down_t, ids, None)
-    sparse_rows("llama", x, gate, up, down_t, ids, torch.ones(2, ids.numel(), dtype=torch.bool))
+    one = sparse_rows("llama", x[:1], gate, up, down_t, ids, None)
+    batch = sparse_rows("llama", x, gate, up, down_t, ids, mask)
     sparse_rows("llama", x[:1], gate.float(), up.float(), down_t.float(), ids, None)
     monkeypatch.setenv("QINFER_NATIVE", "0")
-    torch_path = sparse_rows("llama", x[:1], gate, up, down_t, ids, None)
-    # One f16 token: kernel; a masked batch never asks; float32 rows and QINFER_NATIVE=0 stay on torch.
-    assert taken == [True, False, False]
-    assert torch.allclose(native, torch_path, rtol=0, atol=5e-3)
+    torch_one = sparse_rows("llama", x[:1], gate, up, down_t, ids, None)
+    torch_batch = sparse_rows("llama", x, gate, up, down_t, ids, mask)
+    # F16 tokens, alone or masked in a batch: kernel; float32 rows and QINFER_NATIVE=0 stay on torch.
+    assert taken == [True, True, False, False, False]
+    assert torch.allclose(one, torch_one, rtol=2e-3, atol=5e-3)  # the torch path rounds to f16
+    assert torch.allclose(batch, torch_batch, rtol=2e-3, atol=5e-3)
 
 
 @needs_compiler
