@@ -27,7 +27,7 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vset(float a) { return _mm512_set1_ps(a); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-/* 16 signed bytes, or 16 nibbles (low or high halves of 16 bytes) minus 8, as floats. */
+/* LANES signed bytes as floats; the low and the high nibbles of LANES bytes, each minus 8, as floats. */
 static inline vec vload_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline void vload_q4(const uint8_t *p, vec *lo, vec *hi) {
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), eight = _mm512_set1_epi32(8);
@@ -48,6 +48,12 @@ static inline float vsum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vec vload_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline void vload_q4(const uint8_t *p, vec *lo, vec *hi) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), eight = _mm256_set1_epi32(8);
+    *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
+    *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
 }
 #else
 #define LANES 1
@@ -79,6 +85,7 @@ static inline float block_scale(const uint8_t *block) { return half_to_float((ui
 
 static inline int64_t block_bytes(int type) { return type == Q4_0 ? 2 + QK / 2 : 2 + QK; }
 
+#if LANES == 1
 /* Weights i0..i0+31 of a quantized row as floats (one block; i0 is a multiple of 32). */
 static void dequantize_block(int type, const uint8_t *row, int64_t i0, float *w) {
     const uint8_t *b = row + i0 / QK * block_bytes(type);
@@ -93,6 +100,7 @@ static void dequantize_block(int type, const uint8_t *row, int64_t i0, float *w)
         }
     }
 }
+#endif
 
 /* Rows are scattered, so the hardware prefetcher restarts at each one; reading the next row (`next`) ahead while
  * this one is summed keeps enough reads in flight to run near memory bandwidth. */
@@ -112,6 +120,8 @@ static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int
         a3 = vfma(vload_half(w + i + 3 * LANES), vload(x + i + 3 * LANES), a3);
     }
     s = vsum(a0) + vsum(a1) + vsum(a2) + vsum(a3);
+#else
+    (void)next;
 #endif
     for (; i < n; i++) s += half_to_float(w[i]) * x[i];
     return s;
@@ -120,19 +130,21 @@ static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int
 /* n is a multiple of 32 for quantized rows (the file format requires it). */
 static float dot_quant(int type, const uint8_t *row, const uint8_t *next, const float *x, int64_t n) {
     int64_t bb = block_bytes(type);
-#if LANES == 16
+#if LANES > 1
     vec acc = vzero();
     for (int64_t i = 0; i < n; i += QK) {
         const uint8_t *b = row + i / QK * bb;
         prefetch(next, i / QK * bb);
-        vec lo, hi;
+        vec blk = vzero(), lo, hi;
         if (type == Q4_0) {
-            vload_q4(b + 2, &lo, &hi);
+            for (int h = 0; h < QK / 2; h += LANES) {
+                vload_q4(b + 2 + h, &lo, &hi);
+                blk = vfma(hi, vload(x + i + QK / 2 + h), vfma(lo, vload(x + i + h), blk));
+            }
         } else {
-            lo = vload_i8((const int8_t *)b + 2);
-            hi = vload_i8((const int8_t *)b + 2 + 16);
+            for (int h = 0; h < QK; h += LANES) blk = vfma(vload_i8((const int8_t *)b + 2 + h), vload(x + i + h), blk);
         }
-        acc = vfma(vset(block_scale(b)), vfma(hi, vload(x + i + 16), _mm512_mul_ps(lo, vload(x + i))), acc);
+        acc = vfma(vset(block_scale(b)), blk, acc);
     }
     return vsum(acc);
 #else
@@ -173,10 +185,46 @@ static void add_rows4(int type, float *out, const uint8_t *const r[4], const flo
                       a[3] * half_to_float(h[3][c]);
         return;
     }
-    float q[4][QK];
+    int64_t bb = block_bytes(type);
     for (; c < w; c += QK) {
-        for (int m = 0; m < 4; m++) dequantize_block(type, r[m], c0 + c, q[m]);
-        for (int k = 0; k < QK; k++) out[c + k] += a[0] * q[0][k] + a[1] * q[1][k] + a[2] * q[2][k] + a[3] * q[3][k];
+        const uint8_t *b[4];
+        float s[4];
+        for (int m = 0; m < 4; m++) {
+            b[m] = r[m] + (c0 + c) / QK * bb;
+            s[m] = a[m] * block_scale(b[m]);
+        }
+#if LANES > 1
+        if (type == Q4_0) {
+            for (int h = 0; h < QK / 2; h += LANES) {
+                vec o_lo = vload(out + c + h), o_hi = vload(out + c + QK / 2 + h), lo, hi;
+                for (int m = 0; m < 4; m++) {
+                    vload_q4(b[m] + 2 + h, &lo, &hi);
+                    o_lo = vfma(lo, vset(s[m]), o_lo);
+                    o_hi = vfma(hi, vset(s[m]), o_hi);
+                }
+                vstore(out + c + h, o_lo);
+                vstore(out + c + QK / 2 + h, o_hi);
+            }
+        } else {
+            for (int h = 0; h < QK; h += LANES) {
+                vec o = vload(out + c + h);
+                for (int m = 0; m < 4; m++) o = vfma(vload_i8((const int8_t *)b[m] + 2 + h), vset(s[m]), o);
+                vstore(out + c + h, o);
+            }
+        }
+#else
+        for (int m = 0; m < 4; m++) {
+            for (int i = 0; i < QK / 2; i++) {
+                if (type == Q4_0) {
+                    out[c + i] += s[m] * (float)((b[m][2 + i] & 15) - 8);
+                    out[c + QK / 2 + i] += s[m] * (float)((b[m][2 + i] >> 4) - 8);
+                } else {
+                    out[c + i] += s[m] * (float)(int8_t)b[m][2 + i];
+                    out[c + QK / 2 + i] += s[m] * (float)(int8_t)b[m][2 + QK / 2 + i];
+                }
+            }
+        }
+#endif
     }
 }
 

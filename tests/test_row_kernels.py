@@ -259,5 +259,8 @@ def test_avx2_and_scalar_builds_give_the_same_results(
     test_kernel_matches_float64("bamboo", 100)
     test_subnormal_halves_convert_exactly()
     test_quantized_rows_match_float64(None, Q4, Q8, "llama")
+    test_quantized_rows_match_float64(Q4, Q4, Q4, "llama")
     test_quantized_rows_match_float64(Q8, Q8, Q8, "falcon")
+    test_several_tokens_each_with_their_own_neurons(Q4, "bamboo")
     test_quantized_matvec_matches_float64(Q4, 3)
+    test_quantized_matvec_matches_float64(Q8, 1)
