@@ -142,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    console = Console()
+    console = Console(width=max(Console().width, 130))  # the table is wider than a pipe's default 80 columns
     table = Table(title=f"decode tokens/s on the CPU ({torch.get_num_threads()} threads, {args.tokens} tokens)")
     columns = ("model", "(a) HF f16", "(a) HF f32", "(b) ours dense", "(c) ours sparse", "(c') torch path")
     for col in (*columns, "b / best a", "c / b", "c' / b"):
