@@ -4,7 +4,7 @@
  *
  * torch can only compute on picked rows after gathering them into a new tensor, which writes every byte it
  * reads and then reads it again, and on quantized rows only after dequantizing them; here each row is read once.
- * Built on first use by qinfer_runtime/sparse_ffn_native.py with the machine's C compiler and OpenMP.
+ * Built on first use by qinfer_runtime/row_kernels.py with the machine's C compiler and OpenMP.
  *
  * A weight is a base pointer, a row stride in bytes and a type (0 F16, 1 Q4_0, 2 Q8_0). Neuron ids[j] is row
  * ids[j] of gate, up and down_t. variant: 0 llama relu(g)*u, 1 bamboo relu(g)*relu(u), 2 falcon relu(u).
