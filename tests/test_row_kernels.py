@@ -43,16 +43,20 @@ def _half_rows(rows: int, cols: int, stride: int, seed: int) -> torch.Tensor:
     return wide[:, :cols]
 
 
+def _activations(variant: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+    """Per-neuron activations [T, rows] in float64."""
+    xd = x.double()
+    u = xd @ up.double().T
+    if variant == "falcon":
+        return torch.relu(u)
+    assert gate is not None
+    g = torch.relu(xd @ gate.double().T)
+    return g * (torch.relu(u) if variant == "bamboo" else u)
+
+
 def _reference(variant: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor,
                ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    xd = x.double()
-    u = xd @ up[ids].double().T
-    if variant == "falcon":
-        act = torch.relu(u)
-    else:
-        assert gate is not None
-        g = torch.relu(xd @ gate[ids].double().T)
-        act = g * (torch.relu(u) if variant == "bamboo" else u)
+    act = _activations(variant, x, None if gate is None else gate[ids], up[ids])
     return act @ down_t[ids].double()
 
 
@@ -180,8 +184,7 @@ def test_several_tokens_each_with_their_own_neurons(qtype: object, variant: str)
     gate, up, down_t = weight(0), weight(1), weight(2)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(11))
     ids = torch.arange(0, rows, 2)
-    fires = [_reference(variant, x[t : t + 1], *(_float(w)[ids] for w in (gate, up)), torch.eye(ids.numel()).double(),
-                        torch.arange(ids.numel()))[0] != 0 for t in range(tokens)]  # fmt: skip
+    fires = _activations(variant, x, _float(gate)[ids], _float(up)[ids]) != 0
     # Tokens 0, 1 and 3 each drop some of their firing neurons and keep others; token 2 keeps none.
     mask = torch.ones(tokens, ids.numel(), dtype=torch.bool)
     mask[2] = False
