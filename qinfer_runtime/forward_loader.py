@@ -18,6 +18,7 @@ from planner.budget import GIB
 from planner.device_profiles import load_profile
 from planner.make_plan import Plan, PlanOptions, dry_run_account, load_or_make_gpuidx
 from planner.model_layout import ModelLayout
+from qinfer_runtime import row_kernels
 from qinfer_runtime.errors import RunError
 from qinfer_runtime.falcon_forward import FalconForward
 from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
@@ -138,6 +139,8 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
         raise RunError(f"{model.path}: no forward for architecture {model.config.arch!r}")
     layers = [read_ffn(model, i) for i in range(model.config.layers)]
     mode = ffn_mode(model, options.ffn, layers)
+    # Built (or found) now, so that a message about building them never lands inside generated text.
+    row_kernels.enabled()
     cpu = torch.device("cpu")
     if mode == "dense":
         unused = [] if options.vram_budget_gib is None else ["dense FFN: the VRAM budget is not used; all on the CPU"]

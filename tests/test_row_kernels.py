@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from qinfer_runtime import quant_rows, row_kernels
+from qinfer_runtime.engine import Engine
 from qinfer_runtime.quant_rows import QuantizedMatrix
 from qinfer_runtime.sparse_ffn import sparse_rows
 from qinfer_runtime.weight_rows import linear
@@ -267,3 +268,15 @@ def test_avx2_and_scalar_builds_give_the_same_results(
     test_several_tokens_each_with_their_own_neurons(Q4, "bamboo")
     test_quantized_matvec_matches_float64(Q4, 3)
     test_quantized_matvec_matches_float64(Q8, 1)
+
+
+def test_a_failed_build_is_reported_when_the_model_opens(
+    gguf_files: dict[str, Path],
+    fresh_kernel: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not at the first decode step, where the line would land inside the generated text."""
+    monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
+    Engine.open(gguf_files["pi-f16"], ctx_size=32)
+    assert "native row kernels not built" in capsys.readouterr().err
