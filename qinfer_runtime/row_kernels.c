@@ -228,6 +228,45 @@ static void add_rows4(int type, float *out, const uint8_t *const r[4], const flo
     }
 }
 
+/* The down product inside a parallel region: each thread owns a slice of the output columns (whole blocks), so
+ * the sums need no locks; rows go four at a time, and each group serves every token while it is in cache. */
+static void add_weighted_rows(const uint8_t *down, int64_t down_stride, int down_type, const int64_t *ids, int64_t k,
+                              const float *act, int64_t tokens, int64_t n, float *out) {
+    int th = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t per = ((n + nt - 1) / nt + QK - 1) / QK * QK;
+    int64_t c0 = th * per < n ? th * per : n, c1 = c0 + per < n ? c0 + per : n;
+    if (c0 >= c1) return;
+    for (int64_t t = 0; t < tokens; t++) memset(out + t * n + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+    int64_t group[4];
+    int m = 0;
+    for (int64_t j = 0; j <= k; j++) {
+        if (j < k) {
+            int used = 0;
+            for (int64_t t = 0; t < tokens && !used; t++) used = act[t * k + j] != 0.0f;
+            if (!used) continue;
+            group[m++] = j;
+            if (m < 4) continue;
+        } else if (m == 0) {
+            break;
+        }
+        const uint8_t *rows[4];
+        for (int i = 0; i < 4; i++) {
+            int64_t j4 = group[i < m ? i : 0];
+            rows[i] = down + (ids ? ids[j4] : j4) * down_stride;
+        }
+        for (int64_t t = 0; t < tokens; t++) {
+            float a[4];
+            int any = 0;
+            for (int i = 0; i < 4; i++) {
+                a[i] = i < m ? act[t * k + group[i]] : 0.0f;
+                any |= a[i] != 0.0f;
+            }
+            if (any) add_rows4(down_type, out + t * n + c0, rows, a, c0, c1 - c0);
+        }
+        m = 0;
+    }
+}
+
 /* For `tokens` inputs x [tokens, n]: act[t, j] for each selected neuron (0 where mask [tokens, k], if given, leaves
  * neuron j out for token t), then out[t] = sum_j act[t, j] * down_t[ids[j]]. act is caller scratch [tokens, k].
  * Each picked row is read from memory once for all the tokens. */
@@ -256,38 +295,16 @@ void qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, 
                 *a = variant == 2 ? u : g * u;
             }
         }
-        /* Each thread owns a slice of the output columns (whole blocks), so the sums need no locks; rows go four
-         * at a time, and each group serves every token while it is in cache. */
-        int th = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t per = ((n + nt - 1) / nt + QK - 1) / QK * QK;
-        int64_t c0 = th * per < n ? th * per : n, c1 = c0 + per < n ? c0 + per : n;
-        for (int64_t t = 0; t < tokens; t++) memset(out + t * n + c0, 0, (size_t)(c1 - c0) * sizeof(float));
-        int64_t group[4];
-        int m = 0;
-        for (int64_t j = 0; j <= k && c0 < c1; j++) {
-            if (j < k) {
-                int used = 0;
-                for (int64_t t = 0; t < tokens && !used; t++) used = act[t * k + j] != 0.0f;
-                if (!used) continue;
-                group[m++] = j;
-                if (m < 4) continue;
-            } else if (m == 0) {
-                break;
-            }
-            const uint8_t *rows[4];
-            for (int i = 0; i < 4; i++) rows[i] = down + ids[group[i < m ? i : 0]] * down_stride;
-            for (int64_t t = 0; t < tokens; t++) {
-                float a[4];
-                int any = 0;
-                for (int i = 0; i < 4; i++) {
-                    a[i] = i < m ? act[t * k + group[i]] : 0.0f;
-                    any |= a[i] != 0.0f;
-                }
-                if (any) add_rows4(down_type, out + t * n + c0, rows, a, c0, c1 - c0);
-            }
-            m = 0;
-        }
+        add_weighted_rows(down, down_stride, down_type, ids, k, act, tokens, n, out);
     }
+}
+
+/* out[t] = sum_j act[t, j] * rows[ids[j]] for `tokens` rows of act [tokens, k] (ids NULL: rows 0..k-1); rows whose
+ * act is 0 for every token are not read. */
+void qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64_t *ids, int64_t k, const float *act,
+                          int64_t tokens, int64_t n, float *out, int threads) {
+#pragma omp parallel num_threads(threads)
+    add_weighted_rows(w, stride, type, ids, k, act, tokens, n, out);
 }
 
 /* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n]: each row is read once for all of them. */

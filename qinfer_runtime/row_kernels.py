@@ -87,6 +87,8 @@ def kernel() -> ctypes.CDLL | None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.qinfer_sparse_ffn.argtypes = [p, i64, i32, p, i64, i32, p, i64, i32, p, i64, i64, p, i64, p, i32, p, p, i32]
     lib.qinfer_sparse_ffn.restype = None
+    lib.qinfer_weighted_rows.argtypes = [p, i64, i32, p, i64, p, i64, i64, p, i32]
+    lib.qinfer_weighted_rows.restype = None
     lib.qinfer_matvec.argtypes = [p, i64, i32, i64, p, i64, i64, p, i32]
     lib.qinfer_matvec.restype = None
     return lib
@@ -138,6 +140,26 @@ def sparse_ffn(
         g, gs, gt, u, us, ut, d, ds, dt, xf.data_ptr(), up.shape[1], tokens, ids64.data_ptr(), ids64.numel(),
         None if keep is None else keep.data_ptr(), VARIANT_CODES[variant], act.data_ptr(), out.data_ptr(),
         torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def weighted_rows(act: torch.Tensor, weight: Rows, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """sum_j act[t, j] * weight[ids[j]] (ids None: all rows) as float32 [T, E] for a few CPU tokens; rows whose act
+    is 0 for every token are not read. None where the kernel does not apply."""
+    tokens = act.shape[0]
+    if tokens > SPARSE_MAX_TOKENS or act.device.type != "cpu" or not enabled():
+        return None
+    layout = _layout(weight)
+    if layout is None:
+        return None
+    address, stride, code = layout
+    a = act.float().contiguous()
+    picked = None if ids is None else ids.to(torch.int64).contiguous()
+    out = torch.empty(tokens, weight.shape[1])
+    kernel().qinfer_weighted_rows(  # type: ignore[union-attr]
+        address, stride, code, None if picked is None else picked.data_ptr(), a.shape[1], a.data_ptr(), tokens,
+        weight.shape[1], out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

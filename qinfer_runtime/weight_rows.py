@@ -80,6 +80,8 @@ def weighted_row_sum(
             return linear(act, weight.matrix)
         # Rows of the transpose are columns of the stored blocks: only an oracle check of a dense file gets here.
         weight = weight.matrix.dense().T
+    if (out := row_kernels.weighted_rows(act, weight, ids)) is not None:
+        return out
     if isinstance(weight, QuantizedMatrix):
         weight = weight.dense() if ids is None else weight.rows(ids)
         return act.to(weight.dtype).matmul(weight).float()

@@ -150,6 +150,29 @@ def test_quantized_matvec_matches_float64(qtype: GGMLQuantizationType, tokens: i
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@needs_compiler
+@pytest.mark.parametrize("qtype", [None, Q4, Q8])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_weighted_rows_match_float64_and_skip_idle_rows(qtype: object, tokens: int) -> None:
+    """The down product of a prompt's dense FFN: all rows, or picked ones; a row no token uses is never read (here
+    it holds infinities, which would turn the sum into NaN)."""
+    rows, cols = 45, 96
+    w = _half_rows(rows, cols, cols, 14) if qtype is None else _quantized(rows, cols, qtype, 14)  # type: ignore[arg-type]
+    act = torch.relu(torch.randn(tokens, rows, generator=torch.Generator().manual_seed(15)))
+    act[:, 7] = 0.0
+    if qtype is None:
+        w[7] = float("inf")
+    else:
+        w.blocks[7, :2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # an infinite f16 scale
+    for ids in (None, torch.tensor([0, 3, 7, 8, 44])):
+        picked = torch.arange(rows) if ids is None else ids
+        out = row_kernels.weighted_rows(act[:, picked], w, ids)
+        assert out is not None and out.shape == (tokens, cols) and torch.isfinite(out).all()
+        used = picked[picked != 7]
+        ref = act[:, used].double() @ _float(w)[used].double()
+        assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_linear_on_quantized_rows_takes_the_kernel_for_few_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """A few tokens go through the kernel; a prompt (or no kernel) expands 7 rows at a time, never the whole."""
     w = _quantized(45, 64, Q4, 9)
@@ -268,6 +291,7 @@ def test_avx2_and_scalar_builds_give_the_same_results(
     test_several_tokens_each_with_their_own_neurons(Q4, "bamboo")
     test_quantized_matvec_matches_float64(Q4, 3)
     test_quantized_matvec_matches_float64(Q8, 1)
+    test_weighted_rows_match_float64_and_skip_idle_rows(Q4, 3)
 
 
 def test_a_failed_build_is_reported_when_the_model_opens(
