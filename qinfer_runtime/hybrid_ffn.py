@@ -17,12 +17,11 @@ import torch
 
 from qinfer_runtime.ffn_runners import active_ids
 from qinfer_runtime.neuron_cache import CachePolicy, NeuronCache
-from qinfer_runtime.quant_rows import QuantizedMatrix
+from qinfer_runtime.quant_rows import QuantizedMatrix, Weight
 from qinfer_runtime.sparse_ffn import FFNWeights, Variant, activations, predicted_mask, sparse_rows
 from qinfer_runtime.split_cost import SplitCosts, balance
 from qinfer_runtime.weight_rows import rows_to, weighted_row_sum
 
-Weight = torch.Tensor | QuantizedMatrix
 
 def empty_rows(t: Weight, capacity: int, device: torch.device) -> Weight:
     """Zeroed rows for `capacity` neurons: zero blocks (scale 0) expand to zeros, so empty slots add nothing."""

@@ -102,6 +102,10 @@ class QuantizedMatrix:
         return self.like(self.blocks.to(device))
 
 
+# A weight as the runtime holds it: a float tensor (a view of the mapped file, or a device copy) or raw blocks.
+Weight = torch.Tensor | QuantizedMatrix
+
+
 class TransposedQuantized:
     """The transpose of a quantized matrix, as a dense GGUF's ffn_down [E, F] is read for the down_t [F, E] row
     layout: whole products use the matrix itself; picking its rows (columns of the file's) expands it."""

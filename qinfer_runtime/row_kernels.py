@@ -1,5 +1,6 @@
-"""Native decode kernels over weight rows (row_kernels.c): the sparse FFN of one token over F16, Q4_0 or Q8_0
-rows picked by id, and matrix-vector products over quantized matrices, both without a float copy of the rows.
+"""Native decode kernels over weight rows (row_kernels.c): the sparse FFN of a few tokens over F16, Q4_0 or Q8_0
+rows picked by id, the weighted row sum (the FFN's down product), and matrix-vector products over quantized
+matrices, all without a float copy of the rows.
 
 The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and OpenMP into the user
 cache (`$XDG_CACHE_HOME/qinfer/kernels`, named by a hash of the source and the compiler) and loaded with ctypes.
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from qinfer_runtime.quant_rows import QuantizedMatrix
+from qinfer_runtime.quant_rows import QuantizedMatrix, Weight
 
 SOURCE = Path(__file__).with_name("row_kernels.c")
 VARIANT_CODES = {"llama": 0, "bamboo": 1, "falcon": 2}
@@ -33,8 +34,6 @@ FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
 # expanding or gathering rows for one matmul wins.
 MATVEC_MAX_TOKENS = 8
 SPARSE_MAX_TOKENS = 16
-
-Rows = torch.Tensor | QuantizedMatrix
 
 
 def cache_dir() -> Path:
@@ -98,6 +97,11 @@ def enabled() -> bool:
     return os.environ.get("QINFER_NATIVE", "1") != "0" and kernel() is not None
 
 
+def _takes(x: torch.Tensor, max_tokens: int) -> bool:
+    """Whether the kernels take these inputs at all: few enough CPU tokens, and the kernels on and built."""
+    return x.shape[0] <= max_tokens and x.device.type == "cpu" and enabled()
+
+
 def _layout(t: object) -> tuple[int, int, int] | None:
     """(address, row stride in bytes, type code) of CPU rows the kernels read, or None where they cannot."""
     if isinstance(t, QuantizedMatrix):
@@ -113,20 +117,18 @@ def _layout(t: object) -> tuple[int, int, int] | None:
 def sparse_ffn(
     variant: str,
     x: torch.Tensor,
-    gate: Rows | None,
-    up: Rows,
-    down_t: Rows,
+    gate: Weight | None,
+    up: Weight,
+    down_t: Weight,
     ids: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """FFN output [T, E] float32 of neurons `ids` for the CPU tokens x [T, E], each using only the neurons its
     row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (off, too many tokens, a
     device, float32 rows, a llama FFN without gate)."""
+    if (gate is None and variant != "falcon") or not _takes(x, SPARSE_MAX_TOKENS):
+        return None
     tokens = x.shape[0]
-    if tokens > SPARSE_MAX_TOKENS or x.device.type != "cpu" or (gate is None and variant != "falcon"):
-        return None
-    if not enabled():
-        return None
     layouts = [_layout(t) for t in (up if gate is None else gate, up, down_t)]
     if any(lay is None for lay in layouts):
         return None
@@ -144,12 +146,12 @@ def sparse_ffn(
     return out
 
 
-def weighted_rows(act: torch.Tensor, weight: Rows, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+def weighted_rows(act: torch.Tensor, weight: Weight, ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """sum_j act[t, j] * weight[ids[j]] (ids None: all rows) as float32 [T, E] for a few CPU tokens; rows whose act
     is 0 for every token are not read. None where the kernel does not apply."""
-    tokens = act.shape[0]
-    if tokens > SPARSE_MAX_TOKENS or act.device.type != "cpu" or not enabled():
+    if not _takes(act, SPARSE_MAX_TOKENS):
         return None
+    tokens = act.shape[0]
     layout = _layout(weight)
     if layout is None:
         return None
@@ -167,7 +169,7 @@ def weighted_rows(act: torch.Tensor, weight: Rows, ids: torch.Tensor | None = No
 def matvec(x: torch.Tensor, weight: QuantizedMatrix) -> torch.Tensor | None:
     """x [T, E] @ weight.T as float32 [T, R] for a few CPU tokens over a quantized matrix, or None where the
     kernel does not apply."""
-    if x.shape[0] > MATVEC_MAX_TOKENS or x.device.type != "cpu" or not enabled():
+    if not _takes(x, MATVEC_MAX_TOKENS):
         return None
     layout = _layout(weight)
     if layout is None:
