@@ -1,0 +1,92 @@
+"""Every file the pipeline writes keeps its bytes: SHA-256 of converted, dense, quantized and `.gpuidx` files of the
+synth models, against hashes recorded before the code that writes them was last restructured.
+
+The hashes hold only for the same synth inputs (the synth builder trains with float arithmetic, whose last bits
+may differ on another CPU or torch build), so the inputs' hashes are recorded too and a machine whose inputs
+differ skips with the reason instead of comparing outputs of other inputs. `QINFER_RECORD_GOLDEN=1` rewrites the
+file: do that only on a commit whose writers are known good.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from planner.gpuidx import gpuidx_path_for
+from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
+from qinfer_prep.convert import convert
+from qinfer_prep.quantize import quantize_gguf
+from qinfer_prep.synth import SynthReport
+from qinfer_prep.synth_falcon import FalconShape, build_synth_falcon
+from tests.fake_activation import write_power_law_activation
+
+GOLDEN = Path(__file__).with_name("golden_sha256.json")
+RECORD = os.environ.get("QINFER_RECORD_GOLDEN") == "1"
+# A fixed model mtime, since the .gpuidx records it as provenance.
+MTIME_NS = 1_700_000_000_000_000_000
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tree_sha(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(directory).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _gpuidx(model: Path) -> Path:
+    write_power_law_activation(model.parent / "activation")
+    os.utime(model, ns=(MTIME_NS, MTIME_NS))
+    _, acct = dry_run_account(model, 1 << 40, PlanOptions())
+    load_or_make_gpuidx(model, int(acct.dense + acct.ffn_total / 3), options=PlanOptions(), reset=True)
+    return gpuidx_path_for(model)
+
+
+@pytest.fixture(scope="module")
+def outputs(tiny: SynthReport, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], dict[str, str]]:
+    out = tmp_path_factory.mktemp("golden")
+    inputs = {"llama-model": _tree_sha(tiny.model_dir), "llama-predictor": _tree_sha(tiny.predictor_dir)}
+    files: dict[str, Path] = {}
+    for outtype in ("f32", "f16"):
+        files[f"llama-pi-{outtype}"] = convert(
+            tiny.model_dir, out / f"l-{outtype}.powerinfer.gguf", tiny.predictor_dir, outtype
+        ).outfile
+        files[f"llama-dense-{outtype}"] = convert(tiny.model_dir, out / f"l-{outtype}.gguf", None, outtype).outfile
+    for qtype in ("Q4_0", "Q8_0"):
+        files[f"llama-pi-{qtype}"] = quantize_gguf(
+            files["llama-pi-f16"], out / f"l-{qtype}.powerinfer.gguf", qtype
+        ).outfile
+    files["llama-dense-Q4_0"] = quantize_gguf(files["llama-dense-f16"], out / "l-Q4_0.gguf", "Q4_0").outfile
+    plan_dir = out / "plan"
+    plan_dir.mkdir()
+    files["llama-gpuidx"] = _gpuidx(Path(shutil.copy(files["llama-pi-f16"], plan_dir / "l.powerinfer.gguf")))
+
+    bamboo = Path(shutil.copytree(tiny.model_dir, out / "bamboo"))
+    config = json.loads((bamboo / "config.json").read_text())
+    (bamboo / "config.json").write_text(json.dumps({**config, "architectures": ["BambooForCausalLM"]}))
+    files["bamboo-pi-f16"] = convert(bamboo, out / "b-f16.powerinfer.gguf", tiny.predictor_dir, "f16").outfile
+
+    falcon_model, falcon_predictor = build_synth_falcon(out / "falcon", FalconShape())
+    inputs |= {"falcon-model": _tree_sha(falcon_model), "falcon-predictor": _tree_sha(falcon_predictor)}
+    files["falcon-pi-f16"] = convert(falcon_model, out / "f-f16.powerinfer.gguf", falcon_predictor, "f16").outfile
+    files["falcon-dense-f32"] = convert(falcon_model, out / "f-f32.gguf", None, "f32").outfile
+    files["falcon-pi-Q4_0"] = quantize_gguf(files["falcon-pi-f16"], out / "f-Q4_0.powerinfer.gguf", "Q4_0").outfile
+    return inputs, {name: _sha(path) for name, path in files.items()}
+
+
+def test_outputs_are_byte_identical(outputs: tuple[dict[str, str], dict[str, str]]) -> None:
+    inputs, hashes = outputs
+    if RECORD:
+        GOLDEN.write_text(json.dumps({"inputs": inputs, "outputs": hashes}, indent=2) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    if golden["inputs"] != inputs:
+        pytest.skip("the synth inputs differ from the recorded ones (another CPU or torch build); outputs not compared")
+    assert hashes == golden["outputs"]
