@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from qinfer_core.predictor_dir import FC1, FC2, load_layer
 from qinfer_prep.activation_profile import profile_activations
 from qinfer_prep.corpus_reader import corpus_files, token_windows
-from qinfer_prep.predictor_dir import FC1, FC2, load_layer
 from qinfer_prep.predictor_quality import layer_quality, mean_nll, predictor_logits, predictor_sparse_ffn
 from qinfer_prep.predictor_training import TrainSettings, train_predictors
 from qinfer_prep.relu_model import load_relu_model

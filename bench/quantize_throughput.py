@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
-from qinfer_prep.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.gguf_writer import TensorPlan, write_gguf
 from qinfer_prep.quantize import TARGETS, tensor_type
 
 E, F, V = 4096, 11008, 32000

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from planner.errors import PlanError
+from qinfer_core.errors import UserError
 
 _NAME = re.compile(r"activation_(\d+)\.pt")
 
@@ -30,13 +30,13 @@ class ActivationStats:
 def activation_files(directory: Path, n_layers: int) -> list[Path]:
     """The layer files sorted by integer index; any missing or extra layer is a user error."""
     if not directory.is_dir():
-        raise PlanError(f"activation directory {directory} not found; profile the model with `qinfer prep profile`")
+        raise UserError(f"activation directory {directory} not found; profile the model with `qinfer prep profile`")
     found = {int(m.group(1)): p for p in directory.iterdir() if (m := _NAME.fullmatch(p.name))}
     missing = sorted(set(range(n_layers)) - set(found))
     extra = sorted(set(found) - set(range(n_layers)))
     if missing or extra:
         detail = f"missing layers {missing}" if missing else f"extra layers {extra}"
-        raise PlanError(
+        raise UserError(
             f"{directory} must hold activation_0.pt..activation_{n_layers - 1}.pt for this {n_layers}-layer model "
             f"({detail}); re-profile the model or point --activation at its own directory"
         )
@@ -54,13 +54,13 @@ def load_activation(directory: Path, ffn_neurons: tuple[int, ...]) -> Activation
         try:
             tensor = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise PlanError(f"{path} is not a torch tensor file ({exc}); re-profile the model") from exc
+            raise UserError(f"{path} is not a torch tensor file ({exc}); re-profile the model") from exc
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.numel() != f:
             shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise PlanError(f"{path} holds {shape}, expected a 1-D tensor of {f} counts; re-profile the model")
+            raise UserError(f"{path} holds {shape}, expected a 1-D tensor of {f} counts; re-profile the model")
         values = tensor.detach().to(torch.float64).numpy()
         if not np.isfinite(values).all() or (values < 0).any():
-            raise PlanError(f"{path} has negative or non-finite counts; re-profile the model")
+            raise UserError(f"{path} has negative or non-finite counts; re-profile the model")
         counts.append(values)
     return ActivationStats(firing=to_firing(counts), digest=digest.hexdigest())
 
@@ -68,7 +68,7 @@ def load_activation(directory: Path, ffn_neurons: tuple[int, ...]) -> Activation
 def to_firing(counts: list[np.ndarray]) -> tuple[np.ndarray, ...]:
     top = max(float(c.max()) for c in counts) if counts else 0.0
     if top <= 0:
-        raise PlanError("every activation count is zero; profile the model on a non-empty corpus")
+        raise UserError("every activation count is zero; profile the model on a non-empty corpus")
     return tuple(np.clip(c / top, 0.0, 1.0) for c in counts)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import PlanError
 from planner.model_layout import ModelLayout
 from planner.placement import Placement
+from qinfer_core.errors import UserError
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -69,7 +69,7 @@ def scratch_bytes(layout: ModelLayout, ctx_size: int, batch: int) -> int:
 
 def account(layout: ModelLayout, options: BudgetOptions) -> VramAccount:
     if options.ctx_size < 1 or options.batch < 1:
-        raise PlanError("--ctx-size and --batch must be at least 1")
+        raise UserError("--ctx-size and --batch must be at least 1")
     kv = kv_cache_bytes(layout, options.ctx_size, options.batch)
     return VramAccount(
         attention=tuple(layer.attention_bytes for layer in layout.layers),
@@ -106,7 +106,7 @@ def require_budget(acct: VramAccount, budget: int, dense_on_gpu: bool) -> None:
     need = minimum_budget(acct, dense_on_gpu)
     if budget < need:
         what = "the dense parts (attention, KV cache, output head, scratch)" if dense_on_gpu else "the scratch reserve"
-        raise PlanError(
+        raise UserError(
             f"a VRAM budget of {budget / GIB:.2f} GiB cannot hold {what}: at least {need / GIB:.2f} GiB "
             f"({need} bytes) is needed; raise --vram-budget or lower --ctx-size/--batch"
         )

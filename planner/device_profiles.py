@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import profiles
-from planner.errors import PlanError
+from qinfer_core.errors import UserError
 
 PROFILE_DIR = Path(profiles.__file__).resolve().parent / "devices"
 GIB = 1 << 30
@@ -37,10 +37,10 @@ def load_profile(name: str, kind: Literal["gpu", "cpu"]) -> DeviceProfile:
     """The named profile; an unknown name or one of the wrong kind is a user error that lists the valid ones."""
     path = PROFILE_DIR / f"{name}.json"
     if not path.is_file():
-        raise PlanError(f"unknown {kind} profile {name!r}; known {kind} profiles: {', '.join(known_profiles(kind))}")
+        raise UserError(f"unknown {kind} profile {name!r}; known {kind} profiles: {', '.join(known_profiles(kind))}")
     profile = _read(path)
     if profile.kind != kind:
-        raise PlanError(f"{name!r} is a {profile.kind} profile; pick a {kind} one: {', '.join(known_profiles(kind))}")
+        raise UserError(f"{name!r} is a {profile.kind} profile; pick a {kind} one: {', '.join(known_profiles(kind))}")
     return profile
 
 
@@ -58,4 +58,4 @@ def _read(path: Path) -> DeviceProfile:
             sync_latency=float(raw["sync_latency_us"]) * 1e-6,
         )
     except (OSError, ValueError, KeyError) as exc:
-        raise PlanError(f"device profile {path} is malformed ({exc}); fix or delete it") from exc
+        raise UserError(f"device profile {path} is malformed ({exc}); fix or delete it") from exc

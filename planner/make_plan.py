@@ -12,13 +12,13 @@ from planner.activation_stats import ActivationStats, load_activation
 from planner.baselines import greedy_placement
 from planner.budget import BudgetOptions, VramAccount, account, require_budget, vram_used
 from planner.device_profiles import load_profile
-from planner.errors import PlanError
-from planner.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 from planner.model_layout import ModelLayout, read_model_layout
 from planner.neuron_groups import group_neurons
 from planner.placement import Placement
 from planner.placement_ilp import Objective, SolveResult, solve_placement
 from planner.time_model import TimeModel, build_time_model
+from qinfer_core.errors import UserError
+from qinfer_core.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ def load_or_make_gpuidx(
     index = read_gpuidx(path)
     shapes = tuple(len(m) for m in index.gpu_idx)
     if shapes != acct.ffn_neurons:
-        raise PlanError(
+        raise UserError(
             f"{path} was made for a model with FFN sizes {_short(shapes)}, this one has {_short(acct.ffn_neurons)}; "
             "rerun with --reset-gpu-index"
         )
@@ -204,7 +204,7 @@ def load_or_make_gpuidx(
         placement = Placement(masks, (True,) * len(masks), True)
         room = vram_budget_bytes - acct.dense
         if index.vram_capacity > room:
-            raise PlanError(
+            raise UserError(
                 f"{path} (made by another tool) needs {index.vram_capacity} bytes for the FFN split but this budget "
                 f"leaves {room}; rerun with --reset-gpu-index"
             )
@@ -214,7 +214,7 @@ def load_or_make_gpuidx(
         placement = Placement(masks, index.provenance.attention_on_gpu, index.provenance.output_on_gpu)
     plan = _plan(model_path, vram_budget_bytes, options, layout, acct, stats, times, placement, None)
     if plan.vram_total > vram_budget_bytes:
-        raise PlanError(f"{path} would use {plan.vram_total:.0f} bytes, over the budget; rerun with --reset-gpu-index")
+        raise UserError(f"{path} would use {plan.vram_total:.0f} bytes, over the budget; rerun with --reset-gpu-index")
     return replace(plan, gpuidx_path=path, reused=True, notes=notes)
 
 
@@ -241,6 +241,6 @@ def _require_fresh(
     }
     changed = [name for name, (then, current) in now.items() if then != current]
     if changed:
-        raise PlanError(
+        raise UserError(
             f"{path} is stale: {', '.join(changed)} changed since it was made; rebuild it with --reset-gpu-index"
         )

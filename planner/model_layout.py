@@ -9,9 +9,8 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from planner.errors import PlanError
-from qinfer_runtime.errors import RunError
-from qinfer_runtime.gguf_reader import field_value, open_gguf
+from qinfer_core.errors import UserError
+from qinfer_core.gguf_reader import field_value, open_gguf
 
 FFN_TENSORS = ("ffn_gate", "ffn_up", "ffn_down_t", "ffn_down")
 PREDICTOR_TENSORS = ("fc1", "fc2")
@@ -58,12 +57,9 @@ class ModelLayout:
 
 def read_model_layout(path: Path) -> ModelLayout:
     """Sizes of a PowerInfer GGUF's tensors, grouped into FFN neurons, predictors, attention, output, embeddings."""
-    try:
-        reader = open_gguf(path)
-    except RunError as exc:
-        raise PlanError(str(exc)) from exc
+    reader = open_gguf(path)
     if not reader.is_powerinfer:
-        raise PlanError(f"{path} is a dense GGUF; plan a PowerInfer one (`qinfer prep convert` with a predictor dir)")
+        raise UserError(f"{path} is a dense GGUF; plan a PowerInfer one (`qinfer prep convert` with a predictor dir)")
     arch = str(field_value(reader, "general.architecture"))
     embedding = int(field_value(reader, f"{arch}.embedding_length"))
     heads = int(field_value(reader, f"{arch}.attention.head_count"))
@@ -93,15 +89,15 @@ def read_model_layout(path: Path) -> ModelLayout:
             ffn_element_bytes = n_bytes / n_weights
         has_gate = has_gate or part == "ffn_gate"
     if not per_layer or sorted(per_layer) != list(range(len(per_layer))):
-        raise PlanError(f"{path} has no complete run of blk.N tensors; re-convert it with `qinfer prep convert`")
+        raise UserError(f"{path} has no complete run of blk.N tensors; re-convert it with `qinfer prep convert`")
     layers = []
     for index in range(len(per_layer)):
         parts = per_layer[index]
         if not parts["ffn"] or not parts["predictor"]:
-            raise PlanError(f"{path}: layer {index} lacks FFN or predictor tensors; re-convert it with a predictor dir")
+            raise UserError(f"{path}: layer {index} lacks FFN or predictor tensors; re-convert it with a predictor dir")
         neurons = {n for _, _, n in parts["ffn"]}
         if len(neurons) != 1:
-            raise PlanError(f"{path}: layer {index} FFN tensors disagree on the neuron count {sorted(neurons)}")
+            raise UserError(f"{path}: layer {index} FFN tensors disagree on the neuron count {sorted(neurons)}")
         f = neurons.pop()
         layers.append(
             LayerLayout(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.errors import PlanError
+from qinfer_core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class NeuronGroups:
 
 def group_neurons(firing: tuple[np.ndarray, ...], group_size: int) -> NeuronGroups:
     if group_size < 1:
-        raise PlanError("--group-size must be at least 1")
+        raise UserError("--group-size must be at least 1")
     # A stable sort keeps equally hot neurons in id order, so a plan is reproducible.
     order = tuple(np.argsort(-p, kind="stable") for p in firing)
     starts = tuple(np.append(np.arange(0, len(p), group_size), len(p)) for p in firing)

@@ -22,10 +22,10 @@ import numpy as np
 import pulp
 
 from planner.budget import VramAccount
-from planner.errors import PlanError
 from planner.neuron_groups import NeuronGroups
 from planner.placement import Placement
 from planner.time_model import TimeModel
+from qinfer_core.errors import UserError
 
 Objective = Literal["time", "activation"]
 INTEGER_TOLERANCE = 0.5
@@ -110,7 +110,7 @@ def _solver(name: str, time_limit: float, mip: bool, warm: bool, gap: float) -> 
         if highs.available():
             return "highs", highs
         if name == "highs":
-            raise PlanError("the HiGHS solver is not installed (pip install highspy); use the default CBC")
+            raise UserError("the HiGHS solver is not installed (pip install highspy); use the default CBC")
     # pulp 3 deprecates PULP_CBC_CMD, but it is the only way to the CBC binary bundled with pulp.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -141,7 +141,7 @@ def solve_placement(
     output_cpu_cost = times.output_cpu * TIME_SCALE if objective == "time" else 0.0
     room = (budget - acct.fixed) * BYTE_SCALE
     if sum(float(o.mib.min()) for o in table) + (acct.output * BYTE_SCALE if dense_on_gpu else 0) > room:
-        raise PlanError(f"no placement fits a VRAM budget of {budget} bytes; raise --vram-budget")
+        raise UserError(f"no placement fits a VRAM budget of {budget} bytes; raise --vram-budget")
 
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     y = [
@@ -187,7 +187,7 @@ def solve_placement(
     elif start_choice is not None and warm_start is not None:
         choice, output_on_gpu, status = start_choice, warm_start.output_on_gpu, "time limit (kept the warm start)"
     else:
-        raise PlanError(f"the solver found no placement within {time_limit:g} s; raise --time-limit")
+        raise UserError(f"the solver found no placement within {time_limit:g} s; raise --time-limit")
     value = sum(float(o.cost[c]) for o, c in zip(table, choice, strict=True))
     value += output_gpu_cost if output_on_gpu else output_cpu_cost
     placement = Placement(

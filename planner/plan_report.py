@@ -7,9 +7,9 @@ from pathlib import Path
 from rich.table import Table
 
 from planner.budget import GIB, MIB, VramAccount, minimum_budget
-from planner.errors import PlanError
 from planner.make_plan import Plan
-from qinfer_prep.atomic_file import atomic_output
+from qinfer_core.atomic_file import atomic_output
+from qinfer_core.errors import UserError
 
 
 def _gib(n: float) -> str:
@@ -76,7 +76,7 @@ def write_report_png(plan: Plan, path: Path) -> None:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
-        raise PlanError("--report needs matplotlib: pip install 'qinfer[plot]'") from exc
+        raise UserError("--report needs matplotlib: pip install 'qinfer[plot]'") from exc
     layers = list(range(len(plan.placement.gpu_neurons)))
     gpu = [int(m.sum()) for m in plan.placement.gpu_neurons]
     cpu = [len(m) - g for m, g in zip(plan.placement.gpu_neurons, gpu, strict=True)]

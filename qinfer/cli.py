@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 
-from planner.errors import PlanError
 from qinfer import (  # noqa: F401 - they register commands
     download_command,
     perplexity_command,
@@ -19,15 +18,14 @@ from qinfer import (  # noqa: F401 - they register commands
     serve_command,
 )
 from qinfer.app import app
-from qinfer_prep.errors import PrepError
-from qinfer_runtime.errors import RunError
+from qinfer_core.errors import UserError
 
 
 def main() -> None:
     """Entry point: user-caused errors end as one line on stderr and exit code 2, never a traceback."""
     try:
         app()
-    except (PrepError, PlanError, RunError) as exc:
+    except UserError as exc:
         # Plain write: rich would wrap a long path onto a second line.
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -23,7 +23,7 @@ def perplexity_cmd(
     """Perplexity over non-overlapping windows of the text, as llama.cpp's `perplexity` reports it."""
     import torch
 
-    from qinfer_runtime.errors import RunError
+    from qinfer_core.errors import UserError
     from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
     from qinfer_runtime.model_file import open_model
     from qinfer_runtime.perplexity import perplexity
@@ -34,7 +34,7 @@ def perplexity_cmd(
     if threads > 0:
         torch.set_num_threads(threads)
     if not file.is_file():
-        raise RunError(f"text file not found: {file}")
+        raise UserError(f"text file not found: {file}")
     opened = open_model(model)
     tokenizer = GGUFTokenizer(opened.metadata)
     ids = tokenizer.encode(file.read_text(encoding="utf-8", errors="replace"))

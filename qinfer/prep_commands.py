@@ -12,7 +12,7 @@ import typer
 from qinfer.app import err, prep, progress_bar
 
 if TYPE_CHECKING:
-    from qinfer_prep.gguf_writer import TensorPlan
+    from qinfer_core.gguf_writer import TensorPlan
 
 
 @prep.command("synth")
@@ -118,12 +118,12 @@ def corpus_cmd(
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same text.")] = 0,
 ) -> None:
     """Write the synth model's TinyStories-like corpus, for profiling or training predictors offline."""
-    from qinfer_prep.atomic_file import atomic_output
-    from qinfer_prep.errors import PrepError
+    from qinfer_core.atomic_file import atomic_output
+    from qinfer_core.errors import UserError
     from qinfer_prep.synth_corpus import SPLITS, synth_corpus
 
     if split not in SPLITS:
-        raise PrepError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        raise UserError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     text = synth_corpus(seed, chars, split)
     with atomic_output(out) as tmp:
         tmp.write_text(text)

@@ -114,11 +114,11 @@ def train_predictor_cmd(
     device: Device = "auto",
 ) -> None:
     """Train the low-rank predictor fc2(relu(fc1(h))) per layer and pick sparse_threshold for the recall target."""
-    from qinfer_prep.errors import PrepError
+    from qinfer_core.errors import UserError
     from qinfer_prep.predictor_training import TrainSettings, train_predictors
 
     if rank is not None and auto_rank:
-        raise PrepError("pass either --rank or --auto-rank, not both")
+        raise UserError("pass either --rank or --auto-rank, not both")
     settings = TrainSettings(
         rank=rank,
         recall=recall,

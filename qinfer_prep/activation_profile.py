@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from qinfer_prep.activation_files import LayerSummary, write_activations
-from qinfer_prep.atomic_file import atomic_output
+from qinfer_core.activation_files import LayerSummary, write_activations
+from qinfer_core.atomic_file import atomic_output
+from qinfer_core.errors import UserError
 from qinfer_prep.corpus_reader import batches, corpus_files, token_windows
-from qinfer_prep.errors import PrepError
 from qinfer_prep.ffn_taps import firing_counts
 from qinfer_prep.relu_model import load_relu_model
 
@@ -67,7 +67,7 @@ def profile_activations(
     """
     out = out if out is not None else model_dir / "activation"
     if batch_size < 1 or checkpoint_every < 1:
-        raise PrepError("batch-size and checkpoint-every must be positive")
+        raise UserError("batch-size and checkpoint-every must be positive")
     files = corpus_files(data)
     loaded = load_relu_model(model_dir, dtype, device)
     params = loaded.params
@@ -78,7 +78,7 @@ def profile_activations(
     if state_path.is_file() and not restart:
         state = torch.load(state_path, map_location="cpu", weights_only=True)
         if state["fingerprint"] != key:
-            raise PrepError(
+            raise UserError(
                 f"{state_path} is from a run with other arguments (model, data, seq-len, tokens or dtype); "
                 "pass --restart to discard it"
             )

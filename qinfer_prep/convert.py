@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map
 
-from qinfer_prep.errors import PrepError
-from qinfer_prep.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.errors import UserError
+from qinfer_core.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.predictor_dir import FC1, FC2, PredictorDir, load_layer, open_predictors
 from qinfer_prep.hf_checkpoint import TensorRef, index_checkpoint, load_tensor
 from qinfer_prep.hf_config import ModelParams, read_hf_config
-from qinfer_prep.predictor_dir import FC1, FC2, PredictorDir, load_layer, open_predictors
 from qinfer_prep.tokenizer_vocab import add_vocab
 
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
@@ -125,7 +125,7 @@ def _map_sources(p: ModelParams, refs: dict[str, TensorRef]) -> dict[str, str]:
             continue
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None or not gguf_name.endswith(suffixes):
-            raise PrepError(f"unexpected tensor {hf_name!r} for a {p.arch} model; is config.json from this checkpoint?")
+            raise UserError(f"unexpected tensor {hf_name!r} for a {p.arch} model; is config.json from this checkpoint?")
         sources[gguf_name] = hf_name
     if "output.weight" not in sources and p.tie_word_embeddings and "token_embd.weight" in sources:
         sources["output.weight"] = sources["token_embd.weight"]
@@ -190,11 +190,11 @@ def plan_tensors(
         source_name = name.replace(".ffn_down_t.", ".ffn_down.")
         hf_name = sources.get(source_name)
         if hf_name is None:
-            raise PrepError(f"the checkpoint has no tensor for {source_name}; is the download complete?")
+            raise UserError(f"the checkpoint has no tensor for {source_name}; is the download complete?")
         source_shape = refs[hf_name].shape
         want = shape[::-1] if transpose else shape
         if source_shape != want:
-            raise PrepError(f"{hf_name} has shape {list(source_shape)} but config.json implies {list(want)}")
+            raise UserError(f"{hf_name} has shape {list(source_shape)} but config.json implies {list(want)}")
         load = partial(_load_weight, hf_name, refs[hf_name], dtype, _regroup(p, name), transpose)
         plans.append(TensorPlan(name, shape, dtype, load))
     return plans
@@ -245,13 +245,13 @@ def convert(
     checked before the first byte is written; tensors are then streamed one at a time.
     """
     if outtype not in OUTTYPES:
-        raise PrepError(f"unknown --outtype {outtype!r}; use one of {', '.join(OUTTYPES)}")
+        raise UserError(f"unknown --outtype {outtype!r}; use one of {', '.join(OUTTYPES)}")
     if not model_dir.is_dir():
-        raise PrepError(f"model directory not found: {model_dir}")
+        raise UserError(f"model directory not found: {model_dir}")
     dtype, file_type = OUTTYPES[outtype]
     p = read_hf_config(model_dir)
     if p.embedding_length % p.head_count or p.head_dim % 2:
-        raise PrepError(f"hidden_size {p.embedding_length} does not split into {p.head_count} heads of even size")
+        raise UserError(f"hidden_size {p.embedding_length} does not split into {p.head_count} heads of even size")
     predictors = None
     if predictor_dir is not None:
         predictors = open_predictors(predictor_dir, p.block_count, p.embedding_length, p.feed_forward_length)

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl", ".json")
 
@@ -23,12 +23,12 @@ class Tokenizer(Protocol):
 def corpus_files(path: Path) -> list[Path]:
     """The corpus files in a fixed order: the file itself, or every text/jsonl file under a directory, sorted."""
     if not path.exists():
-        raise PrepError(f"corpus not found: {path}")
+        raise UserError(f"corpus not found: {path}")
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
     if not files:
-        raise PrepError(f"{path} holds no corpus files ({', '.join('*' + s for s in SUFFIXES)})")
+        raise UserError(f"{path} holds no corpus files ({', '.join('*' + s for s in SUFFIXES)})")
     return files
 
 
@@ -50,10 +50,10 @@ def _json_lines(path: Path) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise PrepError(f"{path}:{number} is not a JSON line ({exc.msg})") from exc
+                raise UserError(f"{path}:{number} is not a JSON line ({exc.msg})") from exc
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise PrepError(f"{path}:{number} has no string field 'text'; each JSON line needs one")
+                raise UserError(f"{path}:{number} has no string field 'text'; each JSON line needs one")
             if text.strip():
                 yield text
 
@@ -64,9 +64,9 @@ def token_windows(
     """1-D windows of `seq_len` tokens (the last one may be shorter) over the documents, each begun with BOS and
     concatenated, up to `max_tokens` tokens in all. The same inputs always give the same windows."""
     if seq_len < 1:
-        raise PrepError(f"seq-len must be positive, not {seq_len}")
+        raise UserError(f"seq-len must be positive, not {seq_len}")
     if max_tokens is not None and max_tokens < 1:
-        raise PrepError(f"tokens must be positive, not {max_tokens}")
+        raise UserError(f"tokens must be positive, not {max_tokens}")
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     buffer: list[int] = []
     produced = 0
@@ -84,7 +84,7 @@ def token_windows(
         produced += len(buffer)
         yield torch.tensor(buffer, dtype=torch.long)
     if produced == 0:
-        raise PrepError(f"the corpus ({', '.join(map(str, files[:3]))}{' ...' if len(files) > 3 else ''}) is empty")
+        raise UserError(f"the corpus ({', '.join(map(str, files[:3]))}{' ...' if len(files) > 3 else ''}) is empty")
 
 
 def batches(windows: Iterator[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:

@@ -26,7 +26,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
 )
 
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 from qinfer_prep.model_profiles import ModelProfile
 
 Source = Literal["gguf", "original"]
@@ -60,15 +60,15 @@ def download(
         return _download_gguf(profile, dest, variant or ("f16" if profile.gguf_f16 else "q4"), notify)
     if source == "original":
         return _download_original(profile, dest, notify)
-    raise PrepError(f"unknown source {source!r}; use gguf or original")
+    raise UserError(f"unknown source {source!r}; use gguf or original")
 
 
 def _download_gguf(profile: ModelProfile, dest: Path, variant: Variant, notify: OnFile) -> DownloadResult:
     if variant not in ("f16", "q4"):
-        raise PrepError(f"unknown variant {variant!r}; use f16 or q4")
+        raise UserError(f"unknown variant {variant!r}; use f16 or q4")
     model_name = profile.gguf_file(variant)
     if model_name is None:
-        raise PrepError(
+        raise UserError(
             f"{profile.name} has no {variant} PowerInfer GGUF on the hub; "
             f"use --source original (then convert) or the other variant"
         )
@@ -102,7 +102,7 @@ def _fetch_repo(repo: str, patterns: list[str], dest: Path) -> list[Path]:
         snapshot = Path(snapshot_download(repo, allow_patterns=patterns))
     files = sorted(p for p in snapshot.rglob("*") if p.is_file())
     if not files:
-        raise PrepError(f"{repo} has no files matching {', '.join(patterns)}")
+        raise UserError(f"{repo} has no files matching {', '.join(patterns)}")
     return [_place(p, dest / p.relative_to(snapshot)) for p in files]
 
 
@@ -140,24 +140,24 @@ def _hub_errors(repo: str, name: str | None) -> Iterator[None]:
     try:
         yield
     except GatedRepoError as exc:
-        raise PrepError(
+        raise UserError(
             f"{repo} is gated: accept its terms on the hub page, then set HF_TOKEN to a token of that account"
         ) from exc
     except RepositoryNotFoundError as exc:
-        raise PrepError(
+        raise UserError(
             f"{repo} was not found on {constants.ENDPOINT}, or it is private and HF_TOKEN is missing or lacks access"
         ) from exc
     except LocalEntryNotFoundError as exc:  # before EntryNotFoundError, its base class
         if constants.is_offline_mode():
-            raise PrepError(
+            raise UserError(
                 f"HF_HUB_OFFLINE is set and {what} is not in the cache {constants.HF_HUB_CACHE}; "
                 f"download it once with network access"
             ) from exc
-        raise PrepError(
+        raise UserError(
             f"cannot reach {constants.ENDPOINT} and {what} is not in the cache {constants.HF_HUB_CACHE}; "
             f"check the network connection"
         ) from exc
     except EntryNotFoundError as exc:
-        raise PrepError(f"{repo} has no file {name}") from exc
+        raise UserError(f"{repo} has no file {name}") from exc
     except HfHubHTTPError as exc:
-        raise PrepError(f"the hub refused {what}: {str(exc).splitlines()[0]}") from exc
+        raise UserError(f"the hub refused {what}: {str(exc).splitlines()[0]}") from exc

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:
-        raise PrepError(f"cannot read {path} as a torch checkpoint ({exc}); re-save it with save_pretrained") from exc
+        raise UserError(f"cannot read {path} as a torch checkpoint ({exc}); re-save it with save_pretrained") from exc
 
 
 def index_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
@@ -39,11 +39,11 @@ def index_checkpoint(model_dir: Path) -> dict[str, TensorRef]:
                     for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                         refs[name] = TensorRef(file, tuple(handle.get_slice(name).get_shape()))
             except (SafetensorError, OSError) as exc:
-                raise PrepError(f"cannot read {file} ({exc}); the download may be incomplete") from exc
+                raise UserError(f"cannot read {file} ({exc}); the download may be incomplete") from exc
         return refs
     files = sorted(model_dir.glob("pytorch_model*.bin"))
     if not files:
-        raise PrepError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
+        raise UserError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
     for file in files:
         for name, tensor in _load_bin(file).items():
             refs[name] = TensorRef(file, tuple(tensor.shape))

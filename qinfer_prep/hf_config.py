@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 
 # HF class name -> GGUF architecture. Bamboo is Mistral-shaped with LLaMA's tensor names and relu on gate and up.
 # ReluFalcon is Falcon-40B's new decoder architecture (fused QKV, grouped kv heads, two LayerNorms per block)
@@ -51,32 +51,32 @@ def _rope_theta(cfg: dict) -> float | None:
 def read_hf_config(model_dir: Path) -> ModelParams:
     path = model_dir / "config.json"
     if not path.is_file():
-        raise PrepError(f"no config.json in {model_dir}: pass a Hugging Face model directory")
+        raise UserError(f"no config.json in {model_dir}: pass a Hugging Face model directory")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise PrepError(f"{path} is not valid JSON ({exc})") from exc
+        raise UserError(f"{path} is not valid JSON ({exc})") from exc
     names = cfg.get("architectures") or []
     arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
     if arch is None:
         supported = ", ".join(ARCHITECTURES)
-        raise PrepError(
+        raise UserError(
             f"unsupported architecture {names or cfg.get('model_type')!r} in {path}; supported: {supported}"
         )
     if arch == "falcon":
         return _falcon_params(cfg, model_dir, path)
     if cfg.get("hidden_act", "relu") != "relu":
-        raise PrepError(f"{path} has hidden_act={cfg['hidden_act']!r}; only ReLU models (hidden_act=relu) are sparse")
+        raise UserError(f"{path} has hidden_act={cfg['hidden_act']!r}; only ReLU models (hidden_act=relu) are sparse")
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
-            raise PrepError(f"{path} sets {flag}; the GGUF layout of this family has no biases")
+            raise UserError(f"{path} sets {flag}; the GGUF layout of this family has no biases")
     rope_type = (cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}).get("rope_type", "default")
     if rope_type != "default":
-        raise PrepError(f"{path} uses rope scaling {rope_type!r}, which this converter does not support")
+        raise UserError(f"{path} uses rope scaling {rope_type!r}, which this converter does not support")
     try:
         heads = int(cfg["num_attention_heads"])
         if cfg.get("head_dim") not in (None, int(cfg["hidden_size"]) // heads):
-            raise PrepError(f"{path}: head_dim {cfg['head_dim']} is not hidden_size / num_attention_heads")
+            raise UserError(f"{path}: head_dim {cfg['head_dim']} is not hidden_size / num_attention_heads")
         return ModelParams(
             arch=arch,
             name=model_dir.resolve().name,
@@ -92,17 +92,17 @@ def read_hf_config(model_dir: Path) -> ModelParams:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
     except KeyError as exc:
-        raise PrepError(f"{path} lacks the key {exc.args[0]!r}") from exc
+        raise UserError(f"{path} lacks the key {exc.args[0]!r}") from exc
 
 
 def _falcon_params(cfg: dict, model_dir: Path, path: Path) -> ModelParams:
     """Falcon's own config keys; only the layout ReluFalcon-40B has (what llama.cpp's falcon graph runs)."""
     if cfg.get("activation", "gelu") != "relu":
-        raise PrepError(f"{path} has activation={cfg.get('activation', 'gelu')!r}; only ReLU Falcon models are sparse")
+        raise UserError(f"{path} has activation={cfg.get('activation', 'gelu')!r}; only ReLU Falcon models are sparse")
     required = {"new_decoder_architecture": True, "parallel_attn": True, "bias": False, "alibi": False}
     for flag, want in required.items():
         if bool(cfg.get(flag, not want)) != want:
-            raise PrepError(f"{path}: {flag}={cfg.get(flag)!r} is not supported; only Falcon-40B's layout is")
+            raise UserError(f"{path}: {flag}={cfg.get(flag)!r} is not supported; only Falcon-40B's layout is")
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         return ModelParams(
@@ -120,4 +120,4 @@ def _falcon_params(cfg: dict, model_dir: Path, path: Path) -> ModelParams:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )
     except KeyError as exc:
-        raise PrepError(f"{path} lacks the key {exc.args[0]!r}") from exc
+        raise UserError(f"{path} lacks the key {exc.args[0]!r}") from exc

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import profiles
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 
 PROFILE_DIR = Path(profiles.__file__).resolve().parent / "models"
 
@@ -56,7 +56,7 @@ def load_model_profile(name: str) -> ModelProfile:
     for model in models:
         if model.name.lower() == name.lower():
             return model
-    raise PrepError(f"unknown model {name!r}; known models: {', '.join(m.name for m in models)}")
+    raise UserError(f"unknown model {name!r}; known models: {', '.join(m.name for m in models)}")
 
 
 def _read(path: Path) -> ModelProfile:
@@ -75,4 +75,4 @@ def _read(path: Path) -> ModelProfile:
             verified=tuple(raw.get("verified", ())),
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PrepError(f"model profile {path} is malformed ({exc}); fix or delete it") from exc
+        raise UserError(f"model profile {path} is malformed ({exc}); fix or delete it") from exc

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from qinfer_prep.atomic_file import atomic_directory
+from qinfer_core.atomic_file import atomic_directory
+from qinfer_core.errors import UserError
+from qinfer_core.predictor_dir import FC1, FC2
 from qinfer_prep.corpus_reader import corpus_files, token_windows
-from qinfer_prep.errors import PrepError
-from qinfer_prep.predictor_dir import FC1, FC2
 from qinfer_prep.predictor_quality import LayerQuality, Predictor, layer_quality, predictor_logits
 from qinfer_prep.predictor_rank import RANK_STEP, RankPlan, auto_ranks, fixed_ranks
 from qinfer_prep.relu_model import load_relu_model
@@ -75,7 +75,7 @@ def train_predictors(
 
     train_windows, heldout_windows = _split_windows(token_windows(loaded.tokenizer, files, settings.seq_len), settings)
     if not heldout_windows:
-        raise PrepError(f"the corpus {data} is too short: no window is left to hold out; use more text")
+        raise UserError(f"the corpus {data} is too short: no window is left to hold out; use more text")
     wanted = sum(map(len, train_windows)) + sum(map(len, heldout_windows))
     seen = 0
 
@@ -118,11 +118,11 @@ def train_predictors(
 
 def _check(settings: TrainSettings) -> None:
     if not 0.0 < settings.recall < 1.0:
-        raise PrepError(f"recall must be in (0, 1), not {settings.recall}")
+        raise UserError(f"recall must be in (0, 1), not {settings.recall}")
     if settings.rank is not None and (settings.rank < RANK_STEP or settings.rank % RANK_STEP):
-        raise PrepError(f"rank must be a positive multiple of {RANK_STEP}, not {settings.rank}")
+        raise UserError(f"rank must be a positive multiple of {RANK_STEP}, not {settings.rank}")
     if min(settings.train_tokens, settings.heldout_tokens, settings.epochs, settings.batch_size) < 1:
-        raise PrepError("train-tokens, heldout-tokens, epochs and batch-size must be positive")
+        raise UserError("train-tokens, heldout-tokens, epochs and batch-size must be positive")
 
 
 def _split_windows(

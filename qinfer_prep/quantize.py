@@ -18,10 +18,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
-from qinfer_prep.errors import PrepError
-from qinfer_prep.gguf_writer import TensorPlan, write_gguf
-from qinfer_runtime.errors import RunError
-from qinfer_runtime.gguf_reader import open_gguf
+from qinfer_core.errors import UserError
+from qinfer_core.gguf_reader import open_gguf
+from qinfer_core.gguf_writer import TensorPlan, write_gguf
 
 QType = GGMLQuantizationType
 # Target name -> (type of the 2-D weights, general.file_type as llama.cpp numbers it).
@@ -89,7 +88,7 @@ def _plan(path: Path, reader: GGUFReader, target: QType) -> tuple[list[TensorPla
     for t in reader.tensors:
         src = _FLOAT_TYPES.get(t.tensor_type)
         if src is None:
-            raise PrepError(f"{path}: tensor {t.name} is already {t.tensor_type.name}; quantize an F32 or F16 file")
+            raise UserError(f"{path}: tensor {t.name} is already {t.tensor_type.name}; quantize an F32 or F16 file")
         shape = tuple(int(n) for n in reversed(t.shape))
         out = tensor_type(t.name, shape, target)
         if out == QType.F16 and len(shape) > 1 and t.name.endswith(".weight"):
@@ -129,18 +128,15 @@ def quantize_gguf(
 ) -> QuantizeResult:
     """Write `infile` quantized to `target` as `outfile` (PWRI magic kept), streaming one tensor at a time."""
     if target.upper() not in TARGETS:
-        raise PrepError(f"unknown quantization type {target!r}; use one of {', '.join(TARGETS)}")
+        raise UserError(f"unknown quantization type {target!r}; use one of {', '.join(TARGETS)}")
     target = target.upper()
     qtype, file_type = TARGETS[target]
     if outfile.resolve() == infile.resolve():
-        raise PrepError(f"the output would replace the input {infile}; name another file")
-    try:
-        reader = open_gguf(infile)
-    except RunError as exc:
-        raise PrepError(str(exc)) from exc
+        raise UserError(f"the output would replace the input {infile}; name another file")
+    reader = open_gguf(infile)
     arch = reader.get_field(Keys.General.ARCHITECTURE)
     if arch is None:
-        raise PrepError(f"{infile} has no general.architecture; is it a model file?")
+        raise UserError(f"{infile} has no general.architecture; is it a model file?")
     plans, kept_f16 = _plan(infile, reader, qtype)
     if on_plan is not None:
         on_plan(plans)

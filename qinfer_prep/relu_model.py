@@ -19,7 +19,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 from qinfer_prep.hf_config import ModelParams, read_hf_config
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -44,7 +44,7 @@ class ReluModel:
 
 def resolve_device(device: str) -> tuple[torch.device, bool]:
     if device not in DEVICES:
-        raise PrepError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+        raise UserError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
     cuda = torch.cuda.is_available()
     if device == "cpu" or not cuda:
         return torch.device("cpu"), device == "cuda"
@@ -55,7 +55,7 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise PrepError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -83,7 +83,7 @@ def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "au
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise PrepError(f"cannot load the model in {model_dir} ({exc})") from exc
+        raise UserError(f"cannot load the model in {model_dir} ({exc})") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()

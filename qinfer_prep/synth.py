@@ -37,9 +37,9 @@ from transformers.initialization import no_init_weights
 from transformers.tokenization_utils_base import generate_merges
 from transformers.utils import logging as hf_logging
 
-from qinfer_prep.atomic_file import atomic_directory
-from qinfer_prep.errors import PrepError
-from qinfer_prep.predictor_dir import FC1, FC2
+from qinfer_core.atomic_file import atomic_directory
+from qinfer_core.errors import UserError
+from qinfer_core.predictor_dir import FC1, FC2
 from qinfer_prep.synth_corpus import paragraphs, synth_corpus
 
 Progress = Callable[[str, int, int], None]
@@ -187,13 +187,13 @@ def _check_args(shape: SynthShape, train_steps: int | None, target_sparsity: flo
     if not 0.5 <= target_sparsity < 1.0:
         problems.append(f"target_sparsity={target_sparsity} must be in [0.5, 1)")
     if problems:
-        raise PrepError("cannot build a synth model: " + "; ".join(problems))
+        raise UserError("cannot build a synth model: " + "; ".join(problems))
 
 
 def _check_replaceable(out: Path) -> None:
     """Only an empty directory or an earlier synth build may be replaced, since the whole directory is swapped."""
     if out.exists() and not (out / "synth.json").is_file() and (not out.is_dir() or any(out.iterdir())):
-        raise PrepError(f"{out} exists and is not an earlier synth build; pick a new or empty directory")
+        raise UserError(f"{out} exists and is not an earlier synth build; pick a new or empty directory")
 
 
 # --- text and tokenizer ------------------------------------------------------------------------------------

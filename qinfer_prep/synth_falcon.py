@@ -16,8 +16,8 @@ import torch
 from transformers import FalconConfig, FalconForCausalLM
 from transformers.initialization import no_init_weights
 
-from qinfer_prep.atomic_file import atomic_directory
-from qinfer_prep.errors import PrepError
+from qinfer_core.atomic_file import atomic_directory
+from qinfer_core.errors import UserError
 from qinfer_prep.synth import BOS, EOS, TOKENIZER_CHARS, save_predictors, save_tokenizer, train_tokenizer
 from qinfer_prep.synth_corpus import synth_corpus
 
@@ -59,7 +59,7 @@ def falcon_config(shape: FalconShape) -> FalconConfig:
 def init_falcon(shape: FalconShape, gen: torch.Generator) -> FalconForCausalLM:
     """Unit-scale random weights (transformers' 0.02 init would make every logit nearly zero)."""
     if shape.hidden % shape.heads or shape.heads % shape.kv_heads or (shape.hidden // shape.heads) % 2:
-        raise PrepError(f"cannot build a synth falcon with hidden={shape.hidden}, heads={shape.heads}/{shape.kv_heads}")
+        raise UserError(f"cannot build a synth falcon with hidden={shape.hidden}, heads={shape.heads}/{shape.kv_heads}")
     with no_init_weights():
         model = FalconForCausalLM(falcon_config(shape))
     with torch.no_grad():

@@ -8,7 +8,7 @@ from pathlib import Path
 from gguf import GGUFWriter, TokenType
 from gguf.vocab import LlamaHfVocab, SentencePieceVocab, SpecialVocab, Vocab
 
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 
 
 def _open_vocab(model_dir: Path) -> Vocab:
@@ -16,7 +16,7 @@ def _open_vocab(model_dir: Path) -> Vocab:
         return SentencePieceVocab(model_dir)
     if (model_dir / "tokenizer.json").is_file():
         return LlamaHfVocab(model_dir)
-    raise PrepError(f"no tokenizer.model or tokenizer.json in {model_dir}: the GGUF needs the model's tokenizer")
+    raise UserError(f"no tokenizer.model or tokenizer.json in {model_dir}: the GGUF needs the model's tokenizer")
 
 
 def add_vocab(writer: GGUFWriter, model_dir: Path, vocab_size: int) -> None:
@@ -29,7 +29,7 @@ def add_vocab(writer: GGUFWriter, model_dir: Path, vocab_size: int) -> None:
         scores.append(score)
         types.append(int(kind))
     if len(tokens) > vocab_size:
-        raise PrepError(f"the tokenizer has {len(tokens)} tokens but config.json says vocab_size={vocab_size}")
+        raise UserError(f"the tokenizer has {len(tokens)} tokens but config.json says vocab_size={vocab_size}")
     # Checkpoints often round the embedding up; llama.cpp fills the gap with unused placeholder tokens.
     for i in range(len(tokens), vocab_size):
         tokens.append(f"<dummy{i:05}>".encode())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from qinfer_runtime.errors import RunError
+from qinfer_core.errors import UserError
 from qinfer_runtime.forward_loader import LoadedRuntime, RuntimeOptions, load_forward
 from qinfer_runtime.model_file import open_model
 from qinfer_runtime.model_forward import KVCache, ModelForward, TokenBatch
@@ -55,7 +55,7 @@ class Engine:
         cache_device: torch.device | str = "cpu",
     ):
         if slots < 1 or ctx_size < 2:
-            raise RunError("an engine needs at least one slot and a context of at least 2 tokens")
+            raise UserError("an engine needs at least one slot and a context of at least 2 tokens")
         self.forward = forward
         self.tokenizer = tokenizer
         self.slots = slots
@@ -103,15 +103,15 @@ class Engine:
 
     def submit(self, request: Request) -> int:
         if not request.prompt_ids:
-            raise RunError("the prompt is empty")
+            raise UserError("the prompt is empty")
         if len(request.prompt_ids) >= self.ctx_size:
-            raise RunError(
+            raise UserError(
                 f"the prompt is {len(request.prompt_ids)} tokens but the context holds {self.ctx_size}; "
                 "raise --ctx-size"
             )
         free = [s for s in range(self.slots) if s not in self._active]
         if not free:
-            raise RunError(f"all {self.slots} slots are busy")
+            raise UserError(f"all {self.slots} slots are busy")
         slot = free[0]
         with torch.inference_mode():
             logits = self.forward.forward(TokenBatch.prompt(torch.tensor(request.prompt_ids), 0, slot), self.cache)

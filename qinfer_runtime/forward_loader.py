@@ -18,8 +18,8 @@ from planner.budget import GIB
 from planner.device_profiles import load_profile
 from planner.make_plan import Plan, PlanOptions, dry_run_account, load_or_make_gpuidx
 from planner.model_layout import ModelLayout
+from qinfer_core.errors import UserError
 from qinfer_runtime import row_kernels
-from qinfer_runtime.errors import RunError
 from qinfer_runtime.falcon_forward import FalconForward
 from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
 from qinfer_runtime.hybrid_ffn import HybridRunner
@@ -66,10 +66,10 @@ class LoadedRuntime:
 
 def ffn_mode(model: ModelFile, requested: str, layers: list[FFNWeights]) -> str:
     if requested not in FFN_MODES:
-        raise RunError(f"unknown FFN mode {requested!r}; use one of {', '.join(FFN_MODES)}")
+        raise UserError(f"unknown FFN mode {requested!r}; use one of {', '.join(FFN_MODES)}")
     has_predictors = all(w.has_predictor for w in layers)
     if requested == "sparse" and not has_predictors:
-        raise RunError(f"{model.path} has no predictors (fc1/fc2); sparse decoding needs a PowerInfer GGUF")
+        raise UserError(f"{model.path} has no predictors (fc1/fc2); sparse decoding needs a PowerInfer GGUF")
     if requested == "auto":
         return "sparse" if has_predictors else "dense"
     return requested
@@ -80,7 +80,7 @@ def gpu_device(requested: str | None) -> torch.device | None:
     if requested is None:
         return torch.device("cuda") if torch.cuda.is_available() else None
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise RunError(f"device {requested!r} asked for but CUDA is not available")
+        raise UserError(f"device {requested!r} asked for but CUDA is not available")
     return torch.device(requested)
 
 
@@ -133,10 +133,10 @@ def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOpti
 
 def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
     if options.schedule not in SCHEDULES:
-        raise RunError(f"unknown schedule {options.schedule!r}; use static or dynamic")
+        raise UserError(f"unknown schedule {options.schedule!r}; use static or dynamic")
     make_forward, read_ffn = FORWARDS.get(model.config.arch, (None, None))
     if make_forward is None or read_ffn is None:
-        raise RunError(f"{model.path}: no forward for architecture {model.config.arch!r}")
+        raise UserError(f"{model.path}: no forward for architecture {model.config.arch!r}")
     layers = [read_ffn(model, i) for i in range(model.config.layers)]
     mode = ffn_mode(model, options.ffn, layers)
     # Built (or found) now, so that a message about building them never lands inside generated text.

@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from qinfer_runtime.errors import RunError
-from qinfer_runtime.gguf_reader import PowerInferReader, metadata, open_gguf
+from qinfer_core.errors import UserError
+from qinfer_core.gguf_reader import PowerInferReader, metadata, open_gguf
 from qinfer_runtime.quant_rows import QUANTIZED_TYPES, QuantizedMatrix
 
 SUPPORTED_ARCHS = ("llama", "bamboo", "falcon")
@@ -54,18 +54,18 @@ class ModelFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise RunError(f"{self.path} has no tensor {name!r}; was it converted by an older tool?") from None
+            raise UserError(f"{self.path} has no tensor {name!r}; was it converted by an older tool?") from None
 
 
 def _config(meta: dict[str, Any], path: Path) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise RunError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise UserError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
-            raise RunError(f"{path} lacks the metadata key {arch}.{name}; re-convert it")
+            raise UserError(f"{path} lacks the metadata key {arch}.{name}; re-convert it")
         return value
 
     heads = int(key("attention.head_count"))
@@ -100,7 +100,7 @@ def _tensors(reader: PowerInferReader, path: Path) -> dict[str, torch.Tensor | Q
             continue
         dtype = _TORCH_TYPES.get(t.tensor_type)
         if dtype is None:
-            raise RunError(
+            raise UserError(
                 f"{path}: tensor {t.name} is {t.tensor_type.name}; this runtime reads F32, F16, Q4_0 and Q8_0 files"
             )
         # The reader maps the file copy-on-write, so these views share its pages instead of copying them.
@@ -113,5 +113,5 @@ def open_model(path: Path) -> ModelFile:
     meta = metadata(reader)
     model = ModelFile(path, _config(meta, path), reader.is_powerinfer, meta, _tensors(reader, path))
     if model.config.vocab_size == 0:
-        raise RunError(f"{path} has no tokenizer.ggml.tokens; convert it with its tokenizer")
+        raise UserError(f"{path} has no tokenizer.ggml.tokens; convert it with its tokenizer")
     return model

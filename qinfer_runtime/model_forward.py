@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from qinfer_runtime.errors import RunError
+from qinfer_core.errors import UserError
 from qinfer_runtime.model_file import ModelConfig
 
 
@@ -121,7 +121,7 @@ class TransformerForward:
     def forward(self, batch: TokenBatch, cache: KVCache) -> torch.Tensor:
         """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`."""
         if int(batch.positions.max()) >= cache.ctx:
-            raise RunError(f"context of {cache.ctx} tokens exceeded")
+            raise UserError(f"context of {cache.ctx} tokens exceeded")
         h = self.embed[batch.tokens].float().to(self.device)
         prefill = batch.tokens.shape[0] > 1 and batch.single_sequence
         for i in range(self.cfg.layers):

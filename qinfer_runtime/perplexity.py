@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer_runtime.errors import RunError
+from qinfer_core.errors import UserError
 from qinfer_runtime.model_forward import KVCache, TokenBatch, TransformerForward
 
 
@@ -46,12 +46,12 @@ def perplexity(
 ) -> PerplexityResult:
     """`on_window(i, n, ppl_so_far)` is called after each of the n windows."""
     if ctx < 4:
-        raise RunError(f"context {ctx} is too small; use at least 4 tokens")
+        raise UserError(f"context {ctx} is too small; use at least 4 tokens")
     if ctx > forward.cfg.context_length:
-        raise RunError(f"context {ctx} exceeds the model's {forward.cfg.context_length} tokens")
+        raise UserError(f"context {ctx} exceeds the model's {forward.cfg.context_length} tokens")
     n = len(ids) // ctx
     if n == 0:
-        raise RunError(f"the text has {len(ids)} tokens, fewer than one window of {ctx}; use a longer text or -c")
+        raise UserError(f"the text has {len(ids)} tokens, fewer than one window of {ctx}; use a longer text or -c")
     first = ctx // 2
     nll: list[torch.Tensor] = []
     window_ppl = []

@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from qinfer_core.errors import UserError
 from qinfer_runtime import row_kernels
-from qinfer_runtime.errors import RunError
 from qinfer_runtime.weight_rows import gather_rows, linear, weighted_row_sum
 
 Variant = Literal["llama", "bamboo", "falcon"]
@@ -47,7 +47,7 @@ def activations(variant: Variant, x: torch.Tensor, gate: torch.Tensor | None, up
     if variant == "falcon":
         return F.relu(u)
     if gate is None:
-        raise RunError(f"a {variant} FFN needs ffn_gate")
+        raise UserError(f"a {variant} FFN needs ffn_gate")
     g = F.relu(linear(x, gate))
     return g * (F.relu(u) if variant == "bamboo" else u)
 
@@ -82,7 +82,7 @@ def sparse_rows(
 def predicted_mask(w: FFNWeights, h: torch.Tensor, threshold: float) -> torch.Tensor:
     """Neurons the predictor flags for each token of h [T, E]: fc2(relu(fc1(h))) >= threshold, as bool [T, F]."""
     if w.fc1 is None or w.fc2 is None:
-        raise RunError("this model file has no predictors (fc1/fc2): use a PowerInfer GGUF, or run it dense")
+        raise UserError("this model file has no predictors (fc1/fc2): use a PowerInfer GGUF, or run it dense")
     return linear(F.relu(linear(h, w.fc1)), w.fc2) >= threshold
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-from qinfer_runtime.errors import RunError
+from qinfer_core.errors import UserError
 
 
 class GGUFTokenizer:
@@ -15,7 +15,7 @@ class GGUFTokenizer:
         renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
         spec = {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
         if spec.get("tokenizer_type") != "llama":
-            raise RunError(f"tokenizer type {spec.get('tokenizer_type')!r} is not supported; expected 'llama'")
+            raise UserError(f"tokenizer type {spec.get('tokenizer_type')!r} is not supported; expected 'llama'")
         self.backend: Tokenizer = convert_gguf_tokenizer(meta["general.architecture"], spec)[0]
         self.bos_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_id: int | None = meta.get("tokenizer.ggml.eos_token_id")

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
+from qinfer_core.gguf_reader import metadata, open_gguf
 from qinfer_prep.synth import SynthReport
-from qinfer_runtime.gguf_reader import metadata, open_gguf
 from tests.conftest import TINY
 
 E, F, L, P, V = TINY.hidden, TINY.ffn, TINY.layers, TINY.predictor_rank, TINY.vocab

@@ -200,10 +200,10 @@ def test_gated_unknown_and_unreachable_are_one_line_errors(hub: FakeHub, tmp_pat
 
 
 def test_unpublished_variant_points_to_the_originals(tmp_path: Path) -> None:
+    from qinfer_core.errors import UserError
     from qinfer_prep.download import download
-    from qinfer_prep.errors import PrepError
 
-    with pytest.raises(PrepError, match="no f16 PowerInfer GGUF.*--source original"):
+    with pytest.raises(UserError, match="no f16 PowerInfer GGUF.*--source original"):
         download(load_model_profile("ReluFalcon-40B"), tmp_path, "gguf", "f16")
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from qinfer_core.errors import UserError
 from qinfer_runtime.engine import Engine, Request, StepOutput
-from qinfer_runtime.errors import RunError
 from qinfer_runtime.generate import generate, generate_many
 from qinfer_runtime.sampling import SamplingParams
 
@@ -51,9 +51,9 @@ def test_slots_fill_free_and_finish(gguf_files: dict[str, Path]) -> None:
     a = engine.submit(Request(ids, 3, GREEDY, ignore_eos=True))
     b = engine.submit(Request(ids, 100, GREEDY, ignore_eos=True))
     assert engine.free_slots() == 0
-    with pytest.raises(RunError, match="slots are busy"):
+    with pytest.raises(UserError, match="slots are busy"):
         engine.submit(Request(ids, 3, GREEDY))
-    with pytest.raises(RunError, match="context holds 32"):
+    with pytest.raises(UserError, match="context holds 32"):
         Engine.open(gguf_files["pi-f16"], ctx_size=32).submit(Request(list(range(40)), 3, GREEDY))
     finished: dict[int, tuple[int, str | None]] = {}
     counts = {a: 0, b: 0}

@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 from transformers import FalconForCausalLM
 
-from qinfer_prep.activation_files import read_activations
+from qinfer_core.activation_files import read_activations
+from qinfer_core.gguf_reader import metadata, open_gguf
 from qinfer_prep.activation_profile import profile_activations
 from qinfer_prep.convert import convert
 from qinfer_prep.corpus_reader import token_windows
@@ -22,7 +23,6 @@ from qinfer_prep.residual_sample import collect_residuals
 from qinfer_prep.synth_corpus import synth_corpus
 from qinfer_prep.synth_falcon import FalconShape, build_synth_falcon
 from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
-from qinfer_runtime.gguf_reader import metadata, open_gguf
 from qinfer_runtime.model_file import open_model
 from qinfer_runtime.model_forward import KVCache, TokenBatch
 from qinfer_runtime.tokenizer import GGUFTokenizer

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.gpuidx import gpuidx_path_for
 from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
+from qinfer_core.gpuidx import gpuidx_path_for
 from qinfer_prep.convert import convert
 from qinfer_prep.quantize import quantize_gguf
 from qinfer_prep.synth import SynthReport

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from planner.budget import GIB
-from planner.errors import PlanError
-from planner.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
 from planner.make_plan import PlanOptions, dry_run_account
+from qinfer_core.errors import UserError
+from qinfer_core.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.generate import generate, generate_many
 from qinfer_runtime.hybrid_ffn import HybridRunner
@@ -99,17 +99,17 @@ def test_neuron_rows_on_device_stay_within_the_budget(model: Path) -> None:
 def test_stale_or_mismatched_gpuidx_is_a_clear_error(model: Path) -> None:
     budget = _budget_gib(model, 1, 0.3)
     Engine.open(model, ctx_size=96, vram_budget_gib=budget, device="cpu")
-    with pytest.raises(PlanError, match="stale: vram budget changed.*--reset-gpu-index"):
+    with pytest.raises(UserError, match="stale: vram budget changed.*--reset-gpu-index"):
         Engine.open(model, ctx_size=96, vram_budget_gib=budget * 1.1, device="cpu")
     Engine.open(model, ctx_size=96, vram_budget_gib=budget * 1.1, device="cpu", reset_gpu_index=True)
     write_gpuidx(gpuidx_path_for(model), GpuIndex(0, (np.zeros(100, np.int32), np.zeros(100, np.int32))))
-    with pytest.raises(PlanError, match="FFN sizes 2 x 100, this one has 2 x 256"):
+    with pytest.raises(UserError, match="FFN sizes 2 x 100, this one has 2 x 256"):
         Engine.open(model, ctx_size=96, vram_budget_gib=budget, device="cpu")
 
 
 def test_missing_activation_names_the_profile_command(model: Path) -> None:
     shutil.rmtree(model.parent / "activation")
-    with pytest.raises(PlanError, match="qinfer prep profile"):
+    with pytest.raises(UserError, match="qinfer prep profile"):
         Engine.open(model, ctx_size=96, vram_budget_gib=1.0, device="cpu")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.gpuidx import read_gpuidx
+from qinfer_core.gpuidx import read_gpuidx
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(sys.executable).parent.parent

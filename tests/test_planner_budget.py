@@ -9,9 +9,9 @@ import pytest
 
 from planner.budget import SCRATCH_FIXED, BudgetOptions, account, require_budget, vram_used
 from planner.device_profiles import load_profile
-from planner.errors import PlanError
 from planner.model_layout import layout_for_shape, read_model_layout
 from planner.placement import Placement
+from qinfer_core.errors import UserError
 
 
 def test_tiny_f16_gguf_matches_hand_worked_account(gguf_files: dict[str, Path]) -> None:
@@ -44,7 +44,7 @@ def test_f32_and_q4_neuron_bytes(gguf_files: dict[str, Path]) -> None:
 
 
 def test_dense_model_is_refused(gguf_files: dict[str, Path]) -> None:
-    with pytest.raises(PlanError, match="dense GGUF"):
+    with pytest.raises(UserError, match="dense GGUF"):
         read_model_layout(gguf_files["dense-f16"])
 
 
@@ -68,7 +68,7 @@ def test_too_small_budget_names_the_minimum() -> None:
         arch="llama", layers=80, embedding=8192, ffn=28672, heads=64, kv_heads=8, vocab=32000, predictor_rank=1024
     )
     acct = account(layout, BudgetOptions(ctx_size=4096, batch=4))
-    with pytest.raises(PlanError) as info:
+    with pytest.raises(UserError) as info:
         require_budget(acct, 8 << 30, dense_on_gpu=True)
     message = str(info.value)
     assert "\n" not in message
@@ -83,7 +83,7 @@ def test_device_profiles() -> None:
     assert load_profile("generic-desktop", "cpu").bandwidth == 60e9
     assert load_profile("h200", "gpu").bandwidth == 4800e9
     assert load_profile("rtx2080ti", "gpu").pcie_bandwidth == 12e9
-    with pytest.raises(PlanError, match="known gpu profiles: h200, rtx2080ti, rtx4090"):
+    with pytest.raises(UserError, match="known gpu profiles: h200, rtx2080ti, rtx4090"):
         load_profile("a100", "gpu")
-    with pytest.raises(PlanError, match="is a cpu profile"):
+    with pytest.raises(UserError, match="is a cpu profile"):
         load_profile("generic-desktop", "gpu")

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from planner.errors import PlanError
-from planner.gpuidx import GpuIndex, Provenance, read_gpuidx, write_gpuidx
+from qinfer_core.errors import UserError
+from qinfer_core.gpuidx import GpuIndex, Provenance, read_gpuidx, write_gpuidx
 
 I32 = 26
 
@@ -112,10 +112,10 @@ def test_inconsistent_bucket_is_refused(tmp_path: Path) -> None:
     struct.pack_into("<i", raw, data_start + 32 + 4, 3)  # bucket says neuron 3, gpu_idx says neuron 2
     path = tmp_path / "bad.gpuidx"
     path.write_bytes(bytes(raw))
-    with pytest.raises(PlanError, match="disagree"):
+    with pytest.raises(UserError, match="disagree"):
         read_gpuidx(path)
 
 
 def test_a_model_file_is_not_a_gpu_index(tmp_path: Path, gguf_files: dict[str, Path]) -> None:
-    with pytest.raises(PlanError, match="not a GPU index"):
+    with pytest.raises(UserError, match="not a GPU index"):
         read_gpuidx(gguf_files["pi-f32"])

@@ -11,12 +11,12 @@ from planner.activation_stats import power_law_firing
 from planner.baselines import greedy_placement, reference_capacity, reference_placement
 from planner.budget import BudgetOptions, VramAccount, account, vram_used
 from planner.device_profiles import DeviceProfile, load_profile
-from planner.errors import PlanError
 from planner.model_layout import layout_for_shape
 from planner.neuron_groups import group_neurons
 from planner.placement import Placement
 from planner.placement_ilp import solve_placement
 from planner.time_model import TimeModel, build_time_model
+from qinfer_core.errors import UserError
 
 # Slow, latency-free devices make every choice matter at this size: otherwise the sync latency dwarfs 256 neurons.
 GPU = DeviceProfile("g", "gpu", "", 1 << 30, 2e9, 1e12, 1e9, 1e-7)
@@ -118,5 +118,5 @@ def test_reference_capacity_formula() -> None:
 
 def test_infeasible_budget_is_a_plan_error() -> None:
     acct, times, firing = _setup()
-    with pytest.raises(PlanError, match="no placement fits"):
+    with pytest.raises(UserError, match="no placement fits"):
         solve_placement(acct, times, firing, group_neurons(firing, 64), acct.dense - 1)

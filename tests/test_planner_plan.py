@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from planner.activation_stats import activation_files, load_activation
 from planner.budget import GIB
-from planner.errors import PlanError
-from planner.gpuidx import GpuIndex, gpuidx_path_for, read_gpuidx, write_gpuidx
 from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx, make_plan
 from qinfer.cli import app
+from qinfer_core.errors import UserError
+from qinfer_core.gpuidx import GpuIndex, gpuidx_path_for, read_gpuidx, write_gpuidx
 from tests.fake_activation import write_power_law_activation
 
 
@@ -38,15 +38,15 @@ def test_layer_files_sort_by_integer_index(tmp_path: Path) -> None:
     for i in (10, 2, 0, 1, 11, 3, 4, 5, 6, 7, 8, 9):
         (tmp_path / f"activation_{i}.pt").touch()
     assert [p.name for p in activation_files(tmp_path, 12)] == [f"activation_{i}.pt" for i in range(12)]
-    with pytest.raises(PlanError, match=r"missing layers \[12\]"):
+    with pytest.raises(UserError, match=r"missing layers \[12\]"):
         activation_files(tmp_path, 13)
-    with pytest.raises(PlanError, match=r"extra layers \[11\]"):
+    with pytest.raises(UserError, match=r"extra layers \[11\]"):
         activation_files(tmp_path, 11)
 
 
 def test_wrong_length_activation_is_refused(tmp_path: Path) -> None:
     write_power_law_activation(tmp_path, f=100)
-    with pytest.raises(PlanError, match="expected a 1-D tensor of 256 counts"):
+    with pytest.raises(UserError, match="expected a 1-D tensor of 256 counts"):
         load_activation(tmp_path, (256, 256))
 
 
@@ -70,13 +70,13 @@ def test_stale_plan_is_refused_until_reset(model: Path) -> None:
     budget = _binding_budget(model)
     load_or_make_gpuidx(model, budget)
     write_power_law_activation(model.parent / "activation", seed=1)
-    with pytest.raises(PlanError, match="stale: activation files changed.*--reset-gpu-index"):
+    with pytest.raises(UserError, match="stale: activation files changed.*--reset-gpu-index"):
         load_or_make_gpuidx(model, budget)
-    with pytest.raises(PlanError, match="stale: activation files, vram budget changed"):
+    with pytest.raises(UserError, match="stale: activation files, vram budget changed"):
         load_or_make_gpuidx(model, budget + 1)
     assert not load_or_make_gpuidx(model, budget, reset=True).reused
     os.utime(model, ns=(1, 1))
-    with pytest.raises(PlanError, match="stale: model mtime changed"):
+    with pytest.raises(UserError, match="stale: model mtime changed"):
         load_or_make_gpuidx(model, budget)
 
 
@@ -91,7 +91,7 @@ def test_context_is_capped_at_the_models_as_the_runtime_does(model: Path) -> Non
     _, capped = dry_run_account(model, budget, PlanOptions(ctx_size=4 * model_context))
     _, exact = dry_run_account(model, budget, PlanOptions(ctx_size=model_context))
     assert capped == exact
-    with pytest.raises(PlanError, match="stale: ctx size changed"):
+    with pytest.raises(UserError, match="stale: ctx size changed"):
         load_or_make_gpuidx(model, budget, options=PlanOptions(ctx_size=model_context // 2))
 
 
@@ -102,10 +102,10 @@ def test_reference_engine_index_is_used_only_when_it_fits(model: Path) -> None:
     plan = load_or_make_gpuidx(model, budget)
     assert plan.reused and plan.notes and plan.placement.gpu_neuron_count() == 64
     write_gpuidx(gpuidx_path_for(model), GpuIndex(vram_capacity=10**12, gpu_idx=plan.placement.gpu_neurons))
-    with pytest.raises(PlanError, match="made by another tool"):
+    with pytest.raises(UserError, match="made by another tool"):
         load_or_make_gpuidx(model, budget)
     write_gpuidx(gpuidx_path_for(model), GpuIndex(vram_capacity=0, gpu_idx=(np.zeros(128, dtype=np.int32),) * 2))
-    with pytest.raises(PlanError, match="FFN sizes"):
+    with pytest.raises(UserError, match="FFN sizes"):
         load_or_make_gpuidx(model, budget)
 
 
@@ -119,7 +119,7 @@ def test_activation_objective_holds_at_least_as_much_firing(model: Path) -> None
 
 def _cli(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(app, ["plan", *args], env={"COLUMNS": "200"})
-    if isinstance(result.exception, PlanError):
+    if isinstance(result.exception, UserError):
         return 2, str(result.exception)
     return result.exit_code, result.output
 

@@ -11,10 +11,10 @@ import torch
 from typer.testing import CliRunner
 
 from qinfer.cli import app
+from qinfer_core.errors import UserError
+from qinfer_core.predictor_dir import FC1, FC2, load_layer, open_predictors
 from qinfer_prep.convert import convert
 from qinfer_prep.corpus_reader import token_windows
-from qinfer_prep.errors import PrepError
-from qinfer_prep.predictor_dir import FC1, FC2, load_layer, open_predictors
 from qinfer_prep.predictor_quality import layer_quality, mean_nll, predictor_logits, predictor_sparse_ffn
 from qinfer_prep.predictor_rank import auto_ranks
 from qinfer_prep.predictor_training import TrainingReport, TrainSettings, share_threshold, train_predictors
@@ -119,6 +119,6 @@ def test_train_predictor_command(tiny: SynthReport, texts: dict[str, Path], tmp_
     assert "layer 1: rank 64" in result.output
     assert open_predictors(out, 2, 64, 256).ranks == [64, 64]
     both = CliRunner().invoke(app, [*args, *small, "--rank", "64", "--auto-rank"])
-    assert isinstance(both.exception, PrepError)
-    with pytest.raises(PrepError, match="multiple of 32"):
+    assert isinstance(both.exception, UserError)
+    with pytest.raises(UserError, match="multiple of 32"):
         train_predictors(tiny.model_dir, texts["calibrate"], out, TrainSettings(rank=40))

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from qinfer.cli import app
-from qinfer_prep.activation_files import read_activations, summarise, write_activations
+from qinfer_core.activation_files import read_activations, summarise, write_activations
+from qinfer_core.errors import UserError
 from qinfer_prep.activation_profile import STATE_FILE, profile_activations
 from qinfer_prep.corpus_reader import corpus_files, documents, token_windows
-from qinfer_prep.errors import PrepError
 from qinfer_prep.relu_model import load_relu_model
 from qinfer_prep.synth import SynthReport
 from qinfer_prep.synth_corpus import synth_corpus
@@ -147,7 +147,7 @@ def test_an_interrupted_run_resumes_to_the_same_counts(tiny: SynthReport, corpus
     assert (tmp_path / "parts" / STATE_FILE).is_file()
     assert not (tmp_path / "parts" / "activation_0.pt").exists()
 
-    with pytest.raises(PrepError, match="--restart"):
+    with pytest.raises(UserError, match="--restart"):
         profile_activations(tiny.model_dir, corpus, tmp_path / "parts", **{**args, "seq_len": 32})
 
     starts: list[int] = []
@@ -187,18 +187,18 @@ def test_corpus_reader_orders_files_and_reads_jsonl(tmp_path: Path) -> None:
 
 
 def test_corpus_errors_are_one_line_prep_errors(tiny: SynthReport, tmp_path: Path) -> None:
-    with pytest.raises(PrepError, match="not found"):
+    with pytest.raises(UserError, match="not found"):
         corpus_files(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PrepError, match="no corpus files"):
+    with pytest.raises(UserError, match="no corpus files"):
         corpus_files(tmp_path / "empty")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
-    with pytest.raises(PrepError, match=r"bad.jsonl:2 has no string field 'text'"):
+    with pytest.raises(UserError, match=r"bad.jsonl:2 has no string field 'text'"):
         list(documents([bad]))
     blank = tmp_path / "blank.txt"
     blank.write_text("\n\n  \n")
-    with pytest.raises(PrepError, match="is empty"):
+    with pytest.raises(UserError, match="is empty"):
         profile_activations(tiny.model_dir, blank, tmp_path / "out")
 
 

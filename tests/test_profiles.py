@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from planner.device_profiles import known_profiles
 from qinfer.cli import app
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 from qinfer_prep.model_profiles import known_models, load_model_profile
 
 # (E, F, L, heads, kv heads, vocab, arch) from DESIGN.md and the models' config.json files.
@@ -46,7 +46,7 @@ def test_every_supported_model_has_a_profile_with_its_shape() -> None:
 
 def test_lookup_ignores_case_and_lists_known_models_when_unknown() -> None:
     assert load_model_profile("relullama-7b").gguf_repo == "PowerInfer/ReluLLaMA-7B-PowerInfer-GGUF"
-    with pytest.raises(PrepError, match="known models: .*ReluLLaMA-7B"):
+    with pytest.raises(UserError, match="known models: .*ReluLLaMA-7B"):
         load_model_profile("Llama-3-8B")
 
 

@@ -13,10 +13,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from qinfer_prep.errors import PrepError
-from qinfer_prep.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.errors import UserError
+from qinfer_core.gguf_reader import metadata, open_gguf
+from qinfer_core.gguf_writer import TensorPlan, write_gguf
 from qinfer_prep.quantize import quantize_gguf
-from qinfer_runtime.gguf_reader import metadata, open_gguf
 from qinfer_runtime.quant_rows import dequantize_rows
 
 Q4_0, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0
@@ -149,14 +149,14 @@ def test_chosen_rows_dequantize_like_the_gguf_package(qtype: GGMLQuantizationTyp
 
 
 def test_refuses_bad_input(tiny_file: Path, tmp_path: Path) -> None:
-    with pytest.raises(PrepError, match="unknown quantization type"):
+    with pytest.raises(UserError, match="unknown quantization type"):
         quantize_gguf(tiny_file, tmp_path / "x.gguf", "Q5_K")
-    with pytest.raises(PrepError, match="not found"):
+    with pytest.raises(UserError, match="not found"):
         quantize_gguf(tmp_path / "missing.gguf", tmp_path / "x.gguf")
     once = quantize_gguf(tiny_file, tmp_path / "q4.gguf").outfile
-    with pytest.raises(PrepError, match="already Q"):
+    with pytest.raises(UserError, match="already Q"):
         quantize_gguf(once, tmp_path / "twice.gguf")
-    with pytest.raises(PrepError, match="replace the input"):
+    with pytest.raises(UserError, match="replace the input"):
         quantize_gguf(tiny_file, tiny_file)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.powerinfer.gguf", "q4.gguf"]
 

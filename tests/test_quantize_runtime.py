@@ -11,13 +11,13 @@ import torch
 
 from planner.budget import GIB
 from planner.make_plan import PlanOptions, dry_run_account
-from qinfer_prep.activation_files import write_activations
+from qinfer_core.activation_files import write_activations
+from qinfer_core.gguf_reader import open_gguf
 from qinfer_prep.quantize import quantize_gguf
 from qinfer_runtime import quant_rows
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
 from qinfer_runtime.generate import generate
-from qinfer_runtime.gguf_reader import open_gguf
 from qinfer_runtime.hybrid_ffn import DeviceSlots, HybridRunner
 from qinfer_runtime.llama_forward import ffn_weights
 from qinfer_runtime.model_file import open_model

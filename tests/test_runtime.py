@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from qinfer_core.gguf_reader import open_gguf
 from qinfer_prep.synth import SynthReport
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.generate import generate
-from qinfer_runtime.gguf_reader import open_gguf
 from qinfer_runtime.llama_forward import KVCache, LlamaForward
 from qinfer_runtime.model_file import open_model
 from qinfer_runtime.sampling import SamplingParams, sample_next

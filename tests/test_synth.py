@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import qinfer_prep.synth as synth
-from qinfer_prep.errors import PrepError
-from qinfer_prep.predictor_dir import open_predictors
+from qinfer_core.errors import UserError
+from qinfer_core.predictor_dir import open_predictors
 from qinfer_prep.synth import SynthReport, SynthShape, build_synth
 from qinfer_prep.synth_corpus import paragraphs, synth_corpus
 from tests.conftest import TINY, TINY_STEPS
@@ -210,7 +210,7 @@ def test_replaces_an_earlier_build_but_not_other_directories(tmp_path: Path) -> 
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(PrepError, match="not an earlier synth build"):
+    with pytest.raises(UserError, match="not an earlier synth build"):
         build_synth(precious, SMALL, train_steps=0)
     assert [p.name for p in precious.iterdir()] == ["notes.txt"]
 
@@ -225,7 +225,7 @@ def test_replaces_an_earlier_build_but_not_other_directories(tmp_path: Path) -> 
     ],
 )
 def test_rejects_bad_shapes(shape: SynthShape, problem: str, tmp_path: Path) -> None:
-    with pytest.raises(PrepError, match=problem):
+    with pytest.raises(UserError, match=problem):
         build_synth(tmp_path / "out", shape, train_steps=0)
 
 

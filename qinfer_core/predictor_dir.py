@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from qinfer_prep.errors import PrepError
+from qinfer_core.errors import UserError
 
 FC1 = "fc1.weight"
 FC2 = "fc2.weight"
@@ -28,26 +28,26 @@ def load_layer(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:
-        raise PrepError(f"cannot read predictor {path} ({exc})") from exc
+        raise UserError(f"cannot read predictor {path} ({exc})") from exc
     if not isinstance(state, dict) or FC1 not in state or FC2 not in state:
-        raise PrepError(f"predictor {path} must be a state_dict with {FC1!r} and {FC2!r}")
+        raise UserError(f"predictor {path} must be a state_dict with {FC1!r} and {FC2!r}")
     return state
 
 
 def open_predictors(path: Path, layers: int, hidden: int, ffn: int) -> PredictorDir:
     """Check that every layer has a predictor of the right shape before anything is written."""
     if not path.is_dir():
-        raise PrepError(f"predictor directory not found: {path}")
+        raise UserError(f"predictor directory not found: {path}")
     missing = [i for i in range(layers) if not (path / f"model_{i}.pt").is_file()]
     if missing:
         shown = ", ".join(f"model_{i}.pt" for i in missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise PrepError(f"{path} lacks predictors for {len(missing)} of {layers} layers ({shown})")
+        raise UserError(f"{path} lacks predictors for {len(missing)} of {layers} layers ({shown})")
     ranks = []
     for i in range(layers):
         state = load_layer(path / f"model_{i}.pt")
         fc1, fc2 = tuple(state[FC1].shape), tuple(state[FC2].shape)
         if len(fc1) != 2 or fc1[1] != hidden or fc2 != (ffn, fc1[0]):
-            raise PrepError(
+            raise UserError(
                 f"{path / f'model_{i}.pt'}: fc1 {list(fc1)} / fc2 {list(fc2)} do not fit this model "
                 f"(want fc1 [P, {hidden}] and fc2 [{ffn}, P]); is it the predictor of another model?"
             )
@@ -62,5 +62,5 @@ def read_threshold(path: Path) -> float | None:
     try:
         value = json.loads(config.read_text(encoding="utf-8")).get("sparse_threshold")
     except json.JSONDecodeError as exc:
-        raise PrepError(f"{config} is not valid JSON ({exc})") from exc
+        raise UserError(f"{config} is not valid JSON ({exc})") from exc
     return None if value is None else float(value)

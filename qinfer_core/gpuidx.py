@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from planner.errors import PlanError
-from qinfer_prep.gguf_writer import TensorPlan, write_gguf
-from qinfer_runtime.errors import RunError
-from qinfer_runtime.gguf_reader import field_value, open_gguf
+from qinfer_core.errors import UserError
+from qinfer_core.gguf_reader import field_value, open_gguf
+from qinfer_core.gguf_writer import TensorPlan, write_gguf
 
 ARCH = "generic.gpu_index"
 BLOCK_COUNT = "generic.gpu_index.block_count"
@@ -99,27 +98,27 @@ def read_gpuidx(path: Path) -> GpuIndex:
     fix = "delete it or rerun `qinfer plan --reset-gpu-index`"
     try:
         reader = open_gguf(path)
-    except RunError as exc:
-        raise PlanError(f"{exc}; {fix}") from exc
+    except UserError as exc:
+        raise UserError(f"{exc}; {fix}") from exc
     if field_value(reader, "general.architecture") != ARCH:
-        raise PlanError(f"{path} is not a GPU index (general.architecture is not {ARCH!r}); {fix}")
+        raise UserError(f"{path} is not a GPU index (general.architecture is not {ARCH!r}); {fix}")
     layers = field_value(reader, BLOCK_COUNT)
     capacity = field_value(reader, VRAM_CAPACITY)
     if layers is None or capacity is None:
-        raise PlanError(f"{path} lacks {BLOCK_COUNT} or {VRAM_CAPACITY}; {fix}")
+        raise UserError(f"{path} lacks {BLOCK_COUNT} or {VRAM_CAPACITY}; {fix}")
     tensors = list(reader.tensors)
     if len(tensors) != 2 * int(layers):
-        raise PlanError(f"{path} has {len(tensors)} tensors for {layers} layers (expected {2 * int(layers)}); {fix}")
+        raise UserError(f"{path} has {len(tensors)} tensors for {layers} layers (expected {2 * int(layers)}); {fix}")
     masks = []
     for i in range(int(layers)):
         idx, bucket = tensors[2 * i], tensors[2 * i + 1]
         for tensor in (idx, bucket):
             if tensor.tensor_type != GGMLQuantizationType.I32:
-                raise PlanError(f"{path}: {tensor.name} is not I32; {fix}")
+                raise UserError(f"{path}: {tensor.name} is not I32; {fix}")
         mask = np.array(idx.data, dtype=np.int32).reshape(-1)
         ids = np.array(bucket.data, dtype=np.int32).reshape(-1)
         if not np.isin(mask, (0, 1)).all() or not np.array_equal(np.flatnonzero(mask), ids):
-            raise PlanError(f"{path}: layer {i} gpu_idx and gpu_bucket disagree; {fix}")
+            raise UserError(f"{path}: layer {i} gpu_idx and gpu_bucket disagree; {fix}")
         masks.append(mask)
     return GpuIndex(vram_capacity=int(capacity), gpu_idx=tuple(masks), provenance=_provenance(reader))
 

@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGUF_MAGIC, GGUFReader
 
-from qinfer_runtime.errors import RunError
+from qinfer_core.errors import UserError
 
 # "PWRI" read as a little-endian u32: the first four bytes of a PowerInfer GGUF.
 PWRI_MAGIC = 0x49525750
@@ -37,11 +37,11 @@ class PowerInferReader(GGUFReader):
 def open_gguf(path: Path, mode: Literal["r", "c"] = "r") -> PowerInferReader:
     """Memory-map a GGUF or PowerInfer GGUF; one clear error for a missing, truncated or foreign file."""
     if not path.is_file():
-        raise RunError(f"model file not found: {path}")
+        raise UserError(f"model file not found: {path}")
     try:
         return PowerInferReader(path, mode)
     except (ValueError, KeyError, IndexError, OverflowError) as exc:
-        raise RunError(f"{path} is not a readable GGUF file ({exc}); re-create it with `qinfer prep convert`") from exc
+        raise UserError(f"{path} is not a readable GGUF file ({exc}); re-create it with `qinfer prep convert`") from exc
 
 
 def field_value(reader: GGUFReader, key: str) -> Any:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from qinfer_prep.atomic_file import atomic_output
+from qinfer_core.atomic_file import atomic_output
 
 PWRI_BYTES = b"PWRI"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from qinfer_prep.atomic_file import atomic_output
-from qinfer_prep.errors import PrepError
+from qinfer_core.atomic_file import atomic_output
+from qinfer_core.errors import UserError
 
 LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
 TOP_SHARES = (0.1, 0.2, 0.5)
@@ -55,20 +55,20 @@ def write_activations(out: Path, counts: torch.Tensor, tokens: int, meta: dict[s
 def read_activations(path: Path) -> list[torch.Tensor]:
     """The per-layer count vectors of an activation directory, ordered by integer layer index (2 before 10)."""
     if not path.is_dir():
-        raise PrepError(f"activation directory not found: {path}")
+        raise UserError(f"activation directory not found: {path}")
     found = {int(m.group(1)): p for p in path.iterdir() if (m := LAYER_FILE.fullmatch(p.name))}
     if not found:
-        raise PrepError(f"{path} holds no activation_{{i}}.pt files")
+        raise UserError(f"{path} holds no activation_{{i}}.pt files")
     missing = sorted(set(range(max(found) + 1)) - set(found))
     if missing:
-        raise PrepError(f"{path} lacks activation files for layers {missing[:5]}")
+        raise UserError(f"{path} lacks activation files for layers {missing[:5]}")
     tensors = []
     for i in sorted(found):
         try:
             tensor = torch.load(found[i], map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise PrepError(f"cannot read {found[i]} ({exc})") from exc
+            raise UserError(f"cannot read {found[i]} ({exc})") from exc
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
-            raise PrepError(f"{found[i]} must hold a 1-D tensor of per-neuron activation counts")
+            raise UserError(f"{found[i]} must hold a 1-D tensor of per-neuron activation counts")
         tensors.append(tensor)
     return tensors
