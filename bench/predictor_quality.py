@@ -67,7 +67,7 @@ def main() -> None:
         for i, p in enumerate(predictors)
     ]
     dense = mean_nll(loaded.model, windows, 8, loaded.device)
-    with predictor_sparse_ffn(loaded.layers, predictors, threshold):
+    with predictor_sparse_ffn(loaded.layers, loaded.arch, predictors, threshold):
         sparse = mean_nll(loaded.model, windows, 8, loaded.device)
 
     print(f"synth model: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn} (build {build_s:.0f} s)")

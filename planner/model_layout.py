@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
-from qinfer_core.gguf_reader import field_value, open_gguf
-
-FFN_TENSORS = ("ffn_gate", "ffn_up", "ffn_down_t", "ffn_down")
-PREDICTOR_TENSORS = ("fc1", "fc2")
-_BLOCK = re.compile(r"blk\.(\d+)\.([a-z0-9_]+)\.")
+from qinfer_core.gguf_reader import metadata, open_gguf
+from qinfer_core.names import FFN_ROWS, PREDICTOR, WEIGHT, Tensor, split_tensor_name, tensor_name
+from qinfer_core.spec_readers import spec_from_metadata
 
 
 @dataclass(frozen=True)
@@ -55,74 +53,74 @@ class ModelLayout:
         return len(self.layers)
 
 
+def _classify(name: str) -> tuple[int, str] | None:
+    """(layer, "ffn" | "predictor" | "attention") of a block tensor; None for the embedding, output and norms
+    outside the blocks. Only per-neuron FFN tensors count as "ffn": down's bias (a vector of E) is dense."""
+    parts = split_tensor_name(name)
+    if parts is None or parts[0] is None:
+        return None
+    layer, part, kind = parts
+    if part in PREDICTOR:
+        return layer, "predictor"
+    if part in FFN_ROWS and (kind == WEIGHT or part == Tensor.FFN_UP):
+        return layer, "ffn"
+    return layer, "attention"
+
+
+def _layer_layout(path: Path, index: int, parts: dict[str, list[tuple[int, int]]], ffn: int) -> LayerLayout:
+    if not parts["ffn"] or not parts["predictor"]:
+        raise UserError(f"{path}: layer {index} lacks FFN or predictor tensors; re-convert it with a predictor dir")
+    if any(w % ffn for _, w in parts["ffn"]):
+        raise UserError(f"{path}: layer {index} has FFN tensors that are not {ffn} neurons; re-convert it")
+    return LayerLayout(
+        ffn_neurons=ffn,
+        neuron_bytes=sum(b for b, _ in parts["ffn"]) / ffn,
+        neuron_weights=sum(w for _, w in parts["ffn"]) // ffn,
+        predictor_bytes=sum(b for b, _ in parts["predictor"]),
+        predictor_weights=sum(w for _, w in parts["predictor"]),
+        attention_bytes=sum(b for b, _ in parts["attention"]),
+        attention_weights=sum(w for _, w in parts["attention"]),
+    )
+
+
 def read_model_layout(path: Path) -> ModelLayout:
     """Sizes of a PowerInfer GGUF's tensors, grouped into FFN neurons, predictors, attention, output, embeddings."""
     reader = open_gguf(path)
     if not reader.is_powerinfer:
         raise UserError(f"{path} is a dense GGUF; plan a PowerInfer one (`qinfer prep convert` with a predictor dir)")
-    arch = str(field_value(reader, "general.architecture"))
-    embedding = int(field_value(reader, f"{arch}.embedding_length"))
-    heads = int(field_value(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv") or heads)
-    context_length = int(field_value(reader, f"{arch}.context_length") or 0)
-    per_layer: dict[int, dict[str, list[tuple[int, int, int]]]] = defaultdict(lambda: defaultdict(list))
+    spec = spec_from_metadata(metadata(reader), path)
+    per_layer: dict[int, dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
     output_bytes = output_weights = embedding_bytes = 0
     ffn_type = ""
     ffn_element_bytes = 0.0
-    has_gate = False
     for tensor in reader.tensors:
         n_bytes, n_weights = int(tensor.n_bytes), int(tensor.n_elements)
-        match = _BLOCK.match(tensor.name)
-        if match is None:
-            if tensor.name.startswith("token_embd."):
-                embedding_bytes += n_bytes
-            else:
-                output_bytes += n_bytes
-                output_weights += n_weights
-            continue
-        layer, part = int(match.group(1)), match.group(2)
-        kind = "ffn" if part in FFN_TENSORS else "predictor" if part in PREDICTOR_TENSORS else "attention"
-        neurons = int(tensor.shape[-1]) if part in ("ffn_gate", "ffn_up", "ffn_down_t") else int(tensor.shape[0])
-        per_layer[layer][kind].append((n_bytes, n_weights, neurons))
-        if part == "ffn_up":
-            ffn_type = GGMLQuantizationType(tensor.tensor_type).name
-            ffn_element_bytes = n_bytes / n_weights
-        has_gate = has_gate or part == "ffn_gate"
+        where = _classify(tensor.name)
+        if where is not None:
+            per_layer[where[0]][where[1]].append((n_bytes, n_weights))
+            if tensor.name == tensor_name(Tensor.FFN_UP, where[0]):
+                ffn_type = GGMLQuantizationType(tensor.tensor_type).name
+                ffn_element_bytes = n_bytes / n_weights
+        elif tensor.name.startswith(Tensor.TOKEN_EMBD):
+            embedding_bytes += n_bytes
+        else:
+            output_bytes += n_bytes
+            output_weights += n_weights
     if not per_layer or sorted(per_layer) != list(range(len(per_layer))):
         raise UserError(f"{path} has no complete run of blk.N tensors; re-convert it with `qinfer prep convert`")
-    layers = []
-    for index in range(len(per_layer)):
-        parts = per_layer[index]
-        if not parts["ffn"] or not parts["predictor"]:
-            raise UserError(f"{path}: layer {index} lacks FFN or predictor tensors; re-convert it with a predictor dir")
-        neurons = {n for _, _, n in parts["ffn"]}
-        if len(neurons) != 1:
-            raise UserError(f"{path}: layer {index} FFN tensors disagree on the neuron count {sorted(neurons)}")
-        f = neurons.pop()
-        layers.append(
-            LayerLayout(
-                ffn_neurons=f,
-                neuron_bytes=sum(b for b, _, _ in parts["ffn"]) / f,
-                neuron_weights=sum(w for _, w, _ in parts["ffn"]) // f,
-                predictor_bytes=sum(b for b, _, _ in parts["predictor"]),
-                predictor_weights=sum(w for _, w, _ in parts["predictor"]),
-                attention_bytes=sum(b for b, _, _ in parts["attention"]),
-                attention_weights=sum(w for _, w, _ in parts["attention"]),
-            )
-        )
     return ModelLayout(
-        arch=arch,
-        embedding=embedding,
-        heads=heads,
-        kv_heads=kv_heads,
-        layers=tuple(layers),
+        arch=spec.arch,
+        embedding=spec.hidden,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
+        layers=tuple(_layer_layout(path, i, per_layer[i], spec.ffn) for i in range(len(per_layer))),
         output_bytes=output_bytes,
         output_weights=output_weights,
         embedding_bytes=embedding_bytes,
         ffn_type=ffn_type,
         ffn_element_bytes=ffn_element_bytes,
-        has_gate=has_gate,
-        context_length=context_length,
+        has_gate=architecture(spec.arch).ffn.gated,
+        context_length=spec.context_length,
     )
 
 
@@ -146,8 +144,8 @@ def layout_for_shape(
 ) -> ModelLayout:
     """The layout a converted model of this shape would have: 2-D tensors of `weight_type`, norms F32."""
     kv = embedding // heads * kv_heads
-    gated = arch != "falcon"
-    matrices = (3 if gated else 2) * embedding
+    form = architecture(arch).ffn
+    matrices = form.matrices * embedding
     attention_weights = embedding * embedding * 2 + 2 * embedding * kv
     norms = 2 * embedding * 4
     predictor_weights = embedding * predictor_rank + predictor_rank * ffn
@@ -171,5 +169,5 @@ def layout_for_shape(
         embedding_bytes=round(weight_bytes(embedding * vocab, weight_type)),
         ffn_type=weight_type,
         ffn_element_bytes=weight_bytes(1 << 10, weight_type) / (1 << 10),
-        has_gate=gated,
+        has_gate=form.gated,
     )

@@ -70,10 +70,10 @@ def profile_activations(
         raise UserError("batch-size and checkpoint-every must be positive")
     files = corpus_files(data)
     loaded = load_relu_model(model_dir, dtype, device)
-    params = loaded.params
+    spec = loaded.spec
     key = fingerprint(model_dir, files, seq_len, tokens, loaded.dtype)
     state_path = out / STATE_FILE
-    counts = torch.zeros(params.block_count, params.feed_forward_length, dtype=torch.int64, device=loaded.device)
+    counts = torch.zeros(spec.layers, spec.ffn, dtype=torch.int64, device=loaded.device)
     done_tokens, done_windows = 0, 0
     if state_path.is_file() and not restart:
         state = torch.load(state_path, map_location="cpu", weights_only=True)
@@ -92,7 +92,7 @@ def profile_activations(
     tell = on_progress or (lambda _t, _n, _w: None)
     tell(done_tokens, tokens, done_windows)
     since_checkpoint = 0
-    with torch.inference_mode(), firing_counts(loaded.layers, params.arch, counts):
+    with torch.inference_mode(), firing_counts(loaded.layers, loaded.arch, counts):
         for batch in batches(windows, batch_size):
             # The decoder alone: the LM head's logits would be the largest tensor and are not needed.
             loaded.model.base_model(input_ids=batch.to(loaded.device), use_cache=False)
@@ -106,7 +106,7 @@ def profile_activations(
 
     meta = {
         "model": str(model_dir),
-        "arch": params.arch,
+        "arch": spec.arch,
         "data": [str(p) for p in files],
         "seq_len": seq_len,
         "dtype": str(loaded.dtype).removeprefix("torch."),

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qinfer_core.architectures import Architecture
 from qinfer_prep.corpus_reader import batches
-from qinfer_prep.ffn_taps import ffn_inputs
+from qinfer_prep.ffn_taps import counted_module, ffn_inputs, forward_hooks, hooked
 
 Predictor = tuple[torch.Tensor, torch.Tensor]  # fc1.weight [P, E], fc2.weight [F, P]
 
@@ -48,9 +49,11 @@ def layer_quality(layer: int, predictor: Predictor, predicted: torch.Tensor, fir
 
 
 @contextlib.contextmanager
-def predictor_sparse_ffn(layers: list[nn.Module], predictors: list[Predictor], threshold: float) -> Iterator[None]:
+def predictor_sparse_ffn(
+    layers: list[nn.Module], arch: Architecture, predictors: list[Predictor], threshold: float
+) -> Iterator[None]:
     """While active, each FFN computes only the neurons its predictor flags, as the sparse engine does: the gate
-    output of the others is zeroed, so relu(gate) * up is zero for them whatever they would have done."""
+    output (up's, where there is no gate) of the others is zeroed, so after the ReLU they contribute nothing."""
     captured: dict[int, torch.Tensor] = {}
 
     def on_gate(i: int) -> Callable[..., torch.Tensor]:
@@ -60,13 +63,8 @@ def predictor_sparse_ffn(layers: list[nn.Module], predictors: list[Predictor], t
 
         return hook
 
-    handles = [layer.mlp.gate_proj.register_forward_hook(on_gate(i)) for i, layer in enumerate(layers)]
-    try:
-        with ffn_inputs(layers, captured):
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooked(forward_hooks(layers, counted_module(arch), on_gate)), ffn_inputs(layers, captured, arch):
+        yield
 
 
 def mean_nll(model: nn.Module, windows: list[torch.Tensor], batch_size: int, device: torch.device) -> float:

@@ -70,8 +70,7 @@ def train_predictors(
     tell = on_progress or (lambda _s, _d, _t: None)
     files = corpus_files(data)
     loaded = load_relu_model(model_dir, settings.dtype, settings.device)
-    params = loaded.params
-    hidden, ffn = params.embedding_length, params.feed_forward_length
+    hidden, ffn = loaded.spec.hidden, loaded.spec.ffn
 
     train_windows, heldout_windows = _split_windows(token_windows(loaded.tokenizer, files, settings.seq_len), settings)
     if not heldout_windows:

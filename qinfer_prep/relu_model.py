@@ -1,5 +1,5 @@
-"""Load a ReLU LLaMA-family or Falcon checkpoint with transformers for profiling and predictor training, on CPU or
-CUDA."""
+"""Load a ReLU checkpoint of any family in qinfer_core.architectures with transformers, for profiling and predictor
+training, on CPU or CUDA."""
 
 from __future__ import annotations
 
@@ -8,19 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
-from transformers import (
-    AutoTokenizer,
-    FalconForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from qinfer_core.architectures import Architecture, architecture
 from qinfer_core.errors import UserError
-from qinfer_prep.hf_config import ModelParams, read_hf_config
+from qinfer_core.model_spec import ModelSpec
+from qinfer_core.spec_readers import spec_from_hf_dir
+from qinfer_prep.ffn_taps import submodule
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 DEVICES = ("auto", "cpu", "cuda")
@@ -28,8 +25,9 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class ReluModel:
-    model: LlamaForCausalLM | FalconForCausalLM
-    params: ModelParams
+    model: PreTrainedModel
+    spec: ModelSpec
+    arch: Architecture
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
@@ -37,9 +35,7 @@ class ReluModel:
 
     @property
     def layers(self) -> list[nn.Module]:
-        if self.params.arch == "falcon":
-            return list(self.model.transformer.h)
-        return list(self.model.model.layers)
+        return list(submodule(self.model, self.arch.hf.layers))
 
 
 def resolve_device(device: str) -> tuple[torch.device, bool]:
@@ -59,21 +55,23 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _llama_config(model_dir: Path) -> LlamaConfig:
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    # A Bamboo config names a model_type transformers does not know; its keys are LLaMA's.
+    cfg.pop("model_type", None)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    return LlamaConfig(**cfg)
+
+
 def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "auto") -> ReluModel:
-    """The model in eval mode, without gradients. Bamboo checkpoints share LLaMA's tensor names, so they load as
-    LlamaForCausalLM, with a hook that adds the ReLU Bamboo applies to up_proj as well."""
-    params = read_hf_config(model_dir)
+    """The model in eval mode, without gradients. A family whose transformers class lacks its ReLU on up (Bamboo,
+    loaded as LLaMA) gets a hook that adds it."""
+    spec = spec_from_hf_dir(model_dir)
+    arch = architecture(spec.arch)
     where, fell_back = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, where)
-    model_class: type[PreTrainedModel] = FalconForCausalLM
-    config = None
-    if params.arch != "falcon":
-        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        # A Bamboo config names a model_type transformers does not know; its keys are LLaMA's.
-        cfg.pop("model_type", None)
-        cfg["architectures"] = ["LlamaForCausalLM"]
-        config = LlamaConfig(**cfg)
-        model_class = LlamaForCausalLM
+    model_class: type[PreTrainedModel] = getattr(transformers, arch.hf.model_class)
+    config = _llama_config(model_dir) if arch.hf.llama_config else None
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # unused-weight notices for tied or extra tensors are not the user's concern
     hf_logging.disable_progress_bar()  # the commands draw their own progress
@@ -90,19 +88,20 @@ def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "au
     # Documents are tokenised whole and then cut into windows, so their length is no concern of the tokenizer's.
     tokenizer.model_max_length = 1 << 60
     model.to(where).eval().requires_grad_(False)
-    if params.arch == "bamboo":
-        for layer in model.model.layers:
-            layer.mlp.up_proj.register_forward_hook(lambda _m, _a, out: torch.relu(out))
-    return ReluModel(model, params, tokenizer, where, torch_dtype, fell_back)
+    loaded = ReluModel(model, spec, arch, tokenizer, where, torch_dtype, fell_back)
+    if arch.hf.relu_up_hook:
+        for layer in loaded.layers:
+            submodule(layer, arch.hf.up).register_forward_hook(lambda _m, _a, out: torch.relu(out))
+    return loaded
 
 
-def fires(layer: nn.Module, residual: torch.Tensor, arch: str) -> torch.Tensor:
-    """Which FFN neurons of `layer` fire for the predictor's input (the residual stream before ffn_norm; falcon:
-    the layer input): [..., E] -> bool [..., F]."""
-    if arch == "falcon":
-        return layer.mlp.dense_h_to_4h(layer.ln_mlp(residual)) > 0
-    x = layer.post_attention_layernorm(residual)
-    active = layer.mlp.gate_proj(x) > 0
-    if arch == "bamboo":
-        active &= layer.mlp.up_proj(x) != 0  # up_proj carries the ReLU hook, so "fires" means positive
+def fires(layer: nn.Module, residual: torch.Tensor, arch: Architecture) -> torch.Tensor:
+    """Which FFN neurons of `layer` fire for the predictor's input (the input of the norm before the FFN):
+    [..., E] -> bool [..., F]."""
+    x = submodule(layer, arch.hf.ffn_norm)(residual)
+    if arch.hf.gate is None:
+        return submodule(layer, arch.hf.up)(x) > 0
+    active = submodule(layer, arch.hf.gate)(x) > 0
+    if arch.ffn.relu_up:
+        active &= submodule(layer, arch.hf.up)(x) != 0  # up carries the ReLU hook, so "fires" means positive
     return active

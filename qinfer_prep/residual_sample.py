@@ -42,18 +42,18 @@ def collect_residuals(
     residuals: list[list[torch.Tensor]] = [[] for _ in layers]
     fired_bits: list[list[np.ndarray]] = [[] for _ in layers]
     captured: dict[int, torch.Tensor] = {}
-    with torch.inference_mode(), ffn_inputs(layers, captured, loaded.params.arch):
+    with torch.inference_mode(), ffn_inputs(layers, captured, loaded.arch):
         for batch in batches(iter(windows), batch_size):
             loaded.model.base_model(input_ids=batch.to(loaded.device), use_cache=False)
             for i, layer in enumerate(layers):
                 h = captured.pop(i).flatten(0, -2)
                 residuals[i].append(h.to("cpu", torch.float16))
-                active = fires(layer, h, loaded.params.arch).cpu().numpy()
+                active = fires(layer, h, loaded.arch).cpu().numpy()
                 fired_bits[i].append(np.packbits(active, axis=1))
             if on_tokens:
                 on_tokens(batch.numel())
     return ResidualSample(
         residuals=[torch.cat(parts) for parts in residuals],
         fired_bits=[np.concatenate(parts) for parts in fired_bits],
-        ffn=loaded.params.feed_forward_length,
+        ffn=loaded.spec.ffn,
     )

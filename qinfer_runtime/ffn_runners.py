@@ -45,4 +45,4 @@ class SparseRunner:
         ids = active_ids(mask)
         # With one token every selected neuron is selected for it: no per-token mask needed.
         token_mask = mask[:, ids] if x.shape[0] > 1 else None
-        return sparse_rows(w.variant, x, w.gate, w.up, w.down_t, ids, token_mask)
+        return sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, token_mask, w.up_bias)

@@ -7,8 +7,8 @@ dynamic schedule. Without a GPU the plan is still made or checked, and everythin
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,27 +18,25 @@ from planner.budget import GIB
 from planner.device_profiles import load_profile
 from planner.make_plan import Plan, PlanOptions, dry_run_account, load_or_make_gpuidx
 from planner.model_layout import ModelLayout
+from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
 from qinfer_runtime import row_kernels
-from qinfer_runtime.falcon_forward import FalconForward
 from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
 from qinfer_runtime.hybrid_ffn import HybridRunner
-from qinfer_runtime.llama_forward import LlamaForward, ffn_weights
 from qinfer_runtime.model_file import ModelFile
-from qinfer_runtime.model_forward import FFNRunner, TransformerForward
+from qinfer_runtime.model_forward import TransformerForward, ffn_weights
 from qinfer_runtime.sparse_ffn import FFNWeights
 from qinfer_runtime.split_cost import SplitCosts
 
 FFN_MODES = ("auto", "sparse", "dense", "oracle")
 SCHEDULES = ("auto", "static", "dynamic")
 
-# arch -> (forward class taking (model, ffn runner, device), per-layer FFN weights reader)
-ForwardFactory = Callable[[ModelFile, FFNRunner, torch.device], TransformerForward]
-FORWARDS: dict[str, tuple[ForwardFactory, Callable[[ModelFile, int], FFNWeights]]] = {
-    "llama": (LlamaForward, ffn_weights),
-    "bamboo": (LlamaForward, ffn_weights),
-    "falcon": (FalconForward, ffn_weights),
-}
+
+
+def forward_class(model: ModelFile) -> type[TransformerForward]:
+    """The forward that the family's table entry names (a name, so that the bottom layer imports no runtime)."""
+    module, _, name = architecture(model.config.arch).forward.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -134,10 +132,8 @@ def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOpti
 def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
     if options.schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {options.schedule!r}; use static or dynamic")
-    make_forward, read_ffn = FORWARDS.get(model.config.arch, (None, None))
-    if make_forward is None or read_ffn is None:
-        raise UserError(f"{model.path}: no forward for architecture {model.config.arch!r}")
-    layers = [read_ffn(model, i) for i in range(model.config.layers)]
+    make_forward = forward_class(model)
+    layers = [ffn_weights(model, i) for i in range(model.config.layers)]
     mode = ffn_mode(model, options.ffn, layers)
     # Built (or found) now, so that a message about building them never lands inside generated text.
     row_kernels.enabled()
@@ -145,7 +141,7 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     if mode == "dense":
         unused = [] if options.vram_budget_gib is None else ["dense FFN: the VRAM budget is not used; all on the CPU"]
         return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static", notes=unused)
-    threshold = model.config.sparse_threshold
+    threshold = model.sparse_threshold
     if options.vram_budget_gib is None or mode == "oracle":
         runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else "predictor")
         return LoadedRuntime(make_forward(model, runner, cpu), mode, "static")

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from qinfer_core.architectures import FfnForm
+from qinfer_core.errors import UserError
 from qinfer_runtime.ffn_runners import active_ids
 from qinfer_runtime.neuron_cache import CachePolicy, NeuronCache
 from qinfer_runtime.quant_rows import QuantizedMatrix, Weight
-from qinfer_runtime.sparse_ffn import FFNWeights, Variant, activations, predicted_mask, sparse_rows
+from qinfer_runtime.sparse_ffn import FFNWeights, activations, predicted_mask, sparse_rows
 from qinfer_runtime.split_cost import SplitCosts, balance
 from qinfer_runtime.weight_rows import rows_to, weighted_row_sum
 
@@ -81,16 +83,16 @@ class DeviceSlots:
             else:
                 mine[device_slots] = rows
 
-    def dense(self, variant: Variant, x: torch.Tensor) -> torch.Tensor:
+    def dense(self, form: FfnForm, x: torch.Tensor) -> torch.Tensor:
         """The FFN over every slot (prefill); quantized slots are expanded a chunk of rows at a time."""
         if not isinstance(self.up, QuantizedMatrix):
-            return weighted_row_sum(activations(variant, x, self.gate, self.up), self.down_t)
+            return weighted_row_sum(activations(form, x, self.gate, self.up), self.down_t)
         # Chunks of rows, so the expanded transient stays inside the planner's scratch reserve.
         capacity, step = self.up.shape[0], self.up.chunk_rows()
         out = torch.zeros(x.shape[0], self.down_t.shape[1], device=x.device)
         for start in range(0, capacity, step):
             ids = torch.arange(start, min(start + step, capacity), device=x.device)
-            out += sparse_rows(variant, x, self.gate, self.up, self.down_t, ids, None)
+            out += sparse_rows(form, x, self.gate, self.up, self.down_t, ids, None)
         return out
 
 
@@ -115,6 +117,9 @@ class HybridRunner:
         dynamic: bool,
         policy: CachePolicy | None = None,
     ):
+        if any(w.up_bias is not None for w in layers):
+            # Device slots hold FFN rows only, not per-neuron biases.
+            raise UserError("the GPU/CPU split does not take FFNs with biases (opt) yet; run without --vram-budget")
         self.layers = layers
         self.threshold = threshold
         self.device = device
@@ -153,12 +158,12 @@ class HybridRunner:
         x_cpu = x.cpu()
 
         def cpu_part() -> torch.Tensor:
-            act = activations(w.variant, x_cpu, w.gate, w.up)
+            act = activations(w.form, x_cpu, w.gate, w.up)
             act[:, cache.slot_neuron[cache.slot_neuron >= 0]] = 0
             return weighted_row_sum(act, w.down_t)
 
         future = self.pool.submit(cpu_part)
-        return s.dense(w.variant, x) + future.result().to(self.device)
+        return s.dense(w.form, x) + future.result().to(self.device)
 
     def _decode(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
@@ -167,7 +172,7 @@ class HybridRunner:
             # The plan gave this layer no GPU neuron, so it budgeted no room for its predictor there either.
             mask = predicted_mask(w, h.cpu(), self.threshold)
         else:
-            mask = predicted_mask(FFNWeights(w.variant, w.up, w.down_t, w.gate, s.fc1, s.fc2), h, self.threshold).cpu()
+            mask = predicted_mask(FFNWeights(w.form, w.up, w.down_t, w.gate, s.fc1, s.fc2), h, self.threshold).cpu()
         ids = active_ids(mask)
         slot_of = cache.neuron_slot[ids]
         on_device = slot_of >= 0
@@ -187,18 +192,18 @@ class HybridRunner:
 
         def cpu_part() -> torch.Tensor:
             started = time.perf_counter()
-            out = sparse_rows(w.variant, x_cpu, w.gate, w.up, w.down_t, ids[cpu_pos], token_mask(cpu_pos))
+            out = sparse_rows(w.form, x_cpu, w.gate, w.up, w.down_t, ids[cpu_pos], token_mask(cpu_pos))
             self.costs.calibrate(cpu_pos.numel(), batch, time.perf_counter() - started)
             return out
 
         future = self.pool.submit(cpu_part)
-        out = sparse_rows(w.variant, x, s.gate, s.up, s.down_t, slot_of[dev_pos], token_mask(dev_pos))
+        out = sparse_rows(w.form, x, s.gate, s.up, s.down_t, slot_of[dev_pos], token_mask(dev_pos))
         if shipped.numel():
             ship_ids = ids[shipped]
             gate = None if w.gate is None else rows_on(w.gate, ship_ids, self.device)
             up, down_t = rows_on(w.up, ship_ids, self.device), rows_on(w.down_t, ship_ids, self.device)
             all_rows = torch.arange(ship_ids.numel(), device=self.device)
-            out = out + sparse_rows(w.variant, x, gate, up, down_t, all_rows, token_mask(shipped))
+            out = out + sparse_rows(w.form, x, gate, up, down_t, all_rows, token_mask(shipped))
         out = out + future.result().to(self.device)
         self.last[layer] = LayerSplit(int(dev_pos.numel()) + int(shipped.numel()), int(cpu_pos.numel()), move)
         if self.dynamic:

@@ -1,21 +1,19 @@
-"""The LLaMA/Bamboo forward pass over GGUF tensors, with a KV cache.
+"""The LLaMA/Bamboo forward block over GGUF tensors.
 
-Weights stay in the file's dtype (mapped, not copied); each matmul runs in that dtype and the
-residual stream is kept in float32. q/k rows are in ggml's rotary layout (see qinfer_prep.convert),
+Weights stay in the file's dtype (mapped, not copied); each matmul runs in that dtype and the residual stream is
+kept in float32. q/k rows are in ggml's rotary layout (docs/formats.md#qk-permutation-and-falcons-qkv-regrouping),
 so rope rotates adjacent pairs.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from qinfer_runtime.ffn_runners import DenseRunner
-from qinfer_runtime.model_file import ModelConfig, ModelFile
-from qinfer_runtime.model_forward import FFNRunner, KVCache, TokenBatch, TransformerForward, cached_attention
-from qinfer_runtime.sparse_ffn import VARIANTS, FFNWeights
+from qinfer_core.names import Tensor, tensor_name
+from qinfer_runtime.model_file import ModelFile
+from qinfer_runtime.model_forward import KVCache, Step, TransformerForward, cached_attention
 from qinfer_runtime.weight_rows import linear
 
 
@@ -28,51 +26,9 @@ class AttentionWeights:
     o: torch.Tensor
     ffn_norm: torch.Tensor
 
-    def to(self, device: torch.device) -> AttentionWeights:
-        return AttentionWeights(*(t.to(device) for t in vars(self).values()))
-
-
-def _attention(model: ModelFile, i: int) -> AttentionWeights:
-    t, b = model.tensor, f"blk.{i}"
-    return AttentionWeights(
-        attn_norm=t(f"{b}.attn_norm.weight"),
-        q=t(f"{b}.attn_q.weight"),
-        k=t(f"{b}.attn_k.weight"),
-        v=t(f"{b}.attn_v.weight"),
-        o=t(f"{b}.attn_output.weight"),
-        ffn_norm=t(f"{b}.ffn_norm.weight"),
-    )
-
-
-def ffn_weights(model: ModelFile, i: int) -> FFNWeights:
-    """Layer i's FFN rows (neuron i = row i) and predictor, as mapped views; gate is absent for falcon."""
-    t, b = model.tensor, f"blk.{i}"
-    # A dense GGUF stores down as [E, F]; its transpose is a free view with the PowerInfer row layout.
-    down_t = t(f"{b}.ffn_down_t.weight") if model.powerinfer else t(f"{b}.ffn_down.weight").T
-    variant = VARIANTS[model.config.arch]
-    return FFNWeights(
-        variant=variant,
-        up=t(f"{b}.ffn_up.weight"),
-        down_t=down_t,
-        gate=None if variant == "falcon" else t(f"{b}.ffn_gate.weight"),
-        fc1=model.tensors.get(f"{b}.fc1.weight"),
-        fc2=model.tensors.get(f"{b}.fc2.weight"),
-    )
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
-@functools.cache
-def _inv_freq(theta: float, dim: int, device: torch.device) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-
-
-def rope_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # The frequencies depend on the model only: computed once, not per layer and step.
-    angles = positions.float()[:, None] * _inv_freq(cfg.rope_theta, cfg.rope_dim, positions.device)[None, :]
-    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,28 +42,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaForward(TransformerForward):
     """Attention, norms and output head on `device`; the FFN through `ffn` (default: dense, on the CPU)."""
 
-    def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
-        self.cfg = model.config
-        self.device = torch.device(device)
-        self.attn = [_attention(model, i).to(self.device) for i in range(self.cfg.layers)]
-        self.embed = model.tensor("token_embd.weight")
-        self.norm = model.tensor("output_norm.weight").to(self.device)
-        self.output = model.tensor("output.weight").to(self.device)
-        self.ffn = ffn or DenseRunner([ffn_weights(model, i) for i in range(self.cfg.layers)])
+    def load_block(self, model: ModelFile, i: int) -> AttentionWeights:
+        t = model.tensor
+        return AttentionWeights(
+            attn_norm=t(tensor_name(Tensor.ATTN_NORM, i)),
+            q=t(tensor_name(Tensor.ATTN_Q, i)),
+            k=t(tensor_name(Tensor.ATTN_K, i)),
+            v=t(tensor_name(Tensor.ATTN_V, i)),
+            o=t(tensor_name(Tensor.ATTN_OUT, i)),
+            ffn_norm=t(tensor_name(Tensor.FFN_NORM, i)),
+        )
 
-    def attention(self, i: int, x: torch.Tensor, batch: TokenBatch, cache: KVCache) -> torch.Tensor:
+    def load_head(self, model: ModelFile) -> None:
+        self.norm = model.tensor(tensor_name(Tensor.OUTPUT_NORM)).to(self.device)
+        self.output = model.tensor(tensor_name(Tensor.OUTPUT)).to(self.device)
+
+    def attention(self, i: int, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         cfg, n, w = self.cfg, x.shape[0], self.attn[i]
+        assert step.cos is not None and step.sin is not None
         q = linear(x, w.q).view(n, cfg.heads, cfg.head_dim)
         k = linear(x, w.k).view(n, cfg.kv_heads, cfg.head_dim)
         v = linear(x, w.v).view(n, cfg.kv_heads, cfg.head_dim)
-        cos, sin = rope_tables(cfg, batch.positions.to(self.device))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return linear(cached_attention(q, k, v, i, batch, cache), w.o)
+        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        return linear(cached_attention(q, k, v, i, step, cache), w.o)
 
-    def block(self, i: int, h: torch.Tensor, batch: TokenBatch, cache: KVCache, prefill: bool) -> torch.Tensor:
-        w, eps = self.attn[i], self.cfg.rms_eps
-        h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), batch, cache)
+    def block(self, i: int, h: torch.Tensor, step: Step, cache: KVCache, prefill: bool) -> torch.Tensor:
+        w, eps = self.attn[i], self.cfg.norm_eps
+        h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
         return h + self.ffn(i, rms_norm(h, w.ffn_norm, eps), h, prefill)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(rms_norm(h, self.norm, self.cfg.rms_eps), self.output)
+        return linear(rms_norm(h, self.norm, self.cfg.norm_eps), self.output)

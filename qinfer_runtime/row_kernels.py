@@ -23,10 +23,12 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
+from qinfer_core.architectures import FfnForm
 from qinfer_runtime.quant_rows import QuantizedMatrix, Weight
 
 SOURCE = Path(__file__).with_name("row_kernels.c")
-VARIANT_CODES = {"llama": 0, "bamboo": 1, "falcon": 2}
+# The kernel's FFN forms: relu(gate) * up, relu(gate) * relu(up), relu(up).
+FORM_CODES = {(True, False): 0, (True, True): 1, (False, True): 2}
 TYPE_CODES = {GGMLQuantizationType.Q4_0: 1, GGMLQuantizationType.Q8_0: 2}
 # Tuned flags first; the portable build is for compilers that do not know -march=native.
 FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
@@ -115,7 +117,7 @@ def _layout(t: object) -> tuple[int, int, int] | None:
 
 
 def sparse_ffn(
-    variant: str,
+    form: FfnForm,
     x: torch.Tensor,
     gate: Weight | None,
     up: Weight,
@@ -125,8 +127,8 @@ def sparse_ffn(
 ) -> torch.Tensor | None:
     """FFN output [T, E] float32 of neurons `ids` for the CPU tokens x [T, E], each using only the neurons its
     row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (off, too many tokens, a
-    device, float32 rows, a llama FFN without gate)."""
-    if (gate is None and variant != "falcon") or not _takes(x, SPARSE_MAX_TOKENS):
+    device, float32 rows, a gated form without its gate, biases)."""
+    if form.biased or (gate is None) == form.gated or not _takes(x, SPARSE_MAX_TOKENS):
         return None
     tokens = x.shape[0]
     layouts = [_layout(t) for t in (up if gate is None else gate, up, down_t)]
@@ -140,7 +142,7 @@ def sparse_ffn(
     out = torch.empty(tokens, down_t.shape[1])
     kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
         g, gs, gt, u, us, ut, d, ds, dt, xf.data_ptr(), up.shape[1], tokens, ids64.data_ptr(), ids64.numel(),
-        None if keep is None else keep.data_ptr(), VARIANT_CODES[variant], act.data_ptr(), out.data_ptr(),
+        None if keep is None else keep.data_ptr(), FORM_CODES[form.gated, form.relu_up], act.data_ptr(), out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -77,11 +77,11 @@ def test_masked_ffn_matches_dense_when_all_neurons_kept_and_stays_close_when_pre
     windows = list(token_windows(loaded.tokenizer, [texts["heldout"]], 128, 2048))
     predictors = _load(trained, 2)
     dense = mean_nll(loaded.model, windows, 4, loaded.device)
-    with predictor_sparse_ffn(loaded.layers, predictors, -math.inf):
+    with predictor_sparse_ffn(loaded.layers, loaded.arch, predictors, -math.inf):
         assert mean_nll(loaded.model, windows, 4, loaded.device) == pytest.approx(dense, rel=1e-6)
-    with predictor_sparse_ffn(loaded.layers, predictors, math.inf):
+    with predictor_sparse_ffn(loaded.layers, loaded.arch, predictors, math.inf):
         nothing = mean_nll(loaded.model, windows, 4, loaded.device)
-    with predictor_sparse_ffn(loaded.layers, predictors, trained.sparse_threshold):
+    with predictor_sparse_ffn(loaded.layers, loaded.arch, predictors, trained.sparse_threshold):
         sparse = mean_nll(loaded.model, windows, 4, loaded.device)
     assert nothing > dense * 1.05  # the FFN matters, so masking it is a real test
     assert sparse < dense * 1.02

@@ -19,9 +19,8 @@ from qinfer_runtime.engine import Engine
 from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
 from qinfer_runtime.generate import generate
 from qinfer_runtime.hybrid_ffn import DeviceSlots, HybridRunner
-from qinfer_runtime.llama_forward import ffn_weights
 from qinfer_runtime.model_file import open_model
-from qinfer_runtime.model_forward import KVCache, TokenBatch
+from qinfer_runtime.model_forward import KVCache, TokenBatch, ffn_weights
 from qinfer_runtime.quant_rows import QuantizedMatrix
 from qinfer_runtime.sampling import SamplingParams
 from qinfer_runtime.sparse_ffn import dense_ffn
@@ -121,4 +120,4 @@ def test_prefill_over_quantized_slots_expands_chunk_by_chunk(q4: Path, monkeypat
     x = torch.randn(7, w.up.shape[1], generator=torch.Generator().manual_seed(2))
     # 40 expanded rows per chunk: the 261 slots (5 empty) take 7 chunks, and the sum is the layer's dense FFN.
     monkeypatch.setattr(quant_rows, "EXPAND_CHUNK_BYTES", 40 * w.up.shape[1] * 4)
-    assert torch.allclose(slots.dense(w.variant, x), dense_ffn(w, x), rtol=0, atol=1e-4)
+    assert torch.allclose(slots.dense(w.form, x), dense_ffn(w, x), rtol=0, atol=1e-4)

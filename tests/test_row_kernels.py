@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from qinfer_core.architectures import ARCHITECTURES
 from qinfer_runtime import quant_rows, row_kernels
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.quant_rows import QuantizedMatrix
@@ -70,7 +71,7 @@ def test_kernel_matches_float64(variant: str, cols: int) -> None:
     up, down_t = _half_rows(rows, cols, cols + 12, 1), _half_rows(rows, cols, cols, 2)
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([0, 3, 4, 9, 10, 11, 20, 33, 41, 42, 56])
-    out = row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids)
+    out = row_kernels.sparse_ffn(ARCHITECTURES[variant].ffn, x, gate, up, down_t, ids)
     assert out is not None
     ref = _reference(variant, x, gate, up, down_t, ids)
     assert out.shape == (1, cols) and out.dtype == torch.float32
@@ -79,7 +80,7 @@ def test_kernel_matches_float64(variant: str, cols: int) -> None:
     if gate is not None:
         firing = ids[(x @ gate[ids].float().T)[0] > 0]
         assert 0 < firing.numel() < ids.numel()
-        assert torch.equal(row_kernels.sparse_ffn(variant, x, gate, up, down_t, firing), out)
+        assert torch.equal(row_kernels.sparse_ffn(ARCHITECTURES[variant].ffn, x, gate, up, down_t, firing), out)
 
 
 @needs_compiler
@@ -100,7 +101,7 @@ def test_subnormal_halves_convert_exactly() -> None:
     ids = torch.arange(30)
     ref = _reference("bamboo", x, gate, up, down_t, ids)
     assert ref.abs().max() > 0
-    out = row_kernels.sparse_ffn("bamboo", x, gate, up, down_t, ids)
+    out = row_kernels.sparse_ffn(ARCHITECTURES["bamboo"].ffn, x, gate, up, down_t, ids)
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
@@ -131,7 +132,7 @@ def test_quantized_rows_match_float64(gate_type: object, up_type: object, down_t
     up, down_t = weight(up_type, 1), weight(down_type, 2)
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(6))
     ids = torch.tensor([0, 2, 3, 17, 18, 30, 44])
-    out = row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids)
+    out = row_kernels.sparse_ffn(ARCHITECTURES[variant].ffn, x, gate, up, down_t, ids)
     assert out is not None
     ref = _reference(variant, x, None if gate is None else _float(gate), _float(up), _float(down_t), ids)
     assert ref.abs().max() > 0
@@ -216,7 +217,7 @@ def test_several_tokens_each_with_their_own_neurons(qtype: object, variant: str)
         firing = torch.nonzero(fires[t]).flatten()
         assert firing.numel() >= 2
         mask[t, firing[t % 2 :: 2]] = False
-    out = row_kernels.sparse_ffn(variant, x, gate, up, down_t, ids, mask)
+    out = row_kernels.sparse_ffn(ARCHITECTURES[variant].ffn, x, gate, up, down_t, ids, mask)
     assert out is not None and out.shape == (tokens, cols)
     assert not out[2].any()
     for t in (0, 1, 3):
@@ -239,12 +240,12 @@ def test_sparse_rows_takes_the_kernel_for_f16_tokens(monkeypatch: pytest.MonkeyP
         return out
 
     monkeypatch.setattr(row_kernels, "sparse_ffn", recording)
-    one = sparse_rows("llama", x[:1], gate, up, down_t, ids, None)
-    batch = sparse_rows("llama", x, gate, up, down_t, ids, mask)
-    sparse_rows("llama", x[:1], gate.float(), up.float(), down_t.float(), ids, None)
+    one = sparse_rows(ARCHITECTURES["llama"].ffn, x[:1], gate, up, down_t, ids, None)
+    batch = sparse_rows(ARCHITECTURES["llama"].ffn, x, gate, up, down_t, ids, mask)
+    sparse_rows(ARCHITECTURES["llama"].ffn, x[:1], gate.float(), up.float(), down_t.float(), ids, None)
     monkeypatch.setenv("QINFER_NATIVE", "0")
-    torch_one = sparse_rows("llama", x[:1], gate, up, down_t, ids, None)
-    torch_batch = sparse_rows("llama", x, gate, up, down_t, ids, mask)
+    torch_one = sparse_rows(ARCHITECTURES["llama"].ffn, x[:1], gate, up, down_t, ids, None)
+    torch_batch = sparse_rows(ARCHITECTURES["llama"].ffn, x, gate, up, down_t, ids, mask)
     # F16 tokens, alone or masked in a batch: kernel; float32 rows and QINFER_NATIVE=0 stay on torch.
     assert taken == [True, True, False, False, False]
     assert torch.allclose(one, torch_one, rtol=2e-3, atol=5e-3)  # the torch path rounds to f16
@@ -267,8 +268,8 @@ def test_without_a_compiler_the_torch_path_runs(
     assert err.count("\n") == 1 and "native row kernels not built" in err and "torch" in err
     gate, up, down_t = (_half_rows(40, 64, 64, s) for s in range(3))
     x, ids = torch.randn(1, 64), torch.arange(0, 40, 2)
-    assert row_kernels.sparse_ffn("llama", x, gate, up, down_t, ids) is None
-    out = sparse_rows("llama", x, gate, up, down_t, ids, None)
+    assert row_kernels.sparse_ffn(ARCHITECTURES["llama"].ffn, x, gate, up, down_t, ids) is None
+    out = sparse_rows(ARCHITECTURES["llama"].ffn, x, gate, up, down_t, ids, None)
     ref = _reference("llama", x, gate, up, down_t, ids)
     assert (out.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
     assert not list(fresh_kernel.glob("*.tmp"))

@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 import torch
 
+from qinfer_core.architectures import ARCHITECTURES
 from qinfer_runtime import ffn_runners
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.ffn_runners import SparseRunner, active_ids, select
 from qinfer_runtime.generate import generate
-from qinfer_runtime.llama_forward import LlamaForward, ffn_weights
+from qinfer_runtime.llama_forward import LlamaForward
 from qinfer_runtime.model_file import open_model
-from qinfer_runtime.model_forward import KVCache
+from qinfer_runtime.model_forward import KVCache, ffn_weights
 from qinfer_runtime.sampling import SamplingParams
 from qinfer_runtime.sparse_ffn import FFNWeights, dense_ffn, sparse_rows
 from qinfer_runtime.tokenizer import GGUFTokenizer
@@ -30,7 +31,7 @@ def _weights(variant: str, dtype: torch.dtype, seed: int = 0) -> FFNWeights:
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
 
-    return FFNWeights(variant, rand(f, e), rand(f, e), None if variant == "falcon" else rand(f, e))  # type: ignore[arg-type]
+    return FFNWeights(ARCHITECTURES[variant].ffn, rand(f, e), rand(f, e), None if variant == "falcon" else rand(f, e))
 
 
 @pytest.mark.parametrize("variant", ["llama", "bamboo", "falcon"])
@@ -45,16 +46,16 @@ def test_oracle_sparse_equals_dense_for_each_variant(variant: str, dtype: torch.
     tol = 1e-6 if dtype == torch.float32 else 5e-3
     assert 0 < ids.numel() < w.neurons  # some neurons idle, so the sparse path really skips rows
     for t in range(3):
-        one = sparse_rows(w.variant, x[t : t + 1], w.gate, w.up, w.down_t, torch.nonzero(mask[t]).flatten(), None)
+        one = sparse_rows(w.form, x[t : t + 1], w.gate, w.up, w.down_t, torch.nonzero(mask[t]).flatten(), None)
         assert torch.allclose(one, dense_ffn(w, x[t : t + 1]), rtol=0, atol=tol)
-    batched = sparse_rows(w.variant, x, w.gate, w.up, w.down_t, ids, mask[:, ids])
+    batched = sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, mask[:, ids])
     assert torch.allclose(batched, dense_ffn(w, x), rtol=0, atol=tol)
 
 
 def test_falcon_variant_ignores_gate_and_bamboo_relus_up() -> None:
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
     llama, bamboo = _weights("llama", torch.float32), _weights("bamboo", torch.float32)
-    falcon = FFNWeights("falcon", llama.up, llama.down_t)
+    falcon = FFNWeights(ARCHITECTURES["falcon"].ffn, llama.up, llama.down_t)
     assert torch.allclose(dense_ffn(falcon, x), torch.relu(x @ llama.up.T) @ llama.down_t, atol=1e-5)
     gate, up = torch.relu(x @ bamboo.gate.T), torch.relu(x @ bamboo.up.T)  # type: ignore[union-attr]
     assert torch.allclose(dense_ffn(bamboo, x), (gate * up) @ bamboo.down_t, atol=1e-5)
@@ -91,7 +92,7 @@ def test_predictor_sparse_model_computes_few_neurons_and_stays_on_track(
         return sparse_rows(*args)
 
     monkeypatch.setattr(ffn_runners, "sparse_rows", counting)
-    tokens = _greedy(LlamaForward(model, SparseRunner(layers, model.config.sparse_threshold)), gguf_files["pi-f32"])
+    tokens = _greedy(LlamaForward(model, SparseRunner(layers, model.sparse_threshold)), gguf_files["pi-f32"])
     assert computed and sum(computed) / len(computed) < 0.5 * model.config.ffn  # the synth model fires ~10%
     # The synth predictors are exact (recall 1.0), so predictor-sparse decoding is dense decoding.
     assert tokens == _greedy(LlamaForward(model), gguf_files["pi-f32"])
@@ -104,8 +105,8 @@ def test_gather_scratch_works_in_and_out_of_inference_mode() -> None:
 
     def inside_then_outside() -> tuple[torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
-            inside = sparse_rows(w.variant, x, w.gate, w.up, w.down_t, ids, None)
-        return inside, sparse_rows(w.variant, x, w.gate, w.up, w.down_t, ids, None)
+            inside = sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, None)
+        return inside, sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, None)
 
     # Scratch buffers are per thread: a fresh thread makes the first one under inference mode.
     with ThreadPoolExecutor(1) as pool:

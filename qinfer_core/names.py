@@ -1,0 +1,101 @@
+"""One table of the GGUF tensor names and metadata keys we read and write (docs/formats.md#tensors and
+#metadata-keys), in the manner of gguf-py's constants module: every other module names tensors and keys from here.
+
+gguf-py's table has llama.cpp's names; PowerInfer adds `ffn_down_t`, the predictor's `fc1`/`fc2`, the sparse
+threshold and the GPU index, which gguf-py does not know.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+from gguf import Keys
+
+
+class Tensor(StrEnum):
+    """The part of a tensor name that says what it is: `blk.{layer}.{part}.{weight|bias}`, or `{part}.{...}`."""
+
+    TOKEN_EMBD = "token_embd"
+    POSITION_EMBD = "position_embd"
+    OUTPUT_NORM = "output_norm"
+    OUTPUT = "output"
+    ATTN_NORM = "attn_norm"
+    ATTN_NORM_2 = "attn_norm_2"
+    ATTN_Q = "attn_q"
+    ATTN_K = "attn_k"
+    ATTN_V = "attn_v"
+    ATTN_QKV = "attn_qkv"
+    ATTN_OUT = "attn_output"
+    FFN_NORM = "ffn_norm"
+    FFN_GATE = "ffn_gate"
+    FFN_UP = "ffn_up"
+    FFN_DOWN = "ffn_down"  # dense GGUF: [E, F] as ggml ne
+    FFN_DOWN_T = "ffn_down_t"  # PowerInfer GGUF: down transposed, so that row i of every FFN matrix is neuron i
+    FC1 = "fc1"  # the layer's predictor, fc2(relu(fc1(h)))
+    FC2 = "fc2"
+    GPU_IDX = "gpu_idx"  # .gpuidx: 0/1 per neuron
+    GPU_BUCKET = "gpu_bucket"  # .gpuidx: ascending ids of the GPU neurons
+
+
+WEIGHT = "weight"
+BIAS = "bias"
+# The FFN matrices whose rows are neurons; the planner counts their bytes per neuron.
+FFN_ROWS = (Tensor.FFN_GATE, Tensor.FFN_UP, Tensor.FFN_DOWN_T, Tensor.FFN_DOWN)
+PREDICTOR = (Tensor.FC1, Tensor.FC2)
+
+_NAME = re.compile(r"(?:blk\.(\d+)\.)?([a-z0-9_]+)\.([a-z]+)")
+
+
+def tensor_name(part: Tensor, layer: int | None = None, kind: str = WEIGHT) -> str:
+    """`blk.3.ffn_up.weight` for (FFN_UP, 3), `output.weight` for (OUTPUT, None)."""
+    return f"{part}.{kind}" if layer is None else f"blk.{layer}.{part}.{kind}"
+
+
+def split_tensor_name(name: str) -> tuple[int | None, str, str] | None:
+    """(layer or None, part, kind) of a tensor name, or None when it does not have that form."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    layer, part, kind = match.groups()
+    return (None if layer is None else int(layer)), part, kind
+
+
+class Key:
+    """Metadata keys. `{arch}` is filled with `general.architecture`'s value, as in gguf-py's `Keys.LLM`."""
+
+    ARCHITECTURE = Keys.General.ARCHITECTURE
+    NAME = Keys.General.NAME
+    FILE_TYPE = Keys.General.FILE_TYPE
+    QUANTIZATION_VERSION = Keys.General.QUANTIZATION_VERSION
+    ALIGNMENT = Keys.General.ALIGNMENT
+
+    CONTEXT_LENGTH = Keys.LLM.CONTEXT_LENGTH
+    EMBEDDING_LENGTH = Keys.LLM.EMBEDDING_LENGTH
+    BLOCK_COUNT = Keys.LLM.BLOCK_COUNT
+    FEED_FORWARD_LENGTH = Keys.LLM.FEED_FORWARD_LENGTH
+    TENSOR_DATA_LAYOUT = Keys.LLM.TENSOR_DATA_LAYOUT
+    HEAD_COUNT = Keys.Attention.HEAD_COUNT
+    HEAD_COUNT_KV = Keys.Attention.HEAD_COUNT_KV
+    LAYERNORM_EPS = Keys.Attention.LAYERNORM_EPS
+    LAYERNORM_RMS_EPS = Keys.Attention.LAYERNORM_RMS_EPS
+    ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
+    ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
+
+    TOKENIZER_MODEL = Keys.Tokenizer.MODEL
+    TOKENS = Keys.Tokenizer.LIST
+    BOS_ID = Keys.Tokenizer.BOS_ID
+    EOS_ID = Keys.Tokenizer.EOS_ID
+    ADD_BOS = Keys.Tokenizer.ADD_BOS
+
+    # PowerInfer's own keys.
+    SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
+    GPU_INDEX_ARCH = "generic.gpu_index"  # general.architecture of a .gpuidx
+    GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"
+    VRAM_CAPACITY = "split.vram_capacity"
+    # Ours: a .gpuidx's provenance, after the engine's keys so that its reader is unaffected.
+    PLAN_PREFIX = "qinfer.plan."
+
+
+def arch_key(template: str, arch: str) -> str:
+    return template.format(arch=arch)
