@@ -1,4 +1,4 @@
-"""The placement ILP against a greedy fill and the reference engine's formulation, on DESIGN.md's model shapes.
+"""The placement ILP against a greedy fill and the reference engine's formulation, on the published models' shapes.
 
     .venv/bin/python bench/plan_bench.py [--shapes 7B,13B,40B,70B] [--gpu rtx4090] [--weight-type F16]
 

@@ -21,7 +21,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
+from qinfer_core.architectures import ARCHITECTURES
 from qinfer_core.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.model_spec import ModelSpec
+from qinfer_core.names import PREDICTOR, split_tensor_name
 from qinfer_prep.quantize import TARGETS, tensor_type
 
 E, F, V = 4096, 11008, 32000
@@ -29,12 +32,10 @@ E, F, V = 4096, 11008, 32000
 
 def write_input(path: Path, layers: int) -> int:
     rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (V, E), "output_norm.weight": (E,), "output.weight": (V, E)}
-    for i in range(layers):
-        b = f"blk.{i}"
-        shapes |= {f"{b}.attn_{n}.weight": (E, E) for n in ("q", "k", "v", "output")}
-        shapes |= {f"{b}.ffn_norm.weight": (E,), f"{b}.ffn_gate.weight": (F, E), f"{b}.ffn_up.weight": (F, E)}
-        shapes[f"{b}.ffn_down_t.weight"] = (F, E)
+    spec = ModelSpec("llama", "bench", V, 4096, E, layers, F, 32, 32, 1e-6, E // 32)
+    # A PowerInfer file without its predictors: the tensors whose quantization is timed.
+    shapes = ARCHITECTURES["llama"].tensors(spec, [32] * layers)
+    shapes = {n: s for n, s in shapes.items() if (split_tensor_name(n) or (0, "", ""))[1] not in PREDICTOR}
 
     def make(shape: tuple[int, ...]) -> np.ndarray:
         dtype = np.float32 if len(shape) == 1 else np.float16

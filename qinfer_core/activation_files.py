@@ -1,4 +1,5 @@
-"""Read and write activation statistics: `activation_{i}.pt` per layer (DESIGN.md) and `summary.json`."""
+"""Read and write activation statistics: `activation_{i}.pt` per layer and `summary.json`
+(docs/formats.md#activation-directories)."""
 
 from __future__ import annotations
 

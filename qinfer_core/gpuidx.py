@@ -1,4 +1,4 @@
-"""`.gpuidx` files (DESIGN.md "GPU index"): which FFN neurons the engine keeps on the GPU, plus our provenance.
+"""`.gpuidx` files: the FFN neurons the engine keeps on the GPU, and our provenance (docs/formats.md#gpu-index-gpuidx).
 
 The engine reads the three required metadata keys and the tensors by position; our `qinfer.plan.*` keys come after
 them so that its reader is unaffected, and a file without them (made by the engine) reads as unknown provenance.
@@ -16,11 +16,12 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from qinfer_core.errors import UserError
 from qinfer_core.gguf_reader import field_value, open_gguf
 from qinfer_core.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.names import Key, Tensor, tensor_name
 
-ARCH = "generic.gpu_index"
-BLOCK_COUNT = "generic.gpu_index.block_count"
-VRAM_CAPACITY = "split.vram_capacity"
-PREFIX = "qinfer.plan."
+ARCH = Key.GPU_INDEX_ARCH
+BLOCK_COUNT = Key.GPU_INDEX_BLOCK_COUNT
+VRAM_CAPACITY = Key.VRAM_CAPACITY
+PREFIX = Key.PLAN_PREFIX
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ def write_gpuidx(path: Path, index: GpuIndex) -> None:
 
     tensors = []
     for i, (mask, bucket) in enumerate(zip(masks, index.buckets, strict=True)):
-        tensors.append(TensorPlan(f"blk.{i}.gpu_idx", mask.shape, np.dtype(np.int32), lambda m=mask: m))
-        tensors.append(TensorPlan(f"blk.{i}.gpu_bucket", bucket.shape, np.dtype(np.int32), lambda b=bucket: b))
+        for part, data in ((Tensor.GPU_IDX, mask), (Tensor.GPU_BUCKET, bucket)):
+            tensors.append(TensorPlan(tensor_name(part, i, ""), data.shape, np.dtype(np.int32), lambda d=data: d))
     write_gguf(path, ARCH, add_metadata, tensors, powerinfer=True)
 
 
@@ -100,7 +101,7 @@ def read_gpuidx(path: Path) -> GpuIndex:
         reader = open_gguf(path)
     except UserError as exc:
         raise UserError(f"{exc}; {fix}") from exc
-    if field_value(reader, "general.architecture") != ARCH:
+    if field_value(reader, Key.ARCHITECTURE) != ARCH:
         raise UserError(f"{path} is not a GPU index (general.architecture is not {ARCH!r}); {fix}")
     layers = field_value(reader, BLOCK_COUNT)
     capacity = field_value(reader, VRAM_CAPACITY)

@@ -34,8 +34,8 @@ class Tensor(StrEnum):
     FFN_DOWN_T = "ffn_down_t"  # PowerInfer GGUF: down transposed, so that row i of every FFN matrix is neuron i
     FC1 = "fc1"  # the layer's predictor, fc2(relu(fc1(h)))
     FC2 = "fc2"
-    GPU_IDX = "gpu_idx"  # .gpuidx: 0/1 per neuron
-    GPU_BUCKET = "gpu_bucket"  # .gpuidx: ascending ids of the GPU neurons
+    GPU_IDX = "gpu_idx"  # .gpuidx: 0/1 per neuron (no .weight suffix)
+    GPU_BUCKET = "gpu_bucket"  # .gpuidx: ascending ids of the GPU neurons (no .weight suffix)
 
 
 WEIGHT = "weight"
@@ -48,8 +48,10 @@ _NAME = re.compile(r"(?:blk\.(\d+)\.)?([a-z0-9_]+)\.([a-z]+)")
 
 
 def tensor_name(part: Tensor, layer: int | None = None, kind: str = WEIGHT) -> str:
-    """`blk.3.ffn_up.weight` for (FFN_UP, 3), `output.weight` for (OUTPUT, None)."""
-    return f"{part}.{kind}" if layer is None else f"blk.{layer}.{part}.{kind}"
+    """`blk.3.ffn_up.weight` for (FFN_UP, 3), `output.weight` for (OUTPUT, None); kind "" for the GPU index's
+    tensors, which have no suffix."""
+    base = part if layer is None else f"blk.{layer}.{part}"
+    return f"{base}.{kind}" if kind else str(base)
 
 
 def split_tensor_name(name: str) -> tuple[int | None, str, str] | None:

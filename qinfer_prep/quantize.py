@@ -15,12 +15,13 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from qinfer_core.errors import UserError
 from qinfer_core.gguf_reader import open_gguf
 from qinfer_core.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.names import WEIGHT, Key, Tensor, tensor_name
 
 QType = GGMLQuantizationType
 # Target name -> (type of the 2-D weights, general.file_type as llama.cpp numbers it).
@@ -30,10 +31,10 @@ QUANTIZATION_VERSION = 2
 _FLOAT_TYPES = {QType.F32: np.dtype(np.float32), QType.F16: np.dtype(np.float16)}
 # Keys the writer or this tool sets itself; everything else is copied as it is.
 _OWN_KEYS = (
-    Keys.General.ARCHITECTURE,
-    Keys.General.FILE_TYPE,
-    Keys.General.QUANTIZATION_VERSION,
-    Keys.General.ALIGNMENT,
+    Key.ARCHITECTURE,
+    Key.FILE_TYPE,
+    Key.QUANTIZATION_VERSION,
+    Key.ALIGNMENT,
 )
 
 
@@ -51,12 +52,12 @@ def tensor_type(name: str, shape: tuple[int, ...], target: QType) -> QType:
     """The output type of a tensor of numpy shape `shape` (rows last) under the rules above."""
     if len(shape) == 1:
         return QType.F32
-    if not name.endswith(".weight"):
+    if not name.endswith(f".{WEIGHT}"):
         return QType.F16
     block_size = GGML_QUANT_SIZES[target][0]
     if shape[-1] % block_size:
         return QType.F16
-    return OUTPUT_TYPE if name == "output.weight" else target
+    return OUTPUT_TYPE if name == tensor_name(Tensor.OUTPUT) else target
 
 
 ROWS_PER_READ = 1024  # rows read and quantized at a time: a few MiB for 7B rows, whatever the tensor's size
@@ -91,7 +92,7 @@ def _plan(path: Path, reader: GGUFReader, target: QType) -> tuple[list[TensorPla
             raise UserError(f"{path}: tensor {t.name} is already {t.tensor_type.name}; quantize an F32 or F16 file")
         shape = tuple(int(n) for n in reversed(t.shape))
         out = tensor_type(t.name, shape, target)
-        if out == QType.F16 and len(shape) > 1 and t.name.endswith(".weight"):
+        if out == QType.F16 and len(shape) > 1 and t.name.endswith(f".{WEIGHT}"):
             kept_f16.append(t.name)
         load = partial(_convert, path, t.data_offset, src, shape, out)
         if out in _FLOAT_TYPES:
@@ -110,7 +111,7 @@ def _metadata_writer(reader: GGUFReader, file_type: int) -> Callable[[GGUFWriter
             kind = field.types[0]
             sub_type = field.types[-1] if kind == GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
-        alignment = reader.get_field(Keys.General.ALIGNMENT)
+        alignment = reader.get_field(Key.ALIGNMENT)
         if alignment is not None:
             writer.add_custom_alignment(int(alignment.contents()))
         writer.add_file_type(file_type)
@@ -134,7 +135,7 @@ def quantize_gguf(
     if outfile.resolve() == infile.resolve():
         raise UserError(f"the output would replace the input {infile}; name another file")
     reader = open_gguf(infile)
-    arch = reader.get_field(Keys.General.ARCHITECTURE)
+    arch = reader.get_field(Key.ARCHITECTURE)
     if arch is None:
         raise UserError(f"{infile} has no general.architecture; is it a model file?")
     plans, kept_f16 = _plan(infile, reader, qtype)

@@ -159,7 +159,8 @@ def to_device(weights: Any, device: torch.device) -> Any:
 
 
 class FFNRunner(Protocol):
-    """Computes layer `layer`'s FFN for normalised input x [T, E]; h is the predictor's input (see DESIGN.md).
+    """Computes layer `layer`'s FFN for normalised input x [T, E]; h is the predictor's input
+    (docs/formats.md#predictor-directories).
     `prefill` asks for dense matmuls (sparsity pays off in decode, not for many tokens at once)."""
 
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor: ...

@@ -1,4 +1,4 @@
-"""The GGUF files `convert` and `convert-dense` write, checked against DESIGN.md field by field."""
+"""The GGUF files `convert` and `convert-dense` write, checked against docs/formats.md field by field."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ POWERINFER_KEYS = [
 
 
 def expected_tensors(powerinfer: bool, two_d: gguf.GGMLQuantizationType) -> list[tuple[str, list[int], int]]:
-    """(name, ggml ne, type) in file order, spelled out from DESIGN.md."""
+    """(name, ggml ne, type) in file order, spelled out from docs/formats.md#tensors."""
     rows = [("token_embd.weight", [E, V], two_d), ("output_norm.weight", [E], F32), ("output.weight", [E, V], two_d)]
     for i in range(L):
         rows += [

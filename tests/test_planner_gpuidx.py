@@ -1,4 +1,4 @@
-"""`.gpuidx`: exact bytes of DESIGN.md's layout, round trips, files made by the reference engine, broken files."""
+"""`.gpuidx`: exact bytes of docs/formats.md#gpu-index-gpuidx, round trips, files made by the engine, broken files."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model profiles load with DESIGN.md's shapes; `qinfer profiles` lists models and devices."""
+"""Model profiles load with the published models' shapes; `qinfer profiles` lists models and devices."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from qinfer.cli import app
 from qinfer_core.errors import UserError
 from qinfer_prep.model_profiles import known_models, load_model_profile
 
-# (E, F, L, heads, kv heads, vocab, arch) from DESIGN.md and the models' config.json files.
+# (E, F, L, heads, kv heads, vocab, arch) from the models' config.json files.
 EXPECTED = {
     "ReluLLaMA-7B": (4096, 11008, 32, 32, 32, 32000, "llama"),
     "ReluLLaMA-13B": (5120, 13824, 40, 40, 40, 32000, "llama"),
