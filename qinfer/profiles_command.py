@@ -28,16 +28,16 @@ def profiles_cmd() -> None:
     ):
         models.add_column(column)
     for m in known_models():
-        s = m.shape
+        s = m.spec
         files = f"{m.gguf_f16 or '-'}\n{m.gguf_q4 or '-'}"
         models.add_row(
             m.name,
-            m.architecture,
+            s.arch,
             str(s.hidden),
             str(s.ffn),
             str(s.layers),
             f"{s.heads}/{s.kv_heads}",
-            str(s.vocab),
+            str(s.vocab_size),
             f"{m.gguf_repo}\n{m.original_repo}\n{m.predictor_repo}",
             files,
         )

@@ -7,20 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import profiles
+from qinfer_core.architectures import Architecture, architecture
 from qinfer_core.errors import UserError
+from qinfer_core.model_spec import ModelSpec
 
 PROFILE_DIR = Path(profiles.__file__).resolve().parent / "models"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    context: int
 
 
 @dataclass(frozen=True)
@@ -29,8 +20,7 @@ class ModelProfile:
 
     name: str
     description: str
-    architecture: str
-    shape: ModelShape
+    spec: ModelSpec
     gguf_repo: str
     gguf_f16: str | None
     gguf_q4: str | None
@@ -43,7 +33,7 @@ class ModelProfile:
 
     @property
     def activation_files(self) -> list[str]:
-        return [f"activation/activation_{i}.pt" for i in range(self.shape.layers)]
+        return [f"activation/activation_{i}.pt" for i in range(self.spec.layers)]
 
 
 def known_models() -> list[ModelProfile]:
@@ -59,14 +49,30 @@ def load_model_profile(name: str) -> ModelProfile:
     raise UserError(f"unknown model {name!r}; known models: {', '.join(m.name for m in models)}")
 
 
+def _spec(name: str, arch: Architecture, shape: dict[str, int]) -> ModelSpec:
+    """The published model's shape; the norms' epsilon, which a plan does not need, is the family's default."""
+    return ModelSpec(
+        arch=arch.name,
+        name=name,
+        vocab_size=int(shape["vocab"]),
+        context_length=int(shape["context"]),
+        hidden=int(shape["hidden"]),
+        layers=int(shape["layers"]),
+        ffn=int(shape["ffn"]),
+        heads=int(shape["heads"]),
+        kv_heads=int(shape["kv_heads"]),
+        norm_eps=arch.default_norm_eps,
+        rope_dim=0 if arch.rope == "none" else int(shape["hidden"]) // int(shape["heads"]),
+    )
+
+
 def _read(path: Path) -> ModelProfile:
     try:
         raw = json.loads(path.read_text())
         return ModelProfile(
             name=str(raw["name"]),
             description=str(raw.get("description", "")),
-            architecture=str(raw["architecture"]),
-            shape=ModelShape(**{k: int(v) for k, v in raw["shape"].items()}),
+            spec=_spec(str(raw["name"]), architecture(raw["architecture"], path), raw["shape"]),
             gguf_repo=str(raw["gguf"]["repo"]),
             gguf_f16=raw["gguf"].get("f16"),
             gguf_q4=raw["gguf"].get("q4"),

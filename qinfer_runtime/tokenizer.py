@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -9,18 +11,46 @@ from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER
 
 from qinfer_core.errors import UserError
 
+SUPPORTED = ("llama", "gpt2")
+_PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
+
+
+def _drop_foreign_added_tokens(backend: Tokenizer, n_vocab: int) -> Tokenizer:
+    """The backend without added tokens the model's own tokenizer does not match in text.
+
+    transformers' GPT2Tokenizer always registers `<|endoftext|>` as its default unk/bos/eos, so a vocabulary
+    without it (OPT's) gets it appended at id n_vocab, past the embedding. And the converter adds the `[PAD{i}]`
+    fillers as user-defined tokens, which Hugging Face's tokenizer never has, so text naming one would encode to
+    an id the model never saw. Added tokens cannot be removed in place, hence the JSON round trip.
+    """
+    state = json.loads(backend.to_str())
+
+    def foreign(token: dict[str, Any]) -> bool:
+        placeholder = _PLACEHOLDER.fullmatch(token["content"])
+        return token["id"] >= n_vocab or (placeholder is not None and int(placeholder[1]) == token["id"])
+
+    kept = [token for token in state["added_tokens"] if not foreign(token)]
+    if len(kept) == len(state["added_tokens"]):
+        return backend
+    state["added_tokens"] = kept
+    return Tokenizer.from_str(json.dumps(state))
+
 
 class GGUFTokenizer:
     def __init__(self, meta: dict[str, Any]):
         renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
         spec = {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
-        if spec.get("tokenizer_type") != "llama":
-            raise UserError(f"tokenizer type {spec.get('tokenizer_type')!r} is not supported; expected 'llama'")
-        self.backend: Tokenizer = convert_gguf_tokenizer(meta["general.architecture"], spec)[0]
+        kind = spec.get("tokenizer_type")
+        if kind not in SUPPORTED:
+            raise UserError(f"tokenizer type {kind!r} is not supported; expected one of {', '.join(SUPPORTED)}")
+        if kind == "gpt2" and not spec.get("merges"):
+            raise UserError("the GGUF's gpt2 vocabulary has no tokenizer.ggml.merges; re-create it with qinfer prep")
+        backend = convert_gguf_tokenizer(meta["general.architecture"], spec)[0]
+        self.backend: Tokenizer = _drop_foreign_added_tokens(backend, len(spec["tokens"]))
         self.bos_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_id: int | None = meta.get("tokenizer.ggml.eos_token_id")
-        # SentencePiece vocabularies add BOS unless the file says otherwise (llama.cpp's rule).
-        self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+        # llama.cpp's rule for a file that does not say: SentencePiece vocabularies add BOS, BPE ones do not.
+        self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids

@@ -150,7 +150,7 @@ def test_download_lays_out_the_repo_and_resumes_after_a_cut(hub: FakeHub, tmp_pa
     assert len(hub.ranges) == 1 and hub.ranges[0][0] == model_name
     start = int(hub.ranges[0][1].removeprefix("bytes=").rstrip("-"))
     assert 0 < start <= len(repo[model_name]) // 2
-    for i in range(profile.shape.layers):
+    for i in range(profile.spec.layers):
         assert (out / "activation" / f"activation_{i}.pt").read_bytes() == repo[f"activation/activation_{i}.pt"]
     assert sorted(p.name for p in out.iterdir()) == sorted([model_name, "activation"])
     # The layout shares the cache's blob rather than holding a second copy.
@@ -233,7 +233,7 @@ def test_original_source_from_a_prepopulated_cache_offline(tmp_path: Path) -> No
     profile = load_model_profile(MODEL)
     cache = tmp_path / "cache"
     checkpoint = {"config.json": b'{"model_type": "llama"}', "tokenizer.model": b"spm", "model.safetensors": b"w"}
-    predictor = {f"model_{i}.pt": f"predictor {i}".encode() for i in range(profile.shape.layers)}
+    predictor = {f"model_{i}.pt": f"predictor {i}".encode() for i in range(profile.spec.layers)}
     _cache_repo(cache, profile.original_repo, checkpoint)
     _cache_repo(cache, profile.predictor_repo, predictor)
     _cache_repo(cache, profile.gguf_repo, {name: name.encode() for name in profile.activation_files})

@@ -28,8 +28,8 @@ def test_every_supported_model_has_a_profile_with_its_shape() -> None:
     assert set(models) == set(EXPECTED)
     for name, (e, f, layers, heads, kv, vocab, arch) in EXPECTED.items():
         m = models[name]
-        s = m.shape
-        assert (s.hidden, s.ffn, s.layers, s.heads, s.kv_heads, s.vocab, m.architecture) == (
+        s = m.spec
+        assert (s.hidden, s.ffn, s.layers, s.heads, s.kv_heads, s.vocab_size, s.arch) == (
             e,
             f,
             layers,
