@@ -14,7 +14,6 @@ whose placement really fits, found by bisection. "auto" is ours with the dense p
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
 import numpy as np
 from rich.console import Console
@@ -24,45 +23,20 @@ from planner.activation_stats import power_law_firing
 from planner.baselines import greedy_placement, reference_placement
 from planner.budget import GIB, BudgetOptions, VramAccount, account, vram_used
 from planner.device_profiles import load_profile
-from planner.model_layout import ModelLayout, layout_for_shape
+from planner.model_layout import ModelLayout, layout_for_spec
 from planner.neuron_groups import group_neurons
 from planner.placement import Placement
 from planner.placement_ilp import solve_placement
 from planner.time_model import build_time_model
+from qinfer_prep.model_profiles import load_model_profile
 
-
-@dataclass(frozen=True)
-class Shape:
-    arch: str
-    layers: int
-    embedding: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    budgets_gib: tuple[float, ...]
-
-
+# Each shape is a supported model's profile (profiles/models), with the budgets to try.
 SHAPES = {
-    "7B": Shape("llama", 32, 4096, 11008, 32, 32, 32000, (4, 6, 8, 11, 16)),
-    "13B": Shape("llama", 40, 5120, 13824, 40, 40, 32000, (8, 11, 16, 24)),
-    "40B": Shape("falcon", 60, 8192, 32768, 128, 8, 65024, (24, 40, 64)),
-    "70B": Shape("llama", 80, 8192, 28672, 64, 8, 32000, (30, 40, 64, 100)),
+    "7B": ("ReluLLaMA-7B", (4, 6, 8, 11, 16)),
+    "13B": ("ReluLLaMA-13B", (8, 11, 16, 24)),
+    "40B": ("ReluFalcon-40B", (24, 40, 64)),
+    "70B": ("ReluLLaMA-70B", (30, 40, 64, 100)),
 }
-
-
-def layout_of(shape: Shape, weight_type: str) -> ModelLayout:
-    return layout_for_shape(
-        arch=shape.arch,
-        layers=shape.layers,
-        embedding=shape.embedding,
-        ffn=shape.ffn,
-        heads=shape.heads,
-        kv_heads=shape.kv_heads,
-        vocab=shape.vocab,
-        predictor_rank=1024,
-        weight_type=weight_type,
-    )
 
 
 def reference_that_fits(
@@ -97,13 +71,14 @@ def main() -> None:
     ):  # fmt: skip
         table.add_column(column, justify="right")
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
-        layout = layout_of(shape, args.weight_type)
-        firing = power_law_firing(shape.layers, shape.ffn, seed=len(name))
+        model, budgets_gib = SHAPES[name]
+        spec = load_model_profile(model).spec
+        layout = layout_for_spec(spec, predictor_rank=1024, weight_type=args.weight_type)
+        firing = power_law_firing(spec.layers, spec.ffn, seed=len(name))
         acct = account(layout, BudgetOptions(ctx_size=args.ctx_size, batch=args.batch))
         times = build_time_model(layout, firing, gpu, cpu, ctx_size=args.ctx_size, batch=args.batch)
         groups = group_neurons(firing, 64)
-        for budget_gib in shape.budgets_gib:
+        for budget_gib in budgets_gib:
             budget = int(budget_gib * GIB)
             auto = solve_placement(acct, times, firing, groups, budget, dense_on_gpu=False, time_limit=args.time_limit)
             auto_cells = (f"{times.tokens_per_second(auto.placement):.2f}", f"{auto.seconds:.2f}")

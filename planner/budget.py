@@ -56,14 +56,14 @@ class VramAccount:
 
 def kv_cache_bytes(layout: ModelLayout, ctx_size: int, batch: int) -> int:
     """K and V, f16, for one layer: 2 * ctx * batch * kv_heads * head_dim * 2 bytes."""
-    return 2 * ctx_size * batch * layout.kv_heads * layout.head_dim * KV_ELEMENT_BYTES
+    return 2 * ctx_size * batch * layout.spec.kv_dim * KV_ELEMENT_BYTES
 
 
 def scratch_bytes(layout: ModelLayout, ctx_size: int, batch: int) -> int:
-    e = layout.embedding
+    e = layout.spec.hidden
     f = max(layer.ffn_neurons for layer in layout.layers)
-    kv = layout.kv_heads * layout.head_dim
-    per_sequence = (2 * e + 2 * kv + 2 * f + layout.heads * ctx_size) * 4
+    kv = layout.spec.kv_dim
+    per_sequence = (2 * e + 2 * kv + 2 * f + layout.spec.heads * ctx_size) * 4
     return SCRATCH_FIXED + 2 * batch * per_sequence
 
 

@@ -85,8 +85,8 @@ class Plan:
 def _fit_context(options: PlanOptions, layout: ModelLayout) -> PlanOptions:
     """`options` with the context capped at the model's own, as the runtime caps it, so that a plan made with the
     default --ctx-size is the plan a run of the same model asks for."""
-    if 0 < layout.context_length < options.ctx_size:
-        return replace(options, ctx_size=layout.context_length)
+    if 0 < layout.spec.context_length < options.ctx_size:
+        return replace(options, ctx_size=layout.spec.context_length)
     return options
 
 

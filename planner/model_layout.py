@@ -11,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
 from qinfer_core.gguf_reader import metadata, open_gguf
+from qinfer_core.model_spec import ModelSpec
 from qinfer_core.names import FFN_ROWS, PREDICTOR, WEIGHT, Tensor, split_tensor_name, tensor_name
 from qinfer_core.spec_readers import spec_from_metadata
 
@@ -30,23 +31,17 @@ class LayerLayout:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    arch: str
-    embedding: int
-    heads: int
-    kv_heads: int
+    spec: ModelSpec
     layers: tuple[LayerLayout, ...]
     output_bytes: int
     output_weights: int
     embedding_bytes: int
     ffn_type: str
     ffn_element_bytes: float
-    has_gate: bool
-    # Tokens of context the model was trained for; 0 when unknown (a layout made from a bare shape).
-    context_length: int = 0
 
     @property
-    def head_dim(self) -> int:
-        return self.embedding // self.heads
+    def has_gate(self) -> bool:
+        return architecture(self.spec.arch).ffn.gated
 
     @property
     def n_layers(self) -> int:
@@ -109,18 +104,13 @@ def read_model_layout(path: Path) -> ModelLayout:
     if not per_layer or sorted(per_layer) != list(range(len(per_layer))):
         raise UserError(f"{path} has no complete run of blk.N tensors; re-convert it with `qinfer prep convert`")
     return ModelLayout(
-        arch=spec.arch,
-        embedding=spec.hidden,
-        heads=spec.heads,
-        kv_heads=spec.kv_heads,
+        spec=spec,
         layers=tuple(_layer_layout(path, i, per_layer[i], spec.ffn) for i in range(len(per_layer))),
         output_bytes=output_bytes,
         output_weights=output_weights,
         embedding_bytes=embedding_bytes,
         ffn_type=ffn_type,
         ffn_element_bytes=ffn_element_bytes,
-        has_gate=architecture(spec.arch).ffn.gated,
-        context_length=spec.context_length,
     )
 
 
@@ -130,21 +120,10 @@ def weight_bytes(n_weights: int, type_name: str) -> float:
     return n_weights * size / block
 
 
-def layout_for_shape(
-    *,
-    arch: str,
-    layers: int,
-    embedding: int,
-    ffn: int,
-    heads: int,
-    kv_heads: int,
-    vocab: int,
-    predictor_rank: int,
-    weight_type: str = "F16",
-) -> ModelLayout:
+def layout_for_spec(spec: ModelSpec, predictor_rank: int, weight_type: str = "F16") -> ModelLayout:
     """The layout a converted model of this shape would have: 2-D tensors of `weight_type`, norms F32."""
-    kv = embedding // heads * kv_heads
-    form = architecture(arch).ffn
+    embedding, ffn, kv, vocab = spec.hidden, spec.ffn, spec.kv_dim, spec.vocab_size
+    form = architecture(spec.arch).ffn
     matrices = form.matrices * embedding
     attention_weights = embedding * embedding * 2 + 2 * embedding * kv
     norms = 2 * embedding * 4
@@ -159,15 +138,11 @@ def layout_for_shape(
         attention_weights=attention_weights + 2 * embedding,
     )
     return ModelLayout(
-        arch=arch,
-        embedding=embedding,
-        heads=heads,
-        kv_heads=kv_heads,
-        layers=(layer,) * layers,
+        spec=spec,
+        layers=(layer,) * spec.layers,
         output_bytes=round(weight_bytes(embedding * vocab, weight_type)) + embedding * 4,
         output_weights=embedding * vocab + embedding,
         embedding_bytes=round(weight_bytes(embedding * vocab, weight_type)),
         ffn_type=weight_type,
         ffn_element_bytes=weight_bytes(1 << 10, weight_type) / (1 << 10),
-        has_gate=form.gated,
     )

@@ -1,4 +1,4 @@
-"""The placement ILP (pulp): per layer how many neuron groups (hottest first) and whether attention go on the GPU.
+"""The placement ILP: per layer how many neuron groups (hottest first) and whether attention go on the GPU.
 
 Within a layer the groups are sorted hottest first and a layer takes a prefix of them, so a layer's choice is an
 option (k groups on the GPU, attention on the GPU or not) whose exact modelled time and bytes are computed here,
@@ -9,17 +9,21 @@ optimum and are dropped before solving, which keeps 70B (80 layers x 449 prefix 
 
 Objective `time` minimises the modelled decode step; `activation` is the reference engine's goal (maximise the
 firing probability held on the GPU), here under the full VRAM account instead of its neuron count.
+
+CBC (bundled with pulp) solves it by default; HiGHS (bundled with scipy) where "highs" is asked for or CBC is missing.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 import pulp
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from planner.budget import VramAccount
 from planner.neuron_groups import NeuronGroups
@@ -104,17 +108,31 @@ def _pareto(options: LayerOptions) -> LayerOptions:
     return LayerOptions(options.groups[keep], options.attention[keep], options.cost[keep], options.mib[keep])
 
 
-def _solver(name: str, time_limit: float, mip: bool, warm: bool, gap: float) -> tuple[str, pulp.LpSolver]:
-    if name in ("auto", "highs"):
-        highs = pulp.HiGHS(msg=False, timeLimit=time_limit, mip=mip, gapRel=gap)
-        if highs.available():
-            return "highs", highs
-        if name == "highs":
-            raise UserError("the HiGHS solver is not installed (pip install highspy); use the default CBC")
-    # pulp 3 deprecates PULP_CBC_CMD, but it is the only way to the CBC binary bundled with pulp.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return "cbc", pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, mip=mip, warmStart=warm, gapRel=gap)
+@dataclass(frozen=True)
+class Problem:
+    """The program in solver-neutral form: one option per layer, and a binary for the output matrix on the GPU when
+    `decide_output`, all under `room` MiB."""
+
+    table: list[LayerOptions]
+    room: float
+    decide_output: bool
+    output_mib: float
+    output_gpu_cost: float
+    output_cpu_cost: float
+
+    @property
+    def constant(self) -> float:
+        """The output matrix's cost where it starts: on the CPU when the program decides it, else on the GPU."""
+        return self.output_cpu_cost if self.decide_output else self.output_gpu_cost
+
+
+@dataclass(frozen=True)
+class _Solution:
+    solver: str
+    lp_bound: float
+    choice: list[int] | None  # None when the solver found no integral placement
+    output_on_gpu: bool
+    status: str
 
 
 def solve_placement(
@@ -131,18 +149,90 @@ def solve_placement(
     warm_start: Placement | None = None,
     mip_gap: float = MIP_GAP,
 ) -> SolveResult:
+    """Solve with CBC (pulp), or with HiGHS (scipy) when `solver` is "highs" or is "auto" and CBC is missing."""
     started = time.perf_counter()
-    n_layers = len(acct.attention)
+    problem = build_problem(acct, times, firing, groups, budget, objective=objective, dense_on_gpu=dense_on_gpu)
+    start_choice = None if warm_start is None else _choices_for(problem.table, groups, warm_start)
+    if _backend(solver) == "highs":
+        solution = _solve_highs(problem, started, time_limit, mip_gap)
+    else:
+        solution = _solve_cbc(problem, started, time_limit, mip_gap, warm_start, start_choice)
+    if solution.choice is None and start_choice is not None and warm_start is not None:
+        kept = "time limit (kept the warm start)"
+        solution = replace(solution, choice=start_choice, output_on_gpu=warm_start.output_on_gpu, status=kept)
+    if solution.choice is None:
+        raise UserError(f"the solver found no placement within {time_limit:g} s; raise --time-limit")
+    return _result(problem, groups, objective, solution, solution.choice, started)
+
+
+def build_problem(
+    acct: VramAccount,
+    times: TimeModel,
+    firing: tuple[np.ndarray, ...],
+    groups: NeuronGroups,
+    budget: int,
+    *,
+    objective: Objective,
+    dense_on_gpu: bool,
+) -> Problem:
     table = [
         layer_options(acct, times, firing, groups, i, objective=objective, dense_on_gpu=dense_on_gpu)
-        for i in range(n_layers)
+        for i in range(len(acct.attention))
     ]
     output_gpu_cost = times.output_gpu * TIME_SCALE if objective == "time" else 0.0
     output_cpu_cost = times.output_cpu * TIME_SCALE if objective == "time" else 0.0
     room = (budget - acct.fixed) * BYTE_SCALE
     if sum(float(o.mib.min()) for o in table) + (acct.output * BYTE_SCALE if dense_on_gpu else 0) > room:
         raise UserError(f"no placement fits a VRAM budget of {budget} bytes; raise --vram-budget")
+    if dense_on_gpu:
+        room -= acct.output * BYTE_SCALE
+    return Problem(table, room, not dense_on_gpu, acct.output * BYTE_SCALE, output_gpu_cost, output_cpu_cost)
 
+
+def _backend(name: str) -> str:
+    """The solver to run: HiGHS when asked for, or for "auto" where pulp lacks its CBC binary; otherwise CBC."""
+    if name == "highs" or (name == "auto" and not _cbc_solver(1.0, mip=False, warm=False, gap=0.0).available()):
+        return "highs"
+    return "cbc"
+
+
+def _cbc_solver(time_limit: float, mip: bool, warm: bool, gap: float) -> pulp.LpSolver:
+    # pulp 3 deprecates PULP_CBC_CMD, but it is the only way to the CBC binary bundled with pulp.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, mip=mip, warmStart=warm, gapRel=gap)
+
+
+def _solve_cbc(
+    problem: Problem,
+    started: float,
+    time_limit: float,
+    mip_gap: float,
+    warm_start: Placement | None,
+    start_choice: list[int] | None,
+) -> _Solution:
+    prob, y, output = _pulp_problem(problem)
+    prob.solve(_cbc_solver(time_limit, mip=False, warm=False, gap=mip_gap))
+    lp_bound = float(pulp.value(prob.objective))
+    # After the LP solve, which overwrites the variables' values that CBC reads its start from.
+    if warm_start is not None and start_choice is not None:
+        for i, row in enumerate(y):
+            for j, v in enumerate(row):
+                v.setInitialValue(int(j == start_choice[i]))
+        if output is not None:
+            output.setInitialValue(int(warm_start.output_on_gpu))
+    remaining = max(1.0, time_limit - (time.perf_counter() - started))
+    prob.solve(_cbc_solver(remaining, mip=True, warm=warm_start is not None, gap=mip_gap))
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) or not _integral(y):
+        return _Solution("cbc", lp_bound, None, False, "no solution")
+    choice = [max(range(len(row)), key=lambda j, row=row: row[j].value() or 0.0) for row in y]
+    output_on_gpu = not problem.decide_output or (output is not None and (output.value() or 0.0) > INTEGER_TOLERANCE)
+    status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time limit"
+    return _Solution("cbc", lp_bound, choice, output_on_gpu, status)
+
+
+def _pulp_problem(problem: Problem) -> tuple[pulp.LpProblem, list[list[pulp.LpVariable]], pulp.LpVariable | None]:
+    table = problem.table
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     y = [
         [prob.add_variable(f"y_{i}_{j}", 0, 1, pulp.LpBinary) for j in range(len(o.cost))] for i, o in enumerate(table)
@@ -151,45 +241,88 @@ def solve_placement(
         prob += pulp.LpAffineExpression([(v, 1) for v in row]) == 1, f"layer_{i}"
     used = [(v, float(m)) for row, o in zip(y, table, strict=True) for v, m in zip(row, o.mib, strict=True)]
     terms = [(v, float(c)) for row, o in zip(y, table, strict=True) for v, c in zip(row, o.cost, strict=True)]
-    objective_constant = output_gpu_cost
     output: pulp.LpVariable | None = None
-    if dense_on_gpu:
-        room -= acct.output * BYTE_SCALE
-    else:
+    if problem.decide_output:
         output = prob.add_variable("o", 0, 1, pulp.LpBinary)
-        used.append((output, acct.output * BYTE_SCALE))
-        terms.append((output, output_gpu_cost - output_cpu_cost))
-        objective_constant = output_cpu_cost
-    prob += pulp.LpAffineExpression(used) <= room, "vram"
+        used.append((output, problem.output_mib))
+        terms.append((output, problem.output_gpu_cost - problem.output_cpu_cost))
+    prob += pulp.LpAffineExpression(used) <= problem.room, "vram"
     goal = pulp.LpAffineExpression(terms)
-    goal.constant = objective_constant
+    goal.constant = problem.constant
     prob += goal
+    return prob, y, output
 
-    solver_name, lp_solver = _solver(solver, time_limit, mip=False, warm=False, gap=mip_gap)
-    prob.solve(lp_solver)
-    lp_bound = float(pulp.value(prob.objective))
 
-    start_choice = None
-    if warm_start is not None:
-        start_choice = _choices_for(table, groups, warm_start)
-        for i, row in enumerate(y):
-            for j, v in enumerate(row):
-                v.setInitialValue(int(j == start_choice[i]))
-        if output is not None:
-            output.setInitialValue(int(warm_start.output_on_gpu))
-    remaining = max(1.0, time_limit - (time.perf_counter() - started))
-    solver_name, mip_solver = _solver(solver, remaining, mip=True, warm=warm_start is not None, gap=mip_gap)
-    prob.solve(mip_solver)
-    if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) and _integral(y):
-        choice = [max(range(len(row)), key=lambda j, row=row: row[j].value() or 0.0) for row in y]
-        output_on_gpu = dense_on_gpu or (output is not None and (output.value() or 0.0) > INTEGER_TOLERANCE)
-        status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time limit"
-    elif start_choice is not None and warm_start is not None:
-        choice, output_on_gpu, status = start_choice, warm_start.output_on_gpu, "time limit (kept the warm start)"
-    else:
-        raise UserError(f"the solver found no placement within {time_limit:g} s; raise --time-limit")
+def _solve_highs(problem: Problem, started: float, time_limit: float, mip_gap: float) -> _Solution:
+    form = _matrix_form(problem)
+    relaxed = linprog(
+        form.cost,
+        A_ub=form.vram,
+        b_ub=[problem.room],
+        A_eq=form.one_each,
+        b_eq=np.ones(len(problem.table)),
+        bounds=(0, 1),
+        method="highs",
+        options={"time_limit": time_limit},
+    )
+    if relaxed.status != 0:
+        raise UserError(f"the solver found no LP bound within {time_limit:g} s; raise --time-limit")
+    lp_bound = float(relaxed.fun) + problem.constant
+    found = milp(
+        form.cost,
+        integrality=np.ones(len(form.cost)),
+        bounds=Bounds(0, 1),
+        constraints=[LinearConstraint(form.one_each, 1, 1), LinearConstraint(form.vram, -np.inf, problem.room)],
+        options={"time_limit": max(1.0, time_limit - (time.perf_counter() - started)), "mip_rel_gap": mip_gap},
+    )
+    if found.x is None or (choice := _integral_choice(problem, found.x)) is None:
+        return _Solution("highs", lp_bound, None, False, "no solution")
+    output_on_gpu = not problem.decide_output or bool(found.x[-1] > INTEGER_TOLERANCE)
+    return _Solution("highs", lp_bound, choice, output_on_gpu, "optimal" if found.status == 0 else "time limit")
+
+
+@dataclass(frozen=True)
+class _MatrixForm:
+    """The program over the options of every layer in order, then the output binary if decided."""
+
+    cost: np.ndarray
+    one_each: sparse.csr_array  # one row per layer: its options sum to one
+    vram: sparse.csr_array  # one row: the MiB of every option
+
+
+def _matrix_form(problem: Problem) -> _MatrixForm:
+    table = problem.table
+    cost = np.concatenate([o.cost for o in table])
+    mib = np.concatenate([o.mib for o in table])
+    layer_of = np.repeat(np.arange(len(table)), [len(o.cost) for o in table])
+    if problem.decide_output:
+        cost = np.append(cost, problem.output_gpu_cost - problem.output_cpu_cost)
+        mib = np.append(mib, problem.output_mib)
+    options = np.arange(len(layer_of))
+    one_each = sparse.csr_array((np.ones(len(options)), (layer_of, options)), shape=(len(table), len(cost)))
+    return _MatrixForm(cost, one_each, sparse.csr_array(mib[None, :]))
+
+
+def _integral_choice(problem: Problem, x: np.ndarray) -> list[int] | None:
+    """Per layer the chosen option, or None unless every layer has exactly one."""
+    bounds = np.cumsum([0] + [len(o.cost) for o in problem.table])
+    rows = [x[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if any(int((row > INTEGER_TOLERANCE).sum()) != 1 for row in rows):
+        return None
+    return [int(np.argmax(row)) for row in rows]
+
+
+def _result(
+    problem: Problem,
+    groups: NeuronGroups,
+    objective: Objective,
+    solution: _Solution,
+    choice: list[int],
+    started: float,
+) -> SolveResult:
+    table, output_on_gpu = problem.table, solution.output_on_gpu
     value = sum(float(o.cost[c]) for o, c in zip(table, choice, strict=True))
-    value += output_gpu_cost if output_on_gpu else output_cpu_cost
+    value += problem.output_gpu_cost if output_on_gpu else problem.output_cpu_cost
     placement = Placement(
         gpu_neurons=tuple(
             groups.mask(i, np.arange(groups.count(i)) < o.groups[c])
@@ -198,12 +331,13 @@ def solve_placement(
         attention_on_gpu=tuple(bool(o.attention[c]) for o, c in zip(table, choice, strict=True)),
         output_on_gpu=output_on_gpu,
     )
+    lp_bound = solution.lp_bound
     gap = max(0.0, (value - lp_bound) / abs(lp_bound)) if lp_bound else 0.0
     scale = -1.0 if objective == "activation" else 1.0 / TIME_SCALE
     return SolveResult(
         placement=placement,
-        status=status,
-        solver=solver_name,
+        status=solution.status,
+        solver=solution.solver,
         objective=value * scale,
         lp_bound=lp_bound * scale,
         gap=gap,

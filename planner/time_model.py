@@ -91,8 +91,8 @@ def build_time_model(
     batch: int,
 ) -> TimeModel:
     kv_read = kv_cache_bytes(layout, ctx_size, batch)
-    attention_flops_extra = 4 * ctx_size * layout.heads * layout.head_dim * batch
-    hidden_transfer = 2 * batch * layout.embedding * 4
+    attention_flops_extra = 4 * ctx_size * layout.spec.hidden * batch
+    hidden_transfer = 2 * batch * layout.spec.hidden * 4
     sync = gpu.sync_latency + hidden_transfer / gpu.pcie_bandwidth
     layers = []
     for layer, p in zip(layout.layers, firing, strict=True):

@@ -276,6 +276,7 @@ _OPT_GLOBAL_NAMES = {
     "decoder.embed_tokens": Tensor.TOKEN_EMBD,
     "decoder.embed_positions": Tensor.POSITION_EMBD,
     "decoder.final_layer_norm": Tensor.OUTPUT_NORM,
+    "lm_head": Tensor.OUTPUT,  # tied to the token embedding: the engine's OPT file has no output tensor
 }
 _OPT_LAYER_NAMES = {
     "self_attn_layer_norm": Tensor.ATTN_NORM,

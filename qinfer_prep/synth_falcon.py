@@ -18,8 +18,9 @@ from transformers.initialization import no_init_weights
 
 from qinfer_core.atomic_file import atomic_directory
 from qinfer_core.errors import UserError
-from qinfer_prep.synth import BOS, EOS, TOKENIZER_CHARS, save_predictors, save_tokenizer, train_tokenizer
 from qinfer_prep.synth_corpus import synth_corpus
+from qinfer_prep.synth_predictors import save_predictors
+from qinfer_prep.synth_tokenizer import BOS, EOS, TOKENIZER_CHARS, save_tokenizer, train_tokenizer
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ import asyncio
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qinfer_runtime.engine import Engine, Request, StepOutput
+from qinfer_runtime.token_text import TokenText
 
 
 @dataclass(frozen=True)
@@ -26,19 +26,9 @@ class Event:
 class Job:
     request: Request
     loop: asyncio.AbstractEventLoop
+    output: TokenText
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
-    tokens: list[int] = field(default_factory=list)
-    shown: str = ""
-    prompt_text: str | None = None
-
-    def text(self, decode: Callable[[list[int]], str]) -> str:
-        """The generated text, decoded after the prompt so that its first token keeps its leading space (as
-        generate.py does; a SentencePiece decode of the new tokens alone would drop it)."""
-        if self.prompt_text is None:
-            self.prompt_text = decode(self.request.prompt_ids)
-        full = decode(self.request.prompt_ids + self.tokens)
-        return full[len(self.prompt_text) :] if full.startswith(self.prompt_text) else decode(self.tokens)
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -63,7 +53,8 @@ class EngineWorker:
 
     def submit(self, request: Request) -> Job:
         """Queue `request`; call from the event loop that reads the job's events."""
-        job = Job(request, asyncio.get_running_loop())
+        output = TokenText(self.engine.tokenizer.decode, request.prompt_ids)
+        job = Job(request, asyncio.get_running_loop(), output)
         self._incoming.put(job)
         return job
 
@@ -125,20 +116,14 @@ class EngineWorker:
 
     def _deliver(self, out: StepOutput) -> None:
         job = self._running[out.slot]
-        if out.token is not None:
-            job.tokens.append(out.token)
-        text = job.text(self.engine.tokenizer.decode)
-        piece = ""
-        # A multi-byte character can span tokens; hold it back until it decodes completely.
-        if out.finished or not text.endswith("\ufffd"):
-            piece, job.shown = text[len(job.shown) :], text
+        piece = job.output.add(out.token, out.finished)
         if out.finished:
             del self._running[out.slot]
         if piece or out.finished:
-            job.emit(Event(piece, out.finished, out.reason, len(job.tokens)))
+            job.emit(Event(piece, out.finished, out.reason, len(job.output.tokens)))
 
     def _fail_running(self, message: str) -> None:
         for slot, job in list(self._running.items()):
             self.engine.cancel(slot)
-            job.emit(Event("", True, "error", len(job.tokens), message))
+            job.emit(Event("", True, "error", len(job.output.tokens), message))
         self._running.clear()

@@ -159,7 +159,7 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     rows = 3 if layout.has_gate else 2
     costs = SplitCosts.from_profiles(
         layout.layers[0].neuron_bytes,
-        2.0 * rows * layout.embedding,
+        2.0 * rows * layout.spec.hidden,
         load_profile(plan_options.gpu, "gpu"),
         load_profile(plan_options.cpu, "cpu"),
     )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from qinfer_runtime.engine import Engine, Request
 from qinfer_runtime.sampling import SamplingParams
-from qinfer_runtime.tokenizer import GGUFTokenizer
+from qinfer_runtime.token_text import TokenText
 
 
 @dataclass
@@ -33,17 +33,9 @@ class GenerationResult:
 
 @dataclass
 class _Progress:
-    prompt_ids: list[int]
+    output: TokenText
     prompt_seconds: float
-    tokens: list[int] = field(default_factory=list)
-    shown: str = ""
     stopped: bool = False
-
-    def text(self, tokenizer: GGUFTokenizer) -> str:
-        # Decoded after the prompt, so that the first new token keeps its leading space.
-        prompt = tokenizer.decode(self.prompt_ids)
-        full = tokenizer.decode(self.prompt_ids + self.tokens)
-        return full[len(prompt) :] if full.startswith(prompt) else tokenizer.decode(self.tokens)
 
 
 def generate_many(
@@ -70,31 +62,27 @@ def generate_many(
             ids = tokenizer.encode(prompt)
             t0 = time.perf_counter()
             slot = engine.submit(Request(ids, n_predict, sampling, seed + i, ignore_eos))
-            progress[i] = _Progress(ids, time.perf_counter() - t0)
+            progress[i] = _Progress(TokenText(tokenizer.decode, ids), time.perf_counter() - t0)
             running[slot] = i
         t0 = time.perf_counter()
         outputs = engine.step()
         decode_seconds += time.perf_counter() - t0
         for out in outputs:
-            p = progress[running[out.slot]]
-            if out.token is not None:
-                p.tokens.append(out.token)
-                text = p.text(tokenizer)
-                # A multi-byte character can span tokens; hold it back until it decodes completely.
-                if on_text is not None and not text.endswith("\ufffd"):
-                    on_text(running[out.slot], text[len(p.shown) :])
-                    p.shown = text
+            index = running[out.slot]
+            p = progress[index]
+            piece = p.output.add(out.token, out.finished)
+            if on_text is not None and piece:
+                on_text(index, piece)
             if out.finished:
                 p.stopped = out.reason == "stop"
-                index = running.pop(out.slot)
-                text = p.text(tokenizer)
-                if on_text is not None and len(text) > len(p.shown):
-                    on_text(index, text[len(p.shown) :])
+                del running[out.slot]
     # Sequences decode together, so each one's decode time is the run's.
-    return [
-        GenerationResult(p.tokens, p.text(tokenizer), len(p.prompt_ids), p.prompt_seconds, decode_seconds, p.stopped)
-        for _, p in sorted(progress.items())
-    ]
+    return [_result(p, decode_seconds) for _, p in sorted(progress.items())]
+
+
+def _result(p: _Progress, decode_seconds: float) -> GenerationResult:
+    out = p.output
+    return GenerationResult(out.tokens, out.text(), len(out.prompt_ids), p.prompt_seconds, decode_seconds, p.stopped)
 
 
 def generate(

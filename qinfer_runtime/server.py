@@ -8,8 +8,8 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -90,122 +90,163 @@ async def pieces(worker: EngineWorker, job: Job, stops: list[str]) -> AsyncItera
 
 
 def create_app(worker: EngineWorker, model_id: str) -> FastAPI:
+    app = FastAPI(title="qinfer", lifespan=_lifespan(worker))
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    routes = _Routes(worker, model_id)
+    app.get("/health")(routes.health)
+    app.get("/v1/models")(routes.models)
+    app.post("/v1/completions", response_model=None)(routes.completions)
+    app.post("/v1/chat/completions", response_model=None)(routes.chat_completions)
+    return app
+
+
+def _lifespan(worker: EngineWorker) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         worker.start()
         yield
         worker.stop()
 
-    app = FastAPI(title="qinfer", lifespan=lifespan)
-    tokenizer = worker.engine.tokenizer
-    ctx_size = worker.engine.ctx_size
+    return lifespan
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(
-            400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", "invalid_request_error", param
-        )
 
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.kind, exc.param)
+async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return error_response(
+        400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", "invalid_request_error", param
+    )
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    @app.get("/health")
-    async def health() -> dict[str, object]:
-        return {"status": "ok", "model": model_id, **worker.stats()}
+async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.kind, exc.param)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "qinfer"}]}
 
-    def start(body: SamplingFields, prompt: str) -> tuple[Job, int]:
-        ids = tokenizer.encode(prompt)
-        room = ctx_size - len(ids)
-        if room < 1:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {ctx_size}", param="prompt")
-        max_tokens = min(body.max_tokens or room, room)
-        seed = body.seed if body.seed is not None else secrets.randbits(31)
-        return worker.submit(EngineRequest(ids, max_tokens, body.sampling(), seed, body.ignore_eos)), len(ids)
+async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
 
-    async def run(http: Request, body: SamplingFields, prompt: str, chat: bool) -> JSONResponse | StreamingResponse:
-        job, prompt_tokens = start(body, prompt)
-        created = int(time.time())
-        head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and body.stream else ""),
-            "created": created,
-            "model": model_id,
-        }
+@dataclass(frozen=True)
+class _Routes:
+    worker: EngineWorker
+    model_id: str
 
-        def choice(text: str, reason: str | None, first: bool = False) -> dict[str, object]:
-            if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            if not body.stream:
-                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "finish_reason": reason}
+    async def health(self) -> dict[str, object]:
+        return {"status": "ok", "model": self.model_id, **self.worker.stats()}
 
-        if body.stream:
+    async def models(self) -> dict[str, object]:
+        model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "qinfer"}
+        return {"object": "list", "data": [model]}
 
-            async def events() -> AsyncIterator[str]:
-                # Starlette closes this generator when the client goes away; `finally` then frees the slot.
-                try:
-                    if chat:
-                        yield f"data: {json.dumps({**head, 'choices': [choice('', None, first=True)]})}\n\n"
-                    async for piece in pieces(worker, job, body.stop_list()):
-                        chunk = {**head, "choices": [choice(piece.text, piece.finish_reason)]}
-                        if piece.finish_reason is not None:
-                            chunk["usage"] = usage(prompt_tokens, piece.completion_tokens)
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                    yield "data: [DONE]\n\n"
-                except ApiError as exc:
-                    yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"
-                finally:
-                    worker.cancel(job)
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        async def collect() -> tuple[str, str | None, int]:
-            text, reason, tokens = "", None, 0
-            async for piece in pieces(worker, job, body.stop_list()):
-                text, reason, tokens = text + piece.text, piece.finish_reason, piece.completion_tokens
-            return text, reason, tokens
-
-        answer = asyncio.ensure_future(collect())
-        try:
-            # Nothing tells a plain handler that its client left, so ask between waits.
-            while not (await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S))[0]:
-                if await http.is_disconnected():
-                    answer.cancel()
-                    return JSONResponse({}, status_code=499)
-            text, reason, tokens = answer.result()
-        finally:
-            worker.cancel(job)
-        return JSONResponse({**head, "choices": [choice(text, reason)], "usage": usage(prompt_tokens, tokens)})
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(http: Request, body: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def completions(self, http: Request, body: CompletionRequest) -> JSONResponse | StreamingResponse:
         try:
             prompt = body.prompt_text()
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt") from exc
-        return await run(http, body, prompt, chat=False)
+        return await self._answer(http, body, prompt, chat=False)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(http: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
-        return await run(http, body, body.prompt_text(), chat=True)
+    async def chat_completions(self, http: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
+        return await self._answer(http, body, body.prompt_text(), chat=True)
 
-    return app
+    async def _answer(
+        self, http: Request, body: SamplingFields, prompt: str, chat: bool
+    ) -> JSONResponse | StreamingResponse:
+        job, prompt_tokens = submit(self.worker, body, prompt)
+        head = response_head(self.model_id, chat, body.stream)
+        completion = Completion(job, prompt_tokens, chat, body.stream, body.stop_list(), head)
+        if body.stream:
+            return StreamingResponse(stream_events(self.worker, completion), media_type="text/event-stream")
+        return await collect_response(http, self.worker, completion)
+
+
+def submit(worker: EngineWorker, body: SamplingFields, prompt: str) -> tuple[Job, int]:
+    """Queue the request on the engine; return its job and the prompt's length in tokens."""
+    ids = worker.engine.tokenizer.encode(prompt)
+    ctx_size = worker.engine.ctx_size
+    room = ctx_size - len(ids)
+    if room < 1:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {ctx_size}", param="prompt")
+    max_tokens = min(body.max_tokens or room, room)
+    seed = body.seed if body.seed is not None else secrets.randbits(31)
+    return worker.submit(EngineRequest(ids, max_tokens, body.sampling(), seed, body.ignore_eos)), len(ids)
+
+
+def response_head(model_id: str, chat: bool, stream: bool) -> dict[str, object]:
+    """The fields every response and chunk of one completion starts with."""
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else ""),
+        "created": int(time.time()),
+        "model": model_id,
+    }
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A submitted request and the response fields that depend on its kind (plain or chat, streamed or not)."""
+
+    job: Job
+    prompt_tokens: int
+    chat: bool
+    stream: bool
+    stops: list[str]
+    head: dict[str, object]
+
+    def choice(self, text: str, reason: str | None, first: bool = False) -> dict[str, object]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if not self.stream:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "finish_reason": reason}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+
+async def stream_events(worker: EngineWorker, completion: Completion) -> AsyncIterator[str]:
+    """The completion as server-sent events, ending with [DONE] or an error event."""
+    head, job = completion.head, completion.job
+    # Starlette closes this generator when the client goes away; `finally` then frees the slot.
+    try:
+        if completion.chat:
+            yield f"data: {json.dumps({**head, 'choices': [completion.choice('', None, first=True)]})}\n\n"
+        async for piece in pieces(worker, job, completion.stops):
+            chunk = {**head, "choices": [completion.choice(piece.text, piece.finish_reason)]}
+            if piece.finish_reason is not None:
+                chunk["usage"] = completion.usage(piece.completion_tokens)
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:
+        yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"
+    finally:
+        worker.cancel(job)
+
+
+async def collect_response(http: Request, worker: EngineWorker, completion: Completion) -> JSONResponse:
+    """The whole completion in one response, or 499 once the client has gone away."""
+    answer = asyncio.ensure_future(_collect(worker, completion))
+    try:
+        # Nothing tells a plain handler that its client left, so ask between waits.
+        while not (await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S))[0]:
+            if await http.is_disconnected():
+                answer.cancel()
+                return JSONResponse({}, status_code=499)
+        text, reason, tokens = answer.result()
+    finally:
+        worker.cancel(completion.job)
+    body = {**completion.head, "choices": [completion.choice(text, reason)], "usage": completion.usage(tokens)}
+    return JSONResponse(body)
+
+
+async def _collect(worker: EngineWorker, completion: Completion) -> tuple[str, str | None, int]:
+    text, reason, tokens = "", None, 0
+    async for piece in pieces(worker, completion.job, completion.stops):
+        text, reason, tokens = text + piece.text, piece.finish_reason, piece.completion_tokens
+    return text, reason, tokens

@@ -9,9 +9,10 @@ import pytest
 
 from planner.budget import SCRATCH_FIXED, BudgetOptions, account, require_budget, vram_used
 from planner.device_profiles import load_profile
-from planner.model_layout import layout_for_shape, read_model_layout
+from planner.model_layout import layout_for_spec, read_model_layout
 from planner.placement import Placement
 from qinfer_core.errors import UserError
+from qinfer_core.model_spec import ModelSpec
 
 
 def test_tiny_f16_gguf_matches_hand_worked_account(gguf_files: dict[str, Path]) -> None:
@@ -32,14 +33,9 @@ def test_tiny_f16_gguf_matches_hand_worked_account(gguf_files: dict[str, Path]) 
 
 def test_f32_and_q4_neuron_bytes(gguf_files: dict[str, Path]) -> None:
     assert read_model_layout(gguf_files["pi-f32"]).layers[0].neuron_bytes == 3 * 64 * 4
-    q4 = layout_for_shape(
-        arch="llama", layers=1, embedding=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000, predictor_rank=1024,
-        weight_type="Q4_0",
-    )  # fmt: skip
+    q4 = layout_for_spec(ModelSpec("llama", "test", 32000, 0, 4096, 1, 11008, 32, 32, 1e-6), 1024, weight_type="Q4_0")
     assert q4.layers[0].neuron_bytes == 3 * 4096 / 32 * 18
-    falcon = layout_for_shape(
-        arch="falcon", layers=1, embedding=8192, ffn=32768, heads=128, kv_heads=8, vocab=65024, predictor_rank=1024
-    )
+    falcon = layout_for_spec(ModelSpec("falcon", "test", 65024, 0, 8192, 1, 32768, 128, 8, 1e-6), 1024)
     assert falcon.layers[0].neuron_bytes == 2 * 8192 * 2  # no gate
 
 
@@ -49,9 +45,7 @@ def test_dense_model_is_refused(gguf_files: dict[str, Path]) -> None:
 
 
 def test_placement_bytes_by_category() -> None:
-    layout = layout_for_shape(
-        arch="llama", layers=2, embedding=64, ffn=256, heads=4, kv_heads=2, vocab=512, predictor_rank=32
-    )
+    layout = layout_for_spec(ModelSpec("llama", "test", 512, 0, 64, 2, 256, 4, 2, 1e-6), 32)
     acct = account(layout, BudgetOptions(ctx_size=10, batch=1, gpu_embeddings=True))
     masks = (np.arange(256) < 10, np.zeros(256, dtype=bool))
     used = vram_used(acct, Placement(masks, (True, False), False))
@@ -64,9 +58,7 @@ def test_placement_bytes_by_category() -> None:
 
 
 def test_too_small_budget_names_the_minimum() -> None:
-    layout = layout_for_shape(
-        arch="llama", layers=80, embedding=8192, ffn=28672, heads=64, kv_heads=8, vocab=32000, predictor_rank=1024
-    )
+    layout = layout_for_spec(ModelSpec("llama", "test", 32000, 0, 8192, 80, 28672, 64, 8, 1e-6), 1024)
     acct = account(layout, BudgetOptions(ctx_size=4096, batch=4))
     with pytest.raises(UserError) as info:
         require_budget(acct, 8 << 30, dense_on_gpu=True)

@@ -5,25 +5,25 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pulp
 import pytest
 
 from planner.activation_stats import power_law_firing
 from planner.baselines import greedy_placement, reference_capacity, reference_placement
 from planner.budget import BudgetOptions, VramAccount, account, vram_used
 from planner.device_profiles import DeviceProfile, load_profile
-from planner.model_layout import layout_for_shape
+from planner.model_layout import layout_for_spec
 from planner.neuron_groups import group_neurons
 from planner.placement import Placement
-from planner.placement_ilp import solve_placement
+from planner.placement_ilp import MIP_GAP, Objective, solve_placement
 from planner.time_model import TimeModel, build_time_model
 from qinfer_core.errors import UserError
+from qinfer_core.model_spec import ModelSpec
 
 # Slow, latency-free devices make every choice matter at this size: otherwise the sync latency dwarfs 256 neurons.
 GPU = DeviceProfile("g", "gpu", "", 1 << 30, 2e9, 1e12, 1e9, 1e-7)
 CPU = DeviceProfile("c", "cpu", "", 1 << 30, 1e8, 1e10, 0.0, 0.0)
-LAYOUT = layout_for_shape(
-    arch="llama", layers=2, embedding=64, ffn=256, heads=4, kv_heads=2, vocab=512, predictor_rank=32
-)
+LAYOUT = layout_for_spec(ModelSpec("llama", "test", 512, 0, 64, 2, 256, 4, 2, 1e-6), 32)
 
 
 def _setup(group_size: int = 64) -> tuple[VramAccount, TimeModel, tuple[np.ndarray, ...]]:
@@ -86,10 +86,40 @@ def test_activation_objective_equals_brute_force_over_every_subset() -> None:
         assert result.objective == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("objective", ["time", "activation"])
+@pytest.mark.parametrize("dense_auto", [False, True], ids=["dense-on-gpu", "dense-decided"])
+def test_highs_finds_the_objective_and_bound_cbc_finds(objective: Objective, dense_auto: bool) -> None:
+    acct, times, firing = _setup()
+    groups = group_neurons(firing, 64)
+    for budget in _budgets(acct):
+        cbc, highs = (
+            solve_placement(
+                acct, times, firing, groups, budget, objective=objective, dense_on_gpu=not dense_auto, solver=solver
+            )
+            for solver in ("cbc", "highs")
+        )
+        assert (cbc.solver, highs.solver, highs.status) == ("cbc", "highs", "optimal")
+        assert highs.objective == pytest.approx(cbc.objective, rel=MIP_GAP)
+        assert highs.lp_bound == pytest.approx(cbc.lp_bound, rel=1e-6)
+        assert sum(vram_used(acct, highs.placement).values()) <= budget
+        if objective == "time":
+            assert times.step_seconds(highs.placement) == pytest.approx(highs.objective, rel=1e-9)
+
+
+def test_auto_solves_with_highs_where_cbc_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    acct, times, firing = _setup()
+    groups = group_neurons(firing, 64)
+    budget = _budgets(acct)[2]
+    with_cbc = solve_placement(acct, times, firing, groups, budget, dense_on_gpu=False)
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "available", lambda _self: False)
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "actualSolve", lambda *_args, **_kw: pytest.fail("CBC ran"))
+    without_cbc = solve_placement(acct, times, firing, groups, budget, dense_on_gpu=False)
+    assert (with_cbc.solver, without_cbc.solver) == ("cbc", "highs")
+    assert without_cbc.objective == pytest.approx(with_cbc.objective, rel=MIP_GAP)
+
+
 def test_never_worse_than_greedy_and_never_over_budget() -> None:
-    layout = layout_for_shape(
-        arch="llama", layers=8, embedding=1024, ffn=4096, heads=8, kv_heads=8, vocab=1000, predictor_rank=128
-    )
+    layout = layout_for_spec(ModelSpec("llama", "test", 1000, 0, 1024, 8, 4096, 8, 8, 1e-6), 128)
     firing = power_law_firing(8, 4096, seed=1)
     acct = account(layout, BudgetOptions())
     gpu, cpu = load_profile("rtx4090", "gpu"), load_profile("generic-desktop", "cpu")
@@ -105,9 +135,7 @@ def test_never_worse_than_greedy_and_never_over_budget() -> None:
 
 
 def test_reference_capacity_formula() -> None:
-    layout = layout_for_shape(
-        arch="llama", layers=32, embedding=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000, predictor_rank=1024
-    )
+    layout = layout_for_spec(ModelSpec("llama", "test", 32000, 0, 4096, 32, 11008, 32, 32, 1e-6), 1024)
     dense = sum(layer.attention_bytes for layer in layout.layers) + layout.output_bytes
     budget = dense + 10**9
     assert reference_capacity(layout, budget) == (10**9 // int(11008 * 2 * 4.5)) * 4

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import qinfer_prep.synth as synth
+import qinfer_prep.synth_model as synth_model
 from qinfer_core.errors import UserError
 from qinfer_core.predictor_dir import open_predictors
 from qinfer_prep.synth import SynthReport, SynthShape, build_synth
@@ -173,13 +174,32 @@ def test_same_seed_same_bytes_other_seed_other_weights(built: SynthReport, tmp_p
 def test_untrained_wider_shape_is_still_sparse(tmp_path: Path) -> None:
     shape = SynthShape(layers=1, hidden=512, ffn=1376, heads=8, kv_heads=8, vocab=512, context=128)
     report = build_synth(tmp_path / "wide", shape, seed=3, train_steps=0)
-    assert report.train_seconds < 1.0
     model, tokenizer = load(report.model_dir)
     seen = run_with_hooks(model, heldout_batch(tokenizer, 4))
     sparsity = 1.0 - float(seen.fired[0].float().mean())
     assert sparsity >= 0.8
     assert hot_share(seen.fired[0]) >= 0.6
     assert report.sparsity == pytest.approx(0.9, abs=0.02)
+
+
+def test_zero_steps_leave_the_seeded_init_but_the_bias_channel(tmp_path: Path) -> None:
+    shape = SynthShape(layers=1, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=128, predictor_rank=32)
+    report = build_synth(tmp_path / "untrained", shape, seed=3, train_steps=0, target_sparsity=0.8)
+    gen = torch.Generator().manual_seed(3)
+    synth_model.firing_rates(shape.layers, shape.ffn, 1.0 - 0.8, gen)  # the builder draws the rates first
+    untrained, _ = synth_model.init_model(shape, gen)
+    saved = load_file(report.model_dir / "model.safetensors")
+    assert saved.keys() == untrained.state_dict().keys()
+    for name, weight in untrained.state_dict().items():
+        assert torch.equal(uncalibrated(name, saved[name]), uncalibrated(name, weight)), name
+
+
+def uncalibrated(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """The part calibration leaves alone: it writes the gate biases (column 0) and shrinks them into channel 0 of
+    post_attention_layernorm and up_proj."""
+    if "gate_proj" in name or "up_proj" in name:
+        return weight[:, 1:]
+    return weight[1:] if "post_attention_layernorm" in name else weight
 
 
 def test_reports_progress_and_follows_the_target(tmp_path: Path) -> None:
