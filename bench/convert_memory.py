@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from qinfer_core.predictor_dir import FC1, FC2
 from qinfer_prep.synth import SynthShape, build_synth
 
 E, F, V, HEADS, RANK = 4096, 11008, 32000, 32, 1024
@@ -50,7 +51,7 @@ def write_checkpoint(model_dir: Path, predictor_dir: Path, layers: int, tokenize
         }
         files.append((f"model-{i + 1:05}-of-{shards:05}.safetensors", tensors))
         torch.save(
-            {"fc1.weight": rand(RANK, E).float(), "fc2.weight": rand(F, RANK).float()}, predictor_dir / f"model_{i}.pt"
+            {FC1: rand(RANK, E).float(), FC2: rand(F, RANK).float()}, predictor_dir / f"model_{i}.pt"
         )
     for name, tensors in files:
         save_file(tensors, model_dir / name)

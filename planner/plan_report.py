@@ -10,6 +10,7 @@ from planner.budget import GIB, MIB, VramAccount, minimum_budget
 from planner.make_plan import Plan
 from qinfer_core.atomic_file import atomic_output
 from qinfer_core.errors import UserError
+from qinfer_core.names import Tensor
 
 
 def _gib(n: float) -> str:
@@ -27,7 +28,7 @@ def account_table(acct: VramAccount, budget: int, *, dense_on_gpu: bool, title: 
     rows = [
         ("attention (all layers)", sum(acct.attention), "weights and norms"),
         ("KV cache", sum(acct.kv_cache), "f16 K and V for ctx x batch"),
-        ("output head", acct.output, "output.weight and output_norm"),
+        ("output head", acct.output, f"{Tensor.OUTPUT} and {Tensor.OUTPUT_NORM}"),
         ("embeddings", acct.embeddings, "on GPU" if acct.embeddings else "kept on CPU"),
         ("scratch reserve", acct.scratch, "256 MiB + per-sequence buffers"),
         ("predictors (all layers)", sum(acct.predictors), "on GPU with a layer's first neuron"),

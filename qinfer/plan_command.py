@@ -7,10 +7,6 @@ from typing import Annotated, Literal, cast
 
 import typer
 
-from planner.budget import GIB
-from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
-from planner.placement_ilp import Objective
-from planner.plan_report import account_table, summary_table, write_report_png
 from qinfer.app import app, err
 
 
@@ -43,6 +39,12 @@ def plan_cmd(
     report: Annotated[Path | None, typer.Option(help="Write a per-layer PNG of the plan (needs matplotlib).")] = None,
 ) -> None:
     """Decide which FFN neurons live on the GPU and write <model>.generated.gpuidx beside the model."""
+    # Imported here, as in the other commands, so that `qinfer --help` and unrelated commands start fast.
+    from planner.budget import GIB
+    from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
+    from planner.placement_ilp import Objective
+    from planner.plan_report import account_table, summary_table, write_report_png
+
     if objective not in ("time", "activation"):
         raise typer.BadParameter("use time or activation", param_hint="--objective")
     if dense_placement not in ("gpu", "auto"):

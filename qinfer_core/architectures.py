@@ -12,17 +12,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map
 
 from qinfer_core.errors import UserError
 from qinfer_core.model_spec import ModelSpec
 from qinfer_core.names import BIAS, WEIGHT, Key, Tensor, tensor_name
 
+if TYPE_CHECKING:
+    # Only for annotations: the table is read by commands that never touch a tensor, and torch is slow to import.
+    import torch
+
 Shapes = dict[str, tuple[int, ...]]  # tensor name -> numpy shape (ggml's ne reversed), in file order
-Transform = Callable[[torch.Tensor], torch.Tensor]
+Transform = Callable[["torch.Tensor"], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -325,12 +328,12 @@ def jploski_qkv(weight: torch.Tensor, n_head: int, n_head_kv: int) -> torch.Tens
     HF stores n_head_kv groups, each n_head/n_head_kv query heads then one key and one value head; ggml wants
     all query heads, then all key heads, then all value heads.
     """
-    head_dim = weight.shape[0] // (n_head + 2 * n_head_kv)
-    qkv = weight.reshape(n_head_kv, n_head // n_head_kv + 2, head_dim, -1)
-    q = qkv[:, :-2].reshape(n_head * head_dim, -1)
-    k = qkv[:, -2].reshape(n_head_kv * head_dim, -1)
-    v = qkv[:, -1].reshape(n_head_kv * head_dim, -1)
-    return torch.cat((q, k, v))
+    per_group = n_head // n_head_kv + 2
+    head_dim = weight.shape[0] // (n_head_kv * per_group)
+    groups = range(n_head_kv)
+    order = [g * per_group + j for g in groups for j in range(per_group - 2)]
+    order += [g * per_group + per_group - 2 for g in groups] + [g * per_group + per_group - 1 for g in groups]
+    return weight.reshape(n_head_kv * per_group, head_dim, -1)[order].reshape(weight.shape)
 
 
 def _part(name: str) -> str:

@@ -89,6 +89,7 @@ class Key:
     BOS_ID = Keys.Tokenizer.BOS_ID
     EOS_ID = Keys.Tokenizer.EOS_ID
     ADD_BOS = Keys.Tokenizer.ADD_BOS
+    MERGES = Keys.Tokenizer.MERGES
 
     # PowerInfer's own keys.
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 from qinfer_core.errors import UserError
+from qinfer_core.names import Key
 
 SUPPORTED = ("llama", "gpt2")
 _PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
@@ -44,13 +45,13 @@ class GGUFTokenizer:
         if kind not in SUPPORTED:
             raise UserError(f"tokenizer type {kind!r} is not supported; expected one of {', '.join(SUPPORTED)}")
         if kind == "gpt2" and not spec.get("merges"):
-            raise UserError("the GGUF's gpt2 vocabulary has no tokenizer.ggml.merges; re-create it with qinfer prep")
-        backend = convert_gguf_tokenizer(meta["general.architecture"], spec)[0]
+            raise UserError(f"the GGUF's gpt2 vocabulary has no {Key.MERGES}; re-create it with qinfer prep")
+        backend = convert_gguf_tokenizer(meta[Key.ARCHITECTURE], spec)[0]
         self.backend: Tokenizer = _drop_foreign_added_tokens(backend, len(spec["tokens"]))
-        self.bos_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
-        self.eos_id: int | None = meta.get("tokenizer.ggml.eos_token_id")
+        self.bos_id: int | None = meta.get(Key.BOS_ID)
+        self.eos_id: int | None = meta.get(Key.EOS_ID)
         # llama.cpp's rule for a file that does not say: SentencePiece vocabularies add BOS, BPE ones do not.
-        self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+        self.add_bos: bool = bool(meta.get(Key.ADD_BOS, kind == "llama"))
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
