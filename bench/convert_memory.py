@@ -50,9 +50,7 @@ def write_checkpoint(model_dir: Path, predictor_dir: Path, layers: int, tokenize
             f"{p}.mlp.down_proj.weight": rand(E, F),
         }
         files.append((f"model-{i + 1:05}-of-{shards:05}.safetensors", tensors))
-        torch.save(
-            {FC1: rand(RANK, E).float(), FC2: rand(F, RANK).float()}, predictor_dir / f"model_{i}.pt"
-        )
+        torch.save({FC1: rand(RANK, E).float(), FC2: rand(F, RANK).float()}, predictor_dir / f"model_{i}.pt")
     for name, tensors in files:
         save_file(tensors, model_dir / name)
         total += (model_dir / name).stat().st_size

@@ -32,7 +32,19 @@ E, F, V = 4096, 11008, 32000
 
 def write_input(path: Path, layers: int) -> int:
     rng = np.random.default_rng(0)
-    spec = ModelSpec("llama", "bench", V, 4096, E, layers, F, 32, 32, 1e-6, E // 32)
+    spec = ModelSpec(
+        arch="llama",
+        name="bench",
+        vocab_size=V,
+        context_length=4096,
+        hidden=E,
+        layers=layers,
+        ffn=F,
+        heads=32,
+        kv_heads=32,
+        norm_eps=1e-6,
+        rope_dim=E // 32,
+    )
     # A PowerInfer file without its predictors: the tensors whose quantization is timed.
     shapes = ARCHITECTURES["llama"].tensors(spec, [32] * layers)
     shapes = {n: s for n, s in shapes.items() if (split_tensor_name(n) or (0, "", ""))[1] not in PREDICTOR}

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from qinfer_core.activation_files import activation_paths, load_counts
 from qinfer_core.errors import UserError
-
-_NAME = re.compile(r"activation_(\d+)\.pt")
 
 
 @dataclass(frozen=True)
@@ -27,41 +25,15 @@ class ActivationStats:
     digest: str
 
 
-def activation_files(directory: Path, n_layers: int) -> list[Path]:
-    """The layer files sorted by integer index; any missing or extra layer is a user error."""
-    if not directory.is_dir():
-        raise UserError(f"activation directory {directory} not found; profile the model with `qinfer prep profile`")
-    found = {int(m.group(1)): p for p in directory.iterdir() if (m := _NAME.fullmatch(p.name))}
-    missing = sorted(set(range(n_layers)) - set(found))
-    extra = sorted(set(found) - set(range(n_layers)))
-    if missing or extra:
-        detail = f"missing layers {missing}" if missing else f"extra layers {extra}"
-        raise UserError(
-            f"{directory} must hold activation_0.pt..activation_{n_layers - 1}.pt for this {n_layers}-layer model "
-            f"({detail}); re-profile the model or point --activation at its own directory"
-        )
-    return [found[i] for i in range(n_layers)]
-
-
 def load_activation(directory: Path, ffn_neurons: tuple[int, ...]) -> ActivationStats:
-    paths = activation_files(directory, len(ffn_neurons))
+    paths = activation_paths(directory, len(ffn_neurons))
     digest = hashlib.sha256()
     counts = []
     for index, (path, f) in enumerate(zip(paths, ffn_neurons, strict=True)):
         raw = path.read_bytes()
         digest.update(f"{index}:{len(raw)}:".encode())
         digest.update(raw)
-        try:
-            tensor = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise UserError(f"{path} is not a torch tensor file ({exc}); re-profile the model") from exc
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.numel() != f:
-            shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise UserError(f"{path} holds {shape}, expected a 1-D tensor of {f} counts; re-profile the model")
-        values = tensor.detach().to(torch.float64).numpy()
-        if not np.isfinite(values).all() or (values < 0).any():
-            raise UserError(f"{path} has negative or non-finite counts; re-profile the model")
-        counts.append(values)
+        counts.append(load_counts(path, f).detach().to(torch.float64).numpy())
     return ActivationStats(firing=to_firing(counts), digest=digest.hexdigest())
 
 

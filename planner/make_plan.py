@@ -213,6 +213,10 @@ def load_or_make_gpuidx(
         _require_fresh(path, index.provenance, model_path, vram_budget_bytes, stats.digest, options)
         placement = Placement(masks, index.provenance.attention_on_gpu, index.provenance.output_on_gpu)
     plan = _plan(model_path, vram_budget_bytes, options, layout, acct, stats, times, placement, None)
+    if index.provenance is not None and index.vram_capacity != plan.gpu_index(stats.digest).vram_capacity:
+        raise UserError(
+            f"{path} records an FFN split size its neurons do not have (damaged); rerun with --reset-gpu-index"
+        )
     if plan.vram_total > vram_budget_bytes:
         raise UserError(f"{path} would use {plan.vram_total:.0f} bytes, over the budget; rerun with --reset-gpu-index")
     return replace(plan, gpuidx_path=path, reused=True, notes=notes)

@@ -11,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
 from qinfer_core.gguf_reader import metadata, open_gguf
+from qinfer_core.model_check import check_model, tensor_entries
 from qinfer_core.model_spec import ModelSpec
 from qinfer_core.names import FFN_ROWS, PREDICTOR, WEIGHT, Tensor, split_tensor_name, tensor_name
 from qinfer_core.spec_readers import spec_from_metadata
@@ -83,7 +84,9 @@ def read_model_layout(path: Path) -> ModelLayout:
     reader = open_gguf(path)
     if not reader.is_powerinfer:
         raise UserError(f"{path} is a dense GGUF; plan a PowerInfer one (`qinfer prep convert` with a predictor dir)")
-    spec = spec_from_metadata(metadata(reader), path)
+    meta = metadata(reader)
+    spec = spec_from_metadata(meta, path)
+    check_model(spec, True, tensor_entries(reader), meta, path)
     per_layer: dict[int, dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
     output_bytes = output_weights = embedding_bytes = 0
     ffn_type = ""
@@ -96,8 +99,12 @@ def read_model_layout(path: Path) -> ModelLayout:
             if tensor.name == tensor_name(Tensor.FFN_UP, where[0]):
                 ffn_type = GGMLQuantizationType(tensor.tensor_type).name
                 ffn_element_bytes = n_bytes / n_weights
-        elif tensor.name.startswith(Tensor.TOKEN_EMBD):
+        elif tensor.name.startswith((Tensor.TOKEN_EMBD, Tensor.POSITION_EMBD)):
             embedding_bytes += n_bytes
+            if tensor.name.startswith(Tensor.TOKEN_EMBD) and architecture(spec.arch).output_is_embedding:
+                # The head multiplies by the token embedding, so wherever the head runs it needs a copy.
+                output_bytes += n_bytes
+                output_weights += n_weights
         else:
             output_bytes += n_bytes
             output_weights += n_weights

@@ -15,6 +15,7 @@ CBC (bundled with pulp) solves it by default; HiGHS (bundled with scipy) where "
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -157,12 +158,20 @@ def solve_placement(
         solution = _solve_highs(problem, started, time_limit, mip_gap)
     else:
         solution = _solve_cbc(problem, started, time_limit, mip_gap, warm_start, start_choice)
-    if solution.choice is None and start_choice is not None and warm_start is not None:
-        kept = "time limit (kept the warm start)"
-        solution = replace(solution, choice=start_choice, output_on_gpu=warm_start.output_on_gpu, status=kept)
+    if start_choice is not None and warm_start is not None:
+        start_cost = _cost(problem, start_choice, warm_start.output_on_gpu)
+        # A solver stopped by its time limit may hold an incumbent worse than the start it was given.
+        if solution.choice is None or _cost(problem, solution.choice, solution.output_on_gpu) > start_cost:
+            kept = f"{solution.status} (kept the warm start)"
+            solution = replace(solution, choice=start_choice, output_on_gpu=warm_start.output_on_gpu, status=kept)
     if solution.choice is None:
         raise UserError(f"the solver found no placement within {time_limit:g} s; raise --time-limit")
-    return _result(problem, groups, objective, solution, solution.choice, started)
+    return _result(problem, groups, objective, solution, started)
+
+
+def _cost(problem: Problem, choice: list[int], output_on_gpu: bool) -> float:
+    value = sum(float(o.cost[c]) for o, c in zip(problem.table, choice, strict=True))
+    return value + (problem.output_gpu_cost if output_on_gpu else problem.output_cpu_cost)
 
 
 def build_problem(
@@ -266,7 +275,7 @@ def _solve_highs(problem: Problem, started: float, time_limit: float, mip_gap: f
         options={"time_limit": time_limit},
     )
     if relaxed.status != 0:
-        raise UserError(f"the solver found no LP bound within {time_limit:g} s; raise --time-limit")
+        return _Solution("highs", math.nan, None, False, "no LP bound")
     lp_bound = float(relaxed.fun) + problem.constant
     found = milp(
         form.cost,
@@ -278,7 +287,11 @@ def _solve_highs(problem: Problem, started: float, time_limit: float, mip_gap: f
     if found.x is None or (choice := _integral_choice(problem, found.x)) is None:
         return _Solution("highs", lp_bound, None, False, "no solution")
     output_on_gpu = not problem.decide_output or bool(found.x[-1] > INTEGER_TOLERANCE)
-    return _Solution("highs", lp_bound, choice, output_on_gpu, "optimal" if found.status == 0 else "time limit")
+    return _Solution("highs", lp_bound, choice, output_on_gpu, _MILP_STATUS.get(found.status, "no solution"))
+
+
+# scipy.optimize.milp's status codes for a returned point: proven optimal (within the gap), or stopped by a limit.
+_MILP_STATUS = {0: "optimal", 1: "time limit"}
 
 
 @dataclass(frozen=True)
@@ -317,12 +330,11 @@ def _result(
     groups: NeuronGroups,
     objective: Objective,
     solution: _Solution,
-    choice: list[int],
     started: float,
 ) -> SolveResult:
-    table, output_on_gpu = problem.table, solution.output_on_gpu
-    value = sum(float(o.cost[c]) for o, c in zip(table, choice, strict=True))
-    value += problem.output_gpu_cost if output_on_gpu else problem.output_cpu_cost
+    table, output_on_gpu, choice = problem.table, solution.output_on_gpu, solution.choice
+    assert choice is not None
+    value = _cost(problem, choice, output_on_gpu)
     placement = Placement(
         gpu_neurons=tuple(
             groups.mask(i, np.arange(groups.count(i)) < o.groups[c])
@@ -332,7 +344,8 @@ def _result(
         output_on_gpu=output_on_gpu,
     )
     lp_bound = solution.lp_bound
-    gap = max(0.0, (value - lp_bound) / abs(lp_bound)) if lp_bound else 0.0
+    # Without a bound (its LP ran out of time) the gap is unknown, not zero.
+    gap = math.nan if math.isnan(lp_bound) else max(0.0, (value - lp_bound) / abs(lp_bound)) if lp_bound else 0.0
     scale = -1.0 if objective == "activation" else 1.0 / TIME_SCALE
     return SolveResult(
         placement=placement,

@@ -8,21 +8,22 @@ from typing import Annotated
 import typer
 
 from qinfer.app import app, err, progress_bar
+from qinfer.options import Threads, use_threads
 
 
 @app.command("perplexity")
 def perplexity_cmd(
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF or PowerInfer GGUF model file.")],
     file: Annotated[Path, typer.Option("-f", "--file", help="Plain text file to score.")],
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Window length; the second half is scored.")] = 512,
+    ctx_size: Annotated[
+        int, typer.Option("-c", "--ctx-size", min=4, help="Window length; the second half is scored.")
+    ] = 512,
     ffn: Annotated[
         str, typer.Option(help="dense (each window as one prompt), sparse (token by token, predictor-selected).")
     ] = "dense",
-    threads: Annotated[int, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = 0,
+    threads: Threads = 0,
 ) -> None:
     """Perplexity over non-overlapping windows of the text, as llama.cpp's `perplexity` reports it."""
-    import torch
-
     from qinfer_core.errors import UserError
     from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
     from qinfer_runtime.model_file import open_model
@@ -31,8 +32,7 @@ def perplexity_cmd(
 
     if ffn not in ("dense", "sparse"):
         raise typer.BadParameter("dense or sparse", param_hint="--ffn")
-    if threads > 0:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     if not file.is_file():
         raise UserError(f"text file not found: {file}")
     opened = open_model(model)

@@ -8,18 +8,30 @@ from typing import Annotated, Literal, cast
 import typer
 
 from qinfer.app import app, err
+from qinfer.options import VRAM_BUDGET, Real
+
+TIME_LIMIT = Real(0.0, low_open=True)
 
 
 @app.command("plan")
 def plan_cmd(
     model: Annotated[Path, typer.Option("--model", "-m", help="The PowerInfer GGUF (*.powerinfer.gguf) to plan.")],
-    vram_budget: Annotated[float, typer.Option(help="GiB of GPU memory the whole model may use, everything included.")],
+    vram_budget: Annotated[
+        float,
+        typer.Option(
+            parser=VRAM_BUDGET, help=f"GiB of GPU memory the whole model may use, everything included ({VRAM_BUDGET})."
+        ),
+    ],
     activation: Annotated[
         Path | None, typer.Option(help="Directory of activation_{i}.pt files; default: <model dir>/activation.")
     ] = None,
-    ctx_size: Annotated[int, typer.Option(help="Context length the KV cache and scratch are sized for.")] = 512,
-    batch: Annotated[int, typer.Option(help="Number of sequences decoded together (KV cache, scratch, timing).")] = 1,
-    group_size: Annotated[int, typer.Option(help="Neurons per placement group (hottest first within a layer).")] = 64,
+    ctx_size: Annotated[int, typer.Option(min=1, help="Context length the KV cache and scratch are sized for.")] = 512,
+    batch: Annotated[
+        int, typer.Option(min=1, help="Number of sequences decoded together (KV cache, scratch, timing).")
+    ] = 1,
+    group_size: Annotated[
+        int, typer.Option(min=1, help="Neurons per placement group (hottest first within a layer).")
+    ] = 64,
     device: Annotated[str, typer.Option(help="GPU profile from profiles/devices (rtx4090, h200, ...).")] = "rtx4090",
     cpu: Annotated[str, typer.Option(help="CPU profile name from profiles/devices.")] = "generic-desktop",
     objective: Annotated[
@@ -31,7 +43,9 @@ def plan_cmd(
     gpu_embeddings: Annotated[
         bool, typer.Option(help="Also keep token_embd on the GPU (the engine keeps it on the CPU).")
     ] = False,
-    time_limit: Annotated[float, typer.Option(help="Seconds the solver may spend on the plan.")] = 10.0,
+    time_limit: Annotated[
+        float, typer.Option(parser=TIME_LIMIT, help=f"Seconds the solver may spend on the plan ({TIME_LIMIT}).")
+    ] = 10.0,
     dry_run: Annotated[bool, typer.Option(help="Only print the VRAM account; solve and write nothing.")] = False,
     reset_gpu_index: Annotated[
         bool, typer.Option(help="Rebuild the .gpuidx even if one exists (needed when it is stale).")
@@ -44,6 +58,7 @@ def plan_cmd(
     from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
     from planner.placement_ilp import Objective
     from planner.plan_report import account_table, summary_table, write_report_png
+    from qinfer_core.atomic_file import check_output_file
 
     if objective not in ("time", "activation"):
         raise typer.BadParameter("use time or activation", param_hint="--objective")
@@ -65,8 +80,10 @@ def plan_cmd(
         _, acct = dry_run_account(model, budget, options)
         err.print(account_table(acct, budget, dense_on_gpu=options.dense == "gpu"))
         return
-    if report is not None and report.suffix.lower() != ".png":
-        raise typer.BadParameter("the report is a PNG file; name it *.png", param_hint="--report")
+    if report is not None:
+        if report.suffix.lower() != ".png":
+            raise typer.BadParameter("the report is a PNG file; name it *.png", param_hint="--report")
+        check_output_file(report)  # before the solver's seconds, not after them
     plan = load_or_make_gpuidx(model, budget, activation, options, reset=reset_gpu_index)
     for note in plan.notes:
         err.print(f"note: {note}")

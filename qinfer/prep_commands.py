@@ -10,26 +10,41 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from qinfer.app import err, prep, progress_bar
+from qinfer.options import SEED_MAX, Real
 
 if TYPE_CHECKING:
     from qinfer_core.gguf_writer import TensorPlan
+
+SPARSITY = Real(0.5, 1.0, high_open=True)
 
 
 @prep.command("synth")
 def synth_cmd(
     out: Annotated[Path, typer.Option(help="Directory to create; gets model/ (HF checkpoint) and predictor/.")],
-    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same model.")] = 0,
-    layers: Annotated[int, typer.Option(help="Number of transformer layers.")] = 4,
-    hidden: Annotated[int, typer.Option(help="Hidden (embedding) size E.")] = 128,
-    ffn: Annotated[int, typer.Option(help="FFN size F (neurons per layer).")] = 512,
-    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
-    kv_heads: Annotated[int, typer.Option(help="Key/value heads (fewer than heads = grouped-query attention).")] = 2,
-    vocab: Annotated[int, typer.Option(help="Tokenizer vocabulary size.")] = 1024,
-    predictor_rank: Annotated[int, typer.Option(help="Predictor hidden width P (a multiple of 32).")] = 64,
+    seed: Annotated[
+        int, typer.Option(min=0, max=SEED_MAX, help="Random seed; the same seed gives the same model.")
+    ] = 0,
+    layers: Annotated[int, typer.Option(min=1, help="Number of transformer layers.")] = 4,
+    hidden: Annotated[int, typer.Option(min=2, help="Hidden (embedding) size E.")] = 128,
+    ffn: Annotated[int, typer.Option(min=5, help="FFN size F (neurons per layer).")] = 512,
+    heads: Annotated[int, typer.Option(min=1, help="Attention heads.")] = 4,
+    kv_heads: Annotated[
+        int, typer.Option(min=1, help="Key/value heads (fewer than heads = grouped-query attention).")
+    ] = 2,
+    vocab: Annotated[int, typer.Option(min=384, help="Tokenizer vocabulary size.")] = 1024,
+    predictor_rank: Annotated[int, typer.Option(min=32, help="Predictor hidden width P (a multiple of 32).")] = 64,
     train_steps: Annotated[
-        int | None, typer.Option(help="Training steps; 0 builds the model without training.")
+        int | None, typer.Option(min=0, help="Training steps; 0 builds the model without training.")
     ] = None,
-    sparsity: Annotated[float, typer.Option(help="Target FFN activation sparsity (fraction of idle neurons).")] = 0.9,
+    sparsity: Annotated[
+        float,
+        typer.Option(
+            parser=SPARSITY, help=f"Target FFN activation sparsity, the fraction of idle neurons ({SPARSITY})."
+        ),
+    ] = 0.9,
+    force: Annotated[
+        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier build.")
+    ] = False,
 ) -> None:
     """Build a tiny ReLU-LLaMA (HF format, real tokenizer) and its predictors, for trying the pipeline offline."""
     from qinfer_prep.synth import SynthShape, build_synth
@@ -52,7 +67,7 @@ def synth_cmd(
             bar.update(tasks[stage], completed=done, total=total)
 
         report = build_synth(
-            out, shape, seed=seed, train_steps=train_steps, target_sparsity=sparsity, progress=progress
+            out, shape, seed=seed, train_steps=train_steps, target_sparsity=sparsity, progress=progress, force=force
         )
     err.print(
         f"model: {report.model_dir}\npredictor: {report.predictor_dir}\n"
@@ -79,8 +94,11 @@ def tensor_progress(stage: str) -> Iterator[tuple[Callable[[list[TensorPlan]], N
 
 
 def _convert(model_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str) -> None:
+    from qinfer_core.atomic_file import check_output_file
     from qinfer_prep.convert import convert
 
+    # Checked before the progress bar starts, so that the error is the only output.
+    check_output_file(outfile)
     with tensor_progress("convert") as (planned, done):
         result = convert(model_dir, outfile, predictor_dir, outtype, on_plan=planned, on_tensor=done)
     err.print(f"wrote {result.outfile} ({result.arch}, {result.tensor_count} tensors, {result.nbytes / 2**20:.1f} MiB)")
@@ -113,17 +131,18 @@ def convert_dense_cmd(
 @prep.command("corpus")
 def corpus_cmd(
     out: Annotated[Path, typer.Option(help="Text file to write (stories separated by blank lines).")],
-    chars: Annotated[int, typer.Option(help="Write at least this many characters.")] = 200_000,
+    chars: Annotated[int, typer.Option(min=1, help="Write at least this many characters.")] = 200_000,
     split: Annotated[str, typer.Option(help="train, calibrate or heldout: each is its own text.")] = "calibrate",
-    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same text.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Random seed; the same seed gives the same text.")] = 0,
 ) -> None:
     """Write the synth model's TinyStories-like corpus, for profiling or training predictors offline."""
-    from qinfer_core.atomic_file import atomic_output
+    from qinfer_core.atomic_file import atomic_output, check_output_file
     from qinfer_core.errors import UserError
     from qinfer_prep.synth_corpus import SPLITS, synth_corpus
 
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    check_output_file(out)  # before the text, which takes a while to make when it is long
     text = synth_corpus(seed, chars, split)
     with atomic_output(out) as tmp:
         tmp.write_text(text)
@@ -137,8 +156,10 @@ def quantize_cmd(
     qtype: Annotated[str, typer.Argument(help="Q4_0 or Q8_0.")] = "Q4_0",
 ) -> None:
     """Quantize 2-D weights to Q4_0 or Q8_0 (output.weight to Q8_0, norms stay F32), keeping the file's magic."""
+    from qinfer_core.atomic_file import check_output_file
     from qinfer_prep.quantize import quantize_gguf
 
+    check_output_file(outfile)  # before the progress bar starts, so that the error is the only output
     with tensor_progress("quantize") as (planned, done):
         result = quantize_gguf(infile, outfile, qtype, on_plan=planned, on_tensor=done)
     if result.kept_f16:

@@ -11,11 +11,14 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.text import Text
 
 from qinfer.app import err, prep, progress_bar
+from qinfer.options import SEED_MAX, Real
 
 ModelDir = Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, weights, tokenizer).")]
 Data = Annotated[Path, typer.Option(help="Corpus: a .txt or .jsonl file (field 'text'), or a directory of them.")]
 DType = Annotated[str | None, typer.Option(help="bf16, f16 or f32; default f32 on the CPU, bf16 on CUDA.")]
 Device = Annotated[str, typer.Option(help="cpu, cuda or auto (CUDA when available, else the CPU).")]
+SeqLen = Annotated[int, typer.Option(min=1, help="Tokens per window the model sees at once.")]
+RECALL = Real(0.0, 1.0, low_open=True, high_open=True)
 
 
 class TokensPerSecond(ProgressColumn):
@@ -32,12 +35,14 @@ def profile_cmd(
     model_dir: ModelDir,
     data: Data,
     out: Annotated[Path | None, typer.Option(help="Output directory; default MODEL_DIR/activation.")] = None,
-    tokens: Annotated[int | None, typer.Option(help="Stop after this many tokens; default the whole corpus.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window the model sees at once.")] = 512,
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 4,
+    tokens: Annotated[
+        int | None, typer.Option(min=1, help="Stop after this many tokens; default the whole corpus.")
+    ] = None,
+    seq_len: SeqLen = 512,
+    batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 4,
     dtype: DType = None,
     device: Device = "auto",
-    checkpoint_every: Annotated[int, typer.Option(help="Save resumable state every this many windows.")] = 32,
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Save resumable state every this many windows.")] = 32,
     restart: Annotated[bool, typer.Option(help="Discard the state of an interrupted run and start over.")] = False,
 ) -> None:
     """Count how often each FFN neuron fires over a corpus: writes activation_{i}.pt per layer and summary.json.
@@ -46,6 +51,9 @@ def profile_cmd(
     """
     from qinfer_prep.activation_profile import profile_activations
 
+    out = out if out is not None else model_dir / "activation"
+    if model_dir.is_dir():  # else the model's own error comes first, and no stray directory is made
+        _make_output_directory(out)
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -95,23 +103,40 @@ def profile_cmd(
         )
 
 
+def _make_output_directory(out: Path) -> None:
+    """The activation directory is the command's own output, so it is made (as `mkdir -p` would): the profiler
+    saves its checkpoint there before anything else, and a file output is never given a missing directory."""
+    from qinfer_core.errors import UserError
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; --out names the directory for the activation files")
+    out.mkdir(parents=True, exist_ok=True)
+
+
 @prep.command("train-predictor")
 def train_predictor_cmd(
     model_dir: ModelDir,
     data: Data,
     out: Annotated[Path, typer.Option(help="Predictor directory to write (model_{i}.pt, config.json).")],
-    rank: Annotated[int | None, typer.Option(help="Predictor width P for every layer (a multiple of 32).")] = None,
+    rank: Annotated[
+        int | None, typer.Option(min=32, help="Predictor width P for every layer (a multiple of 32).")
+    ] = None,
     auto_rank: Annotated[
         bool, typer.Option(help="Size each layer by its sparsity and skew within 10% of FFN parameters (default).")
     ] = False,
-    recall: Annotated[float, typer.Option(help="Share of firing neurons to catch on held-out tokens.")] = 0.95,
-    train_tokens: Annotated[int, typer.Option(help="Tokens whose residuals the predictors train on.")] = 20_000,
-    heldout_tokens: Annotated[int, typer.Option(help="Held-out tokens for the threshold and recall.")] = 4_000,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window the model sees at once.")] = 256,
-    epochs: Annotated[int, typer.Option(help="Passes over the training tokens per layer.")] = 12,
-    seed: Annotated[int, typer.Option(help="Seed for initialisation and shuffling.")] = 0,
+    recall: Annotated[
+        float, typer.Option(parser=RECALL, help=f"Share of firing neurons to catch on held-out tokens ({RECALL}).")
+    ] = 0.95,
+    train_tokens: Annotated[int, typer.Option(min=1, help="Tokens whose residuals the predictors train on.")] = 20_000,
+    heldout_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens for the threshold and recall.")] = 4_000,
+    seq_len: SeqLen = 256,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the training tokens per layer.")] = 12,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Seed for initialisation and shuffling.")] = 0,
     dtype: DType = None,
     device: Device = "auto",
+    force: Annotated[
+        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier predictor directory.")
+    ] = False,
 ) -> None:
     """Train the low-rank predictor fc2(relu(fc1(h))) per layer and pick sparse_threshold for the recall target."""
     from qinfer_core.errors import UserError
@@ -140,7 +165,7 @@ def train_predictor_cmd(
         bar.update(tasks[stage], completed=done, total=total)
 
     try:
-        report = train_predictors(model_dir, data, out, settings, progress)
+        report = train_predictors(model_dir, data, out, settings, progress, force=force)
     finally:
         bar.stop()
     if report.fell_back_to_cpu:

@@ -9,25 +9,40 @@ from typing import Annotated
 import typer
 
 from qinfer.app import app, err
+from qinfer.options import SEED_MAX, VRAM_BUDGET, Real, Threads, use_threads
+
+TEMPERATURE = Real(0.0)
+TOP_P = Real(0.0, 1.0, low_open=True)
 
 
 @app.command("run")
 def run_cmd(
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF or PowerInfer GGUF model file.")],
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Text to continue.")] = "Once upon a time",
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Number of tokens to generate.")] = 128,
-    threads: Annotated[int, typer.Option("-t", "--threads", help="CPU threads (default: all cores).")] = 0,
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context length (0 = the model's).")] = 512,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0 = all).")] = 40,
+    n_predict: Annotated[
+        int,
+        typer.Option("-n", "--n-predict", min=-1, help="Tokens to generate; -1: until end of text or a full context."),
+    ] = 128,
+    threads: Threads = 0,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=0, help="Context length (0 = the model's).")] = 512,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Sampling seed.")] = 0,
+    temp: Annotated[
+        float, typer.Option(parser=TEMPERATURE, help=f"Sampling temperature; 0 = greedy ({TEMPERATURE}).")
+    ] = 0.8,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample among the k most likely tokens (0 = all).")] = 40,
     top_p: Annotated[
-        float, typer.Option(help="Sample among the most likely tokens holding this probability mass.")
+        float,
+        typer.Option(
+            parser=TOP_P, help=f"Sample among the most likely tokens holding this probability mass ({TOP_P})."
+        ),
     ] = 0.95,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating after the end-of-text token.")] = False,
     vram_budget: Annotated[
         float | None,
-        typer.Option(help="GiB of GPU memory the model may use; plans (or reuses) <model>.generated.gpuidx."),
+        typer.Option(
+            parser=VRAM_BUDGET,
+            help=f"GiB of GPU memory the model may use; plans (or reuses) <model>.generated.gpuidx ({VRAM_BUDGET}).",
+        ),
     ] = None,
     reset_gpu_index: Annotated[bool, typer.Option(help="Re-plan the .gpuidx even if one exists.")] = False,
     disable_gpu_index: Annotated[bool, typer.Option(help="Ignore any .gpuidx: no FFN neurons on the GPU.")] = False,
@@ -41,19 +56,16 @@ def run_cmd(
     ffn: Annotated[
         str, typer.Option(help="auto (sparse when the file has predictors), sparse, or dense FFN in decode.")
     ] = "auto",
-    parallel: Annotated[int, typer.Option(help="Decode this many sequences of the prompt together (seed + i).")] = 1,
+    parallel: Annotated[
+        int, typer.Option(min=1, help="Decode this many sequences of the prompt together (seed + i).")
+    ] = 1,
 ) -> None:
     """Generate text from a prompt, streaming tokens, then print prompt and decode speed."""
-    import torch
-
     from qinfer_runtime.engine import Engine
     from qinfer_runtime.generate import generate, generate_many
     from qinfer_runtime.sampling import SamplingParams
 
-    if parallel < 1:
-        raise typer.BadParameter("at least 1", param_hint="--parallel")
-    if threads > 0:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     engine = Engine.open(
         model,
         slots=parallel,
@@ -67,6 +79,12 @@ def run_cmd(
     if engine.runtime is not None:
         for note in engine.runtime.notes:
             err.print(f"note: {note}")
+    if n_predict == 0:
+        # llama.cpp's -n 0: the model loads and nothing is generated.
+        sys.stdout.write(prompt + "\n")
+        return
+    # The engine ends a sequence whose context is full, so "until the end" needs no count of its own.
+    max_tokens = engine.ctx_size if n_predict < 0 else n_predict
     sampling = SamplingParams(temp, top_k, top_p)
     out = sys.stdout
     if parallel == 1:
@@ -77,10 +95,10 @@ def run_cmd(
             out.write(piece)
             out.flush()
 
-        results = [generate(engine, prompt, n_predict, sampling, seed, ignore_eos, show)]
+        results = [generate(engine, prompt, max_tokens, sampling, seed, ignore_eos, show)]
         out.write("\n")
     else:
-        results = generate_many(engine, [prompt] * parallel, n_predict, sampling, seed, ignore_eos)
+        results = generate_many(engine, [prompt] * parallel, max_tokens, sampling, seed, ignore_eos)
         for i, result in enumerate(results):
             out.write(f"[{i}] {prompt}{result.text}\n")
     first = results[0]

@@ -13,6 +13,7 @@ import torch
 
 from qinfer_core.atomic_file import atomic_output
 from qinfer_core.errors import UserError
+from qinfer_core.torch_files import load_torch_file
 
 LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
 TOP_SHARES = (0.1, 0.2, 0.5)
@@ -53,23 +54,38 @@ def write_activations(out: Path, counts: torch.Tensor, tokens: int, meta: dict[s
     return layers
 
 
-def read_activations(path: Path) -> list[torch.Tensor]:
-    """The per-layer count vectors of an activation directory, ordered by integer layer index (2 before 10)."""
-    if not path.is_dir():
-        raise UserError(f"activation directory not found: {path}")
-    found = {int(m.group(1)): p for p in path.iterdir() if (m := LAYER_FILE.fullmatch(p.name))}
+def activation_paths(directory: Path, n_layers: int | None = None) -> list[Path]:
+    """The layer files sorted by integer index (2 before 10); with `n_layers`, exactly those of layers 0 to
+    n_layers - 1, else a contiguous run from 0. A missing or extra layer is a user error."""
+    if not directory.is_dir():
+        raise UserError(f"activation directory {directory} not found; profile the model with `qinfer prep profile`")
+    found = {int(m.group(1)): p for p in directory.iterdir() if (m := LAYER_FILE.fullmatch(p.name))}
     if not found:
-        raise UserError(f"{path} holds no activation_{{i}}.pt files")
-    missing = sorted(set(range(max(found) + 1)) - set(found))
-    if missing:
-        raise UserError(f"{path} lacks activation files for layers {missing[:5]}")
-    tensors = []
-    for i in sorted(found):
-        try:
-            tensor = torch.load(found[i], map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise UserError(f"cannot read {found[i]} ({exc})") from exc
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
-            raise UserError(f"{found[i]} must hold a 1-D tensor of per-neuron activation counts")
-        tensors.append(tensor)
-    return tensors
+        raise UserError(f"{directory} holds no activation_{{i}}.pt files; profile the model with `qinfer prep profile`")
+    layers = n_layers if n_layers is not None else max(found) + 1
+    missing = sorted(set(range(layers)) - set(found))
+    extra = sorted(set(found) - set(range(layers)))
+    if missing or extra:
+        detail = f"missing layers {missing[:5]}" if missing else f"extra layers {extra[:5]}"
+        raise UserError(
+            f"{directory} must hold activation_0.pt..activation_{layers - 1}.pt for this {layers}-layer model "
+            f"({detail}); re-profile the model or point --activation at its own directory"
+        )
+    return [found[i] for i in range(layers)]
+
+
+def load_counts(path: Path, neurons: int | None = None) -> torch.Tensor:
+    """One layer's counts: a 1-D tensor (of `neurons` entries, when given) of finite, non-negative values."""
+    tensor = load_torch_file(path, "activation counts", "re-profile the model")
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or (neurons is not None and tensor.numel() != neurons):
+        shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        want = "a 1-D tensor of counts" if neurons is None else f"a 1-D tensor of {neurons} counts"
+        raise UserError(f"{path} holds {shape}, expected {want}; re-profile the model")
+    if tensor.is_complex() or not bool(torch.isfinite(tensor).all()) or bool((tensor < 0).any()):
+        raise UserError(f"{path} has negative or non-finite counts; re-profile the model")
+    return tensor
+
+
+def read_activations(path: Path) -> list[torch.Tensor]:
+    """The per-layer count vectors of an activation directory, ordered by integer layer index."""
+    return [load_counts(p) for p in activation_paths(path)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,6 +23,9 @@ from qinfer_core.names import BIAS, WEIGHT, Key, Tensor, tensor_name
 if TYPE_CHECKING:
     # Only for annotations: the table is read by commands that never touch a tensor, and torch is slow to import.
     import torch
+
+OPT_POSITION_OFFSET = 2  # HF's OPTLearnedPositionalEmbedding reads row position + 2; the engine adds 2 too
+LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which OPT uses and Falcon's configs default to
 
 Shapes = dict[str, tuple[int, ...]]  # tensor name -> numpy shape (ggml's ne reversed), in file order
 Transform = Callable[["torch.Tensor"], "torch.Tensor"]
@@ -71,9 +74,14 @@ class Architecture:
     add_metadata: Callable[[GGUFWriter, ModelSpec], None]  # the {arch}.* keys after feed_forward_length
     norm_eps_key: str | None  # metadata key template of the norms' epsilon; None: not written (default_norm_eps)
     forward: str  # "module:Class" of the runtime's forward for this family
-    default_norm_eps: float = 1e-5
+    default_norm_eps: float = LAYER_NORM_EPS
     position_offset: int = 0  # rows of a learned position table before position 0 (OPT: 2)
+    output_is_embedding: bool = False  # the head multiplies by token_embd: the file has no output tensor (OPT)
     transforms: Callable[[ModelSpec, str], Transform | None] = lambda _spec, _name: None
+
+    def default_rope_dim(self, hidden: int, heads: int) -> int:
+        """Rotated dimensions per head where the file does not say: whole heads, or none without rope."""
+        return 0 if self.rope == "none" else hidden // heads
 
     def tensors(self, spec: ModelSpec, predictor_ranks: list[int] | None) -> Shapes:
         """Every tensor of a converted file in file order: a PowerInfer GGUF when `predictor_ranks` (P per layer)
@@ -156,7 +164,7 @@ def _falcon_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
         ffn=int(cfg.get("ffn_hidden_size") or 4 * hidden),
         heads=heads,
         kv_heads=int(cfg.get("num_kv_heads") or heads),
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=float(cfg.get("layer_norm_epsilon", LAYER_NORM_EPS)),
         rope_dim=hidden // heads,
         rope_theta=_rope_theta(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -192,7 +200,7 @@ def _opt_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
         ffn=int(cfg["ffn_dim"]),
         heads=heads,
         kv_heads=heads,
-        norm_eps=1e-5,  # nn.LayerNorm's default, which OPT uses
+        norm_eps=LAYER_NORM_EPS,
         tie_word_embeddings=True,
     )
 
@@ -202,7 +210,11 @@ def _opt_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
 
 def _llama_globals(spec: ModelSpec) -> Shapes:
     v, e = spec.vocab_size, spec.hidden
-    return {"token_embd.weight": (v, e), "output_norm.weight": (e,), "output.weight": (v, e)}
+    return {
+        tensor_name(Tensor.TOKEN_EMBD): (v, e),
+        tensor_name(Tensor.OUTPUT_NORM): (e,),
+        tensor_name(Tensor.OUTPUT): (v, e),
+    }
 
 
 def _llama_block(spec: ModelSpec, i: int) -> Shapes:
@@ -220,10 +232,10 @@ def _llama_block(spec: ModelSpec, i: int) -> Shapes:
 def _falcon_globals(spec: ModelSpec) -> Shapes:
     v, e = spec.vocab_size, spec.hidden
     return {
-        "token_embd.weight": (v, e),
-        "output_norm.weight": (e,),
-        "output_norm.bias": (e,),
-        "output.weight": (v, e),
+        tensor_name(Tensor.TOKEN_EMBD): (v, e),
+        tensor_name(Tensor.OUTPUT_NORM): (e,),
+        tensor_name(Tensor.OUTPUT_NORM, None, BIAS): (e,),
+        tensor_name(Tensor.OUTPUT): (v, e),
     }
 
 
@@ -243,10 +255,10 @@ def _falcon_block(spec: ModelSpec, i: int) -> Shapes:
 def _opt_globals(spec: ModelSpec) -> Shapes:
     v, e = spec.vocab_size, spec.hidden
     return {
-        "token_embd.weight": (v, e),
-        "position_embd.weight": (spec.context_length + OPT_POSITION_OFFSET, e),
-        "output_norm.weight": (e,),
-        "output_norm.bias": (e,),
+        tensor_name(Tensor.TOKEN_EMBD): (v, e),
+        tensor_name(Tensor.POSITION_EMBD): (spec.context_length + OPT_POSITION_OFFSET, e),
+        tensor_name(Tensor.OUTPUT_NORM): (e,),
+        tensor_name(Tensor.OUTPUT_NORM, None, BIAS): (e,),
     }
 
 
@@ -341,7 +353,7 @@ def _part(name: str) -> str:
 
 
 def _llama_transforms(spec: ModelSpec, name: str) -> Transform | None:
-    n_head = {Tensor.ATTN_Q: spec.heads, Tensor.ATTN_K: spec.kv_heads}.get(Tensor(_part(name)))
+    n_head = {Tensor.ATTN_Q: spec.heads, Tensor.ATTN_K: spec.kv_heads}.get(_part(name))
     return None if n_head is None else partial(permute_rotary, n_head=n_head)
 
 
@@ -382,8 +394,6 @@ def _opt_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
     writer.add_head_count(spec.heads)
 
 
-OPT_POSITION_OFFSET = 2  # HF's OPTLearnedPositionalEmbedding reads row position + 2; the engine adds 2 too
-
 _LLAMA_HF = HfModules(
     "LlamaForCausalLM", "model.layers", "post_attention_layernorm", "mlp.up_proj", "mlp.gate_proj", llama_config=True
 )
@@ -415,7 +425,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             name="bamboo",
             hf_classes=("BambooForCausalLM",),
             ffn=FfnForm(gated=True, relu_up=True),
-            hf=HfModules(**{**vars(_LLAMA_HF), "relu_up_hook": True}),
+            hf=replace(_LLAMA_HF, relu_up_hook=True),
             read_config=partial(_llama_config, "bamboo"),
             **_LLAMA_COMMON,
         ),
@@ -452,6 +462,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             norm_eps_key=None,
             forward="qinfer_runtime.opt_forward:OPTForward",
             position_offset=OPT_POSITION_OFFSET,
+            output_is_embedding=True,
         ),
     )
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,6 +11,7 @@ import numpy.typing as npt
 from gguf import GGUF_MAGIC, GGUFReader
 
 from qinfer_core.errors import UserError
+from qinfer_core.gguf_layout import Layout, scan_layout
 
 # "PWRI" read as a little-endian u32: the first four bytes of a PowerInfer GGUF.
 PWRI_MAGIC = 0x49525750
@@ -34,14 +36,34 @@ class PowerInferReader(GGUFReader):
         return value
 
 
-def open_gguf(path: Path, mode: Literal["r", "c"] = "r") -> PowerInferReader:
-    """Memory-map a GGUF or PowerInfer GGUF; one clear error for a missing, truncated or foreign file."""
+MODEL_FIX = "re-download it or re-create it with `qinfer prep convert`"
+
+
+def check_layout(path: Path, fix: str = MODEL_FIX) -> Layout:
+    """The file's layout, every byte of its header checked (qinfer_core.gguf_layout) before any reader trusts it."""
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return scan_layout(view)
+            finally:
+                view.release()
+    except ValueError as exc:  # LayoutError, and mmap's refusal of an empty file
+        raise UserError(f"{path} is not a valid GGUF file: {exc}; {fix}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror or exc})") from None
+
+
+def open_gguf(path: Path, mode: Literal["r", "c"] = "r", fix: str = MODEL_FIX) -> PowerInferReader:
+    """Memory-map a GGUF or PowerInfer GGUF whose layout has been checked; one clear error for a missing, truncated,
+    corrupt or foreign file."""
     if not path.is_file():
         raise UserError(f"model file not found: {path}")
+    check_layout(path, fix)
     try:
         return PowerInferReader(path, mode)
     except (ValueError, KeyError, IndexError, OverflowError) as exc:
-        raise UserError(f"{path} is not a readable GGUF file ({exc}); re-create it with `qinfer prep convert`") from exc
+        raise UserError(f"{path} is not a readable GGUF file ({exc}); {fix}") from exc
 
 
 def field_value(reader: GGUFReader, key: str) -> Any:

@@ -6,7 +6,7 @@ them so that its reader is unaffected, and a file without them (made by the engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,6 @@ from qinfer_core.errors import UserError
 from qinfer_core.gguf_reader import field_value, open_gguf
 from qinfer_core.gguf_writer import TensorPlan, write_gguf
 from qinfer_core.names import Key, Tensor, tensor_name
-
-ARCH = Key.GPU_INDEX_ARCH
-BLOCK_COUNT = Key.GPU_INDEX_BLOCK_COUNT
-VRAM_CAPACITY = Key.VRAM_CAPACITY
-PREFIX = Key.PLAN_PREFIX
 
 
 @dataclass(frozen=True)
@@ -68,45 +63,42 @@ def write_gpuidx(path: Path, index: GpuIndex) -> None:
         raise ValueError("gpu_idx masks must be 1-D arrays of 0 and 1")
 
     def add_metadata(writer: GGUFWriter) -> None:
-        writer.add_uint32(BLOCK_COUNT, len(masks))
-        writer.add_uint64(VRAM_CAPACITY, int(index.vram_capacity))
+        writer.add_uint32(Key.GPU_INDEX_BLOCK_COUNT, len(masks))
+        writer.add_uint64(Key.VRAM_CAPACITY, int(index.vram_capacity))
         p = index.provenance
         if p is None:
             return
-        writer.add_uint64(PREFIX + "model_size", p.model_size)
-        writer.add_uint64(PREFIX + "model_mtime_ns", p.model_mtime_ns)
-        writer.add_uint64(PREFIX + "vram_budget", p.vram_budget)
-        writer.add_string(PREFIX + "activation_sha256", p.activation_sha256)
-        writer.add_uint32(PREFIX + "group_size", p.group_size)
-        writer.add_string(PREFIX + "objective", p.objective)
-        writer.add_uint32(PREFIX + "ctx_size", p.ctx_size)
-        writer.add_uint32(PREFIX + "batch", p.batch)
-        writer.add_string(PREFIX + "gpu", p.gpu)
-        writer.add_string(PREFIX + "cpu", p.cpu)
-        writer.add_string(PREFIX + "dense", p.dense)
-        writer.add_string(PREFIX + "attention_on_gpu", "".join("1" if a else "0" for a in p.attention_on_gpu))
-        writer.add_bool(PREFIX + "output_on_gpu", p.output_on_gpu)
+        writer.add_uint64(Key.PLAN_PREFIX + "model_size", p.model_size)
+        writer.add_uint64(Key.PLAN_PREFIX + "model_mtime_ns", p.model_mtime_ns)
+        writer.add_uint64(Key.PLAN_PREFIX + "vram_budget", p.vram_budget)
+        writer.add_string(Key.PLAN_PREFIX + "activation_sha256", p.activation_sha256)
+        writer.add_uint32(Key.PLAN_PREFIX + "group_size", p.group_size)
+        writer.add_string(Key.PLAN_PREFIX + "objective", p.objective)
+        writer.add_uint32(Key.PLAN_PREFIX + "ctx_size", p.ctx_size)
+        writer.add_uint32(Key.PLAN_PREFIX + "batch", p.batch)
+        writer.add_string(Key.PLAN_PREFIX + "gpu", p.gpu)
+        writer.add_string(Key.PLAN_PREFIX + "cpu", p.cpu)
+        writer.add_string(Key.PLAN_PREFIX + "dense", p.dense)
+        writer.add_string(Key.PLAN_PREFIX + "attention_on_gpu", "".join("1" if a else "0" for a in p.attention_on_gpu))
+        writer.add_bool(Key.PLAN_PREFIX + "output_on_gpu", p.output_on_gpu)
 
     tensors = []
     for i, (mask, bucket) in enumerate(zip(masks, index.buckets, strict=True)):
         for part, data in ((Tensor.GPU_IDX, mask), (Tensor.GPU_BUCKET, bucket)):
             tensors.append(TensorPlan(tensor_name(part, i, ""), data.shape, np.dtype(np.int32), lambda d=data: d))
-    write_gguf(path, ARCH, add_metadata, tensors, powerinfer=True)
+    write_gguf(path, Key.GPU_INDEX_ARCH, add_metadata, tensors, powerinfer=True)
 
 
 def read_gpuidx(path: Path) -> GpuIndex:
     """Read ours or the engine's; anything that is not a consistent GPU index is a user error naming the fix."""
     fix = "delete it or rerun `qinfer plan --reset-gpu-index`"
-    try:
-        reader = open_gguf(path)
-    except UserError as exc:
-        raise UserError(f"{exc}; {fix}") from exc
-    if field_value(reader, Key.ARCHITECTURE) != ARCH:
-        raise UserError(f"{path} is not a GPU index (general.architecture is not {ARCH!r}); {fix}")
-    layers = field_value(reader, BLOCK_COUNT)
-    capacity = field_value(reader, VRAM_CAPACITY)
+    reader = open_gguf(path, fix=fix)
+    if field_value(reader, Key.ARCHITECTURE) != Key.GPU_INDEX_ARCH:
+        raise UserError(f"{path} is not a GPU index (general.architecture is not {Key.GPU_INDEX_ARCH!r}); {fix}")
+    layers = field_value(reader, Key.GPU_INDEX_BLOCK_COUNT)
+    capacity = field_value(reader, Key.VRAM_CAPACITY)
     if layers is None or capacity is None:
-        raise UserError(f"{path} lacks {BLOCK_COUNT} or {VRAM_CAPACITY}; {fix}")
+        raise UserError(f"{path} lacks {Key.GPU_INDEX_BLOCK_COUNT} or {Key.VRAM_CAPACITY}; {fix}")
     tensors = list(reader.tensors)
     if len(tensors) != 2 * int(layers):
         raise UserError(f"{path} has {len(tensors)} tensors for {layers} layers (expected {2 * int(layers)}); {fix}")
@@ -121,15 +113,24 @@ def read_gpuidx(path: Path) -> GpuIndex:
         if not np.isin(mask, (0, 1)).all() or not np.array_equal(np.flatnonzero(mask), ids):
             raise UserError(f"{path}: layer {i} gpu_idx and gpu_bucket disagree; {fix}")
         masks.append(mask)
-    return GpuIndex(vram_capacity=int(capacity), gpu_idx=tuple(masks), provenance=_provenance(reader))
+    return GpuIndex(vram_capacity=int(capacity), gpu_idx=tuple(masks), provenance=_provenance(reader, path, fix))
 
 
-def _provenance(reader: GGUFReader) -> Provenance | None:
+def _provenance(reader: GGUFReader, path: Path, fix: str) -> Provenance | None:
+    """Ours, or None for a file made by the engine, which has no qinfer.plan.* keys at all. A partial set is a
+    damaged file, not an engine's: taking it for one would silently turn off the staleness check."""
+
     def get(key: str) -> Any:
-        return field_value(reader, PREFIX + key)
+        return field_value(reader, Key.PLAN_PREFIX + key)
 
-    if get("model_size") is None:
+    present = {key for key in reader.fields if key.startswith(Key.PLAN_PREFIX)}
+    if not present:
         return None
+    wanted = {Key.PLAN_PREFIX + f.name for f in fields(Provenance)}
+    layers = int(field_value(reader, Key.GPU_INDEX_BLOCK_COUNT))
+    attention = str(get("attention_on_gpu") or "")
+    if present != wanted or len(attention) != layers or set(attention) - {"0", "1"}:
+        raise UserError(f"{path} has damaged {Key.PLAN_PREFIX}* provenance keys; {fix}")
     return Provenance(
         model_size=int(get("model_size")),
         model_mtime_ns=int(get("model_mtime_ns")),

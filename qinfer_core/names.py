@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
-from gguf import Keys
+from gguf import GGUFValueType, Keys
 
 
 class Tensor(StrEnum):
@@ -76,7 +76,6 @@ class Key:
     EMBEDDING_LENGTH = Keys.LLM.EMBEDDING_LENGTH
     BLOCK_COUNT = Keys.LLM.BLOCK_COUNT
     FEED_FORWARD_LENGTH = Keys.LLM.FEED_FORWARD_LENGTH
-    TENSOR_DATA_LAYOUT = Keys.LLM.TENSOR_DATA_LAYOUT
     HEAD_COUNT = Keys.Attention.HEAD_COUNT
     HEAD_COUNT_KV = Keys.Attention.HEAD_COUNT_KV
     LAYERNORM_EPS = Keys.Attention.LAYERNORM_EPS
@@ -84,7 +83,6 @@ class Key:
     ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
     ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
 
-    TOKENIZER_MODEL = Keys.Tokenizer.MODEL
     TOKENS = Keys.Tokenizer.LIST
     BOS_ID = Keys.Tokenizer.BOS_ID
     EOS_ID = Keys.Tokenizer.EOS_ID
@@ -98,6 +96,64 @@ class Key:
     VRAM_CAPACITY = "split.vram_capacity"
     # Ours: a .gpuidx's provenance, after the engine's keys so that its reader is unaffected.
     PLAN_PREFIX = "qinfer.plan."
+
+
+# Special token ids, each naming a token of the vocabulary.
+TOKEN_ID_KEYS = (
+    Keys.Tokenizer.BOS_ID,
+    Keys.Tokenizer.EOS_ID,
+    Keys.Tokenizer.UNK_ID,
+    Keys.Tokenizer.SEP_ID,
+    Keys.Tokenizer.PAD_ID,
+)
+
+_S, _U32, _F32 = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32
+_ARRAY = GGUFValueType.ARRAY
+# The value type (and an array's item type) of every key we read, as the format gives them; a file whose key has
+# another type is refused (qinfer_core.gguf_layout).
+KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
+    Key.ARCHITECTURE: (_S, None),
+    Key.NAME: (_S, None),
+    Key.FILE_TYPE: (_U32, None),
+    Key.QUANTIZATION_VERSION: (_U32, None),
+    Key.ALIGNMENT: (_U32, None),
+    Key.CONTEXT_LENGTH: (_U32, None),
+    Key.EMBEDDING_LENGTH: (_U32, None),
+    Key.BLOCK_COUNT: (_U32, None),
+    Key.FEED_FORWARD_LENGTH: (_U32, None),
+    Key.HEAD_COUNT: (_U32, None),
+    Key.HEAD_COUNT_KV: (_U32, None),
+    Key.LAYERNORM_EPS: (_F32, None),
+    Key.LAYERNORM_RMS_EPS: (_F32, None),
+    Key.ROPE_DIMENSION_COUNT: (_U32, None),
+    Key.ROPE_FREQ_BASE: (_F32, None),
+    Key.TOKENS: (_ARRAY, _S),
+    Key.MERGES: (_ARRAY, _S),
+    Key.BOS_ID: (_U32, None),
+    Key.EOS_ID: (_U32, None),
+    Key.ADD_BOS: (GGUFValueType.BOOL, None),
+    Key.SPARSE_THRESHOLD: (_F32, None),
+    Key.GPU_INDEX_BLOCK_COUNT: (_U32, None),
+    Key.VRAM_CAPACITY: (GGUFValueType.UINT64, None),
+    **{
+        Key.PLAN_PREFIX + name: (kind, None)
+        for name, kind in {
+            "model_size": GGUFValueType.UINT64,
+            "model_mtime_ns": GGUFValueType.UINT64,
+            "vram_budget": GGUFValueType.UINT64,
+            "activation_sha256": _S,
+            "group_size": _U32,
+            "objective": _S,
+            "ctx_size": _U32,
+            "batch": _U32,
+            "gpu": _S,
+            "cpu": _S,
+            "dense": _S,
+            "attention_on_gpu": _S,
+            "output_on_gpu": GGUFValueType.BOOL,
+        }.items()
+    },
+}
 
 
 def arch_key(template: str, arch: str) -> str:

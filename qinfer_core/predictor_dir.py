@@ -9,9 +9,12 @@ from pathlib import Path
 import torch
 
 from qinfer_core.errors import UserError
+from qinfer_core.names import Tensor, tensor_name
+from qinfer_core.torch_files import load_torch_file
 
-FC1 = "fc1.weight"
-FC2 = "fc2.weight"
+# A predictor state_dict names its two matrices as the GGUF does, without the block prefix.
+FC1 = tensor_name(Tensor.FC1)
+FC2 = tensor_name(Tensor.FC2)
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,8 @@ class PredictorDir:
 
 
 def load_layer(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:
-        raise UserError(f"cannot read predictor {path} ({exc})") from exc
-    if not isinstance(state, dict) or FC1 not in state or FC2 not in state:
+    state = load_torch_file(path, "a predictor", "re-download or re-train the predictors", mmap=True)
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), torch.Tensor) for k in (FC1, FC2)):
         raise UserError(f"predictor {path} must be a state_dict with {FC1!r} and {FC2!r}")
     return state
 

@@ -13,6 +13,7 @@ import torch
 from qinfer_core.activation_files import LayerSummary, write_activations
 from qinfer_core.atomic_file import atomic_output
 from qinfer_core.errors import UserError
+from qinfer_core.torch_files import load_torch_file
 from qinfer_prep.corpus_reader import batches, corpus_files, token_windows
 from qinfer_prep.ffn_taps import firing_counts
 from qinfer_prep.relu_model import load_relu_model
@@ -72,18 +73,23 @@ def profile_activations(
     loaded = load_relu_model(model_dir, dtype, device)
     spec = loaded.spec
     key = fingerprint(model_dir, files, seq_len, tokens, loaded.dtype)
+    out.mkdir(parents=True, exist_ok=True)  # the checkpoint is written into it long before the results
     state_path = out / STATE_FILE
     counts = torch.zeros(spec.layers, spec.ffn, dtype=torch.int64, device=loaded.device)
     done_tokens, done_windows = 0, 0
     if state_path.is_file() and not restart:
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-        if state["fingerprint"] != key:
+        state = load_torch_file(state_path, "a profiling checkpoint", "pass --restart to discard it")
+        if not isinstance(state, dict) or state.get("fingerprint") != key:
             raise UserError(
                 f"{state_path} is from a run with other arguments (model, data, seq-len, tokens or dtype); "
                 "pass --restart to discard it"
             )
-        counts.copy_(state["counts"])
-        done_tokens, done_windows = int(state["tokens"]), int(state["windows"])
+        saved, done_tokens, done_windows = state.get("counts"), state.get("tokens"), state.get("windows")
+        if not isinstance(saved, torch.Tensor) or saved.shape != counts.shape or not (
+            isinstance(done_tokens, int) and isinstance(done_windows, int) and 0 <= done_windows <= done_tokens
+        ):
+            raise UserError(f"{state_path} is damaged; pass --restart to discard it")
+        counts.copy_(saved)
     resumed_from = done_windows
 
     windows = token_windows(loaded.tokenizer, files, seq_len, tokens)

@@ -51,7 +51,7 @@ def _map_sources(arch: Architecture, spec: ModelSpec, refs: dict[str, TensorRef]
             )
         sources[name] = hf_name
     output, embedding = tensor_name(Tensor.OUTPUT), tensor_name(Tensor.TOKEN_EMBD)
-    if output not in sources and spec.tie_word_embeddings and embedding in sources:
+    if output in known and output not in sources and spec.tie_word_embeddings and embedding in sources:
         sources[output] = sources[embedding]
     return sources
 
@@ -154,7 +154,7 @@ def convert(
     dtype, file_type = OUTTYPES[outtype]
     spec = spec_from_hf_dir(model_dir)
     arch = architecture(spec.arch)
-    if spec.hidden % spec.heads or spec.head_dim % 2:
+    if spec.hidden % spec.heads or (spec.rope_dim and spec.head_dim % 2):
         raise UserError(f"hidden_size {spec.hidden} does not split into {spec.heads} heads of even size")
     predictors = None
     if predictor_dir is not None:

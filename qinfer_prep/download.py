@@ -135,7 +135,7 @@ def _place(cached: Path, target: Path) -> Path:
 
 @contextlib.contextmanager
 def _hub_errors(repo: str, name: str | None) -> Iterator[None]:
-    """The hub's exceptions as one-line PrepErrors saying what the user can do."""
+    """The hub's exceptions as one-line UserErrors saying what the user can do."""
     what = f"{repo}/{name}" if name else repo
     try:
         yield

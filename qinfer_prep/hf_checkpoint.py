@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from qinfer_core.errors import UserError
+from qinfer_core.torch_files import load_torch_file
 
 
 @dataclass(frozen=True)
@@ -22,10 +23,10 @@ class TensorRef:
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:
-        raise UserError(f"cannot read {path} as a torch checkpoint ({exc}); re-save it with save_pretrained") from exc
+    state = load_torch_file(path, "a torch checkpoint", "re-save it with save_pretrained", mmap=True)
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise UserError(f"{path} is not a state_dict of tensors; re-save it with save_pretrained")
+    return state
 
 
 def index_checkpoint(model_dir: Path) -> dict[str, TensorRef]:

@@ -62,7 +62,7 @@ def _spec(name: str, arch: Architecture, shape: dict[str, int]) -> ModelSpec:
         heads=int(shape["heads"]),
         kv_heads=int(shape["kv_heads"]),
         norm_eps=arch.default_norm_eps,
-        rope_dim=0 if arch.rope == "none" else int(shape["hidden"]) // int(shape["heads"]),
+        rope_dim=arch.default_rope_dim(int(shape["hidden"]), int(shape["heads"])),
     )
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from qinfer_core.atomic_file import atomic_directory
+from qinfer_core.atomic_file import OutputKind, atomic_directory, check_replaceable
 from qinfer_core.errors import UserError
 from qinfer_core.predictor_dir import FC1, FC2
 from qinfer_prep.corpus_reader import corpus_files, token_windows
@@ -26,6 +27,19 @@ HELDOUT_EVERY = 5  # every 5th corpus window is held out for choosing the thresh
 POS_WEIGHT = 4.0
 LEARNING_RATE = 1e-2
 MINIBATCH = 256
+_OUTPUT_FILE = re.compile(r"model_\d+\.pt|config\.json")
+
+
+def _is_earlier_output(path: Path) -> bool:
+    """Exactly what write_predictor_dir writes: model_{i}.pt files and config.json, and nothing else."""
+    entries = list(path.iterdir())
+    return any(e.name.endswith(".pt") for e in entries) and all(
+        e.is_file() and _OUTPUT_FILE.fullmatch(e.name) for e in entries
+    )
+
+
+# The whole directory is swapped, so a model's directory, say, must never pass for an earlier output.
+PREDICTOR_OUTPUT = OutputKind("predictor directory", _is_earlier_output)
 
 
 @dataclass(frozen=True)
@@ -65,8 +79,12 @@ def train_predictors(
     out: Path,
     settings: TrainSettings = TrainSettings(),
     on_progress: Progress | None = None,
+    force: bool = False,
 ) -> TrainingReport:
+    """Train on `data` and write the predictors to `out`, which must be new, empty or an earlier predictor
+    directory unless `force` (checked before the training, which can take long)."""
     _check(settings)
+    check_replaceable(out, PREDICTOR_OUTPUT, force)
     tell = on_progress or (lambda _s, _d, _t: None)
     files = corpus_files(data)
     loaded = load_relu_model(model_dir, settings.dtype, settings.device)
@@ -111,7 +129,7 @@ def train_predictors(
         device=loaded.device.type,
         fell_back_to_cpu=loaded.fell_back,
     )
-    write_predictor_dir(out, predictors, report, settings)
+    write_predictor_dir(out, predictors, report, settings, force)
     return report
 
 
@@ -218,7 +236,7 @@ def share_threshold(predictors: list[Predictor], thresholds: list[float]) -> tup
 
 
 def write_predictor_dir(
-    out: Path, predictors: list[Predictor], report: TrainingReport, settings: TrainSettings
+    out: Path, predictors: list[Predictor], report: TrainingReport, settings: TrainSettings, force: bool = False
 ) -> None:
     config = {
         "sparse_threshold": report.sparse_threshold,
@@ -234,7 +252,7 @@ def write_predictor_dir(
         "epochs": settings.epochs,
         "seed": settings.seed,
     }
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, PREDICTOR_OUTPUT, force) as tmp:
         tmp.chmod(0o755)
         for i, (fc1, fc2) in enumerate(predictors):
             torch.save({FC1: fc1.float().contiguous(), FC2: fc2.float().contiguous()}, tmp / f"model_{i}.pt")

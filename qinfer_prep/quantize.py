@@ -4,7 +4,8 @@ Type rules (as PowerInfer's quantize applies them): every 2-D `*.weight` (fc1, f
 gets the chosen type; `output.weight` always gets Q8_0, which the engine itself picks when E % 256 != 0 or for
 falcon, and which we use for every model rather than the engine's Q6_K, that gguf cannot write; 1-D tensors
 stay F32. A row whose length is not a multiple of 32 cannot be split into blocks, so that tensor stays F16
-(for example a predictor of width P not a multiple of 32) and the result lists it.
+(for example a predictor of width P not a multiple of 32) and the result lists it. The blocks are those the engine's
+own quantize writes (quant_blocks), not gguf-py's, which differ in rounding.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import quant_shape_to_byte_shape, quantize
+from gguf.quants import quant_shape_to_byte_shape
 
 from qinfer_core.errors import UserError
-from qinfer_core.gguf_reader import open_gguf
+from qinfer_core.gguf_reader import metadata, open_gguf
 from qinfer_core.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.model_check import check_model, tensor_entries
 from qinfer_core.names import WEIGHT, Key, Tensor, tensor_name
+from qinfer_core.spec_readers import spec_from_metadata
+from qinfer_prep.quant_blocks import quantize_q4_0, quantize_q8_0
 
 QType = GGMLQuantizationType
 # Target name -> (type of the 2-D weights, general.file_type as llama.cpp numbers it).
@@ -29,6 +33,7 @@ TARGETS = {"Q4_0": (QType.Q4_0, 2), "Q8_0": (QType.Q8_0, 7)}
 OUTPUT_TYPE = QType.Q8_0
 QUANTIZATION_VERSION = 2
 _FLOAT_TYPES = {QType.F32: np.dtype(np.float32), QType.F16: np.dtype(np.float16)}
+_QUANTIZERS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {QType.Q4_0: quantize_q4_0, QType.Q8_0: quantize_q8_0}
 # Keys the writer or this tool sets itself; everything else is copied as it is.
 _OWN_KEYS = (
     Key.ARCHITECTURE,
@@ -80,7 +85,7 @@ def _convert(path: Path, offset: int, src: np.dtype, shape: tuple[int, ...], out
     for start in range(0, rows, ROWS_PER_READ):
         n = min(ROWS_PER_READ, rows - start)
         chunk = _read(path, offset + start * width * src.itemsize, src, (n, width))
-        result[start : start + n] = quantize(chunk, out)
+        result[start : start + n] = _QUANTIZERS[out](chunk)
     return result.reshape(quant_shape_to_byte_shape(shape, out))
 
 
@@ -135,13 +140,14 @@ def quantize_gguf(
     if outfile.resolve() == infile.resolve():
         raise UserError(f"the output would replace the input {infile}; name another file")
     reader = open_gguf(infile)
-    arch = reader.get_field(Key.ARCHITECTURE)
-    if arch is None:
-        raise UserError(f"{infile} has no general.architecture; is it a model file?")
+    # A file the runtime would refuse is refused here too, rather than passed on as a valid-looking quantized one.
+    meta = metadata(reader)
+    spec = spec_from_metadata(meta, infile)
+    check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, infile)
     plans, kept_f16 = _plan(infile, reader, qtype)
     if on_plan is not None:
         on_plan(plans)
     add_metadata = _metadata_writer(reader, file_type)
-    write_gguf(outfile, str(arch.contents()), add_metadata, plans, powerinfer=reader.is_powerinfer, on_tensor=on_tensor)
+    write_gguf(outfile, spec.arch, add_metadata, plans, powerinfer=reader.is_powerinfer, on_tensor=on_tensor)
     in_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     return QuantizeResult(outfile, target, len(plans), in_bytes, sum(p.nbytes for p in plans), kept_f16)

@@ -19,7 +19,7 @@ import sentencepiece as spm
 import torch
 from transformers import LlamaForCausalLM
 
-from qinfer_core.atomic_file import atomic_directory
+from qinfer_core.atomic_file import OutputKind, atomic_directory, check_replaceable
 from qinfer_core.errors import UserError
 from qinfer_prep.synth_corpus import synth_corpus
 from qinfer_prep.synth_model import (
@@ -43,6 +43,8 @@ TRAIN_CHARS_MAX = 4_000_000  # about a million tokens: windows drawn from it rep
 SAMPLE_ROWS = (2, 32)
 SAMPLE_FLOPS = 2e11
 DEFAULT_SHAPE = SynthShape()
+# The whole directory is swapped, so only an earlier build (known by its manifest) is replaced without --force.
+SYNTH_BUILD = OutputKind("synth build", lambda path: (path / "synth.json").is_file())
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,15 @@ def build_synth(
     train_steps: int | None = None,
     target_sparsity: float = 0.9,
     progress: Progress | None = None,
+    force: bool = False,
 ) -> SynthReport:
     """Write `out/model` (a Hugging Face LLaMA checkpoint with tokenizer), `out/predictor` and `out/synth.json`.
 
-    Everything is built in a sibling directory that replaces `out` only when complete.
+    Everything is built in a sibling directory that replaces `out` only when complete; `out` must be new, empty
+    or an earlier build unless `force`.
     """
     _check_args(shape, train_steps, target_sparsity)
-    _check_replaceable(out)
+    check_replaceable(out, SYNTH_BUILD, force)
     steps = DEFAULT_TRAIN_STEPS if train_steps is None else train_steps
     tell = progress or _no_progress
     gen = torch.Generator().manual_seed(seed)
@@ -114,7 +118,7 @@ def build_synth(
         sparse_threshold=threshold,
     )
     tell("save", 0, 1)
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, SYNTH_BUILD, force) as tmp:
         tmp.chmod(0o755)  # a private temporary directory becomes an ordinary output one
         save_model(model, tokenizer_model, tmp / "model")
         save_predictors(predictors, threshold, tmp / "predictor")
@@ -147,12 +151,6 @@ def _check_args(shape: SynthShape, train_steps: int | None, target_sparsity: flo
         problems.append(f"target_sparsity={target_sparsity} must be in [0.5, 1)")
     if problems:
         raise UserError("cannot build a synth model: " + "; ".join(problems))
-
-
-def _check_replaceable(out: Path) -> None:
-    """Only an empty directory or an earlier synth build may be replaced, since the whole directory is swapped."""
-    if out.exists() and not (out / "synth.json").is_file() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} exists and is not an earlier synth build; pick a new or empty directory")
 
 
 def sample_rows(model: LlamaForCausalLM) -> int:

@@ -33,7 +33,8 @@ class StepOutput:
     slot: int
     token: int | None  # None when the sequence ended on EOS
     finished: bool
-    reason: str | None  # "stop" (EOS) or "length" (max_tokens or a full context)
+    reason: str | None  # "stop" (EOS), "length" (max_tokens or a full context) or "error"
+    error: str | None = None  # why this sequence failed; the others in the batch go on
 
 
 @dataclass
@@ -129,7 +130,12 @@ class Engine:
         going: list[int] = []
         for slot in self.active_slots():
             seq = self._active[slot]
-            token = sample_next(seq.logits, seq.request.sampling, seq.generator)
+            try:
+                token = sample_next(seq.logits, seq.request.sampling, seq.generator)
+            except Exception as exc:  # noqa: BLE001 - one sequence's bad logits or settings must not end the batch
+                outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}"))
+                del self._active[slot]
+                continue
             if token == self.tokenizer.eos_id and not seq.request.ignore_eos:
                 outputs.append(StepOutput(slot, None, True, "stop"))
                 del self._active[slot]

@@ -120,7 +120,7 @@ class EngineWorker:
         if out.finished:
             del self._running[out.slot]
         if piece or out.finished:
-            job.emit(Event(piece, out.finished, out.reason, len(job.output.tokens)))
+            job.emit(Event(piece, out.finished, out.reason, len(job.output.tokens), out.error))
 
     def _fail_running(self, message: str) -> None:
         for slot, job in list(self._running.items()):

@@ -12,14 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from qinfer_core.names import BIAS, Tensor, tensor_name
+from qinfer_core.names import Tensor, tensor_name
 from qinfer_runtime.model_file import ModelFile
 from qinfer_runtime.model_forward import KVCache, Step, TransformerForward, cached_attention
+from qinfer_runtime.norms import Norm, layer_norm, norm_weights
 from qinfer_runtime.weight_rows import linear
-
-Norm = tuple[torch.Tensor, torch.Tensor]  # LayerNorm weight and bias
 
 
 @dataclass
@@ -28,15 +26,6 @@ class FalconAttention:
     ffn_norm: Norm
     qkv: torch.Tensor
     o: torch.Tensor
-
-
-def norm_weights(model: ModelFile, part: Tensor, layer: int | None = None) -> Norm:
-    return model.tensor(tensor_name(part, layer)), model.tensor(tensor_name(part, layer, BIAS))
-
-
-def layer_norm(x: torch.Tensor, norm: Norm, eps: float) -> torch.Tensor:
-    weight, bias = norm
-    return F.layer_norm(x, (x.shape[-1],), weight.float(), bias.float(), eps)
 
 
 def apply_neox_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,8 +47,7 @@ class FalconForward(TransformerForward):
         )
 
     def load_head(self, model: ModelFile) -> None:
-        weight, bias = norm_weights(model, Tensor.OUTPUT_NORM)
-        self.norm = (weight.to(self.device), bias.to(self.device))
+        self.norm = norm_weights(model, Tensor.OUTPUT_NORM, device=self.device)
         self.output = model.tensor(tensor_name(Tensor.OUTPUT)).to(self.device)
 
     def attention(self, i: int, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:

@@ -22,7 +22,7 @@ from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
 from qinfer_runtime import row_kernels
 from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
-from qinfer_runtime.hybrid_ffn import HybridRunner
+from qinfer_runtime.hybrid_ffn import HybridRunner, require_split_support
 from qinfer_runtime.model_file import ModelFile
 from qinfer_runtime.model_forward import TransformerForward, ffn_weights
 from qinfer_runtime.sparse_ffn import FFNWeights
@@ -30,7 +30,6 @@ from qinfer_runtime.split_cost import SplitCosts
 
 FFN_MODES = ("auto", "sparse", "dense", "oracle")
 SCHEDULES = ("auto", "static", "dynamic")
-
 
 
 def forward_class(model: ModelFile) -> type[TransformerForward]:
@@ -146,6 +145,8 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
         runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else "predictor")
         return LoadedRuntime(make_forward(model, runner, cpu), mode, "static")
     device = gpu_device(options.device)
+    if device is not None:
+        require_split_support(layers[0].form)
     plan_options = PlanOptions(ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device))
     notes: list[str] = []
     placed = _placement(model, options, plan_options, notes)
@@ -156,7 +157,7 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     # With the index disabled nothing may live on the GPU, so neither may neurons be shipped there.
     dynamic = options.schedule != "static" and not options.disable_gpu_index
     layout = placed.layout
-    rows = 3 if layout.has_gate else 2
+    rows = layers[0].form.matrices
     costs = SplitCosts.from_profiles(
         layout.layers[0].neuron_bytes,
         2.0 * rows * layout.spec.hidden,

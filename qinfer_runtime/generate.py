@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from qinfer_core.errors import UserError
 from qinfer_runtime.engine import Engine, Request
 from qinfer_runtime.sampling import SamplingParams
 from qinfer_runtime.token_text import TokenText
@@ -68,6 +69,8 @@ def generate_many(
         outputs = engine.step()
         decode_seconds += time.perf_counter() - t0
         for out in outputs:
+            if out.error is not None:
+                raise UserError(f"generation failed: {out.error}")
             index = running[out.slot]
             p = progress[index]
             piece = p.output.add(out.token, out.finished)

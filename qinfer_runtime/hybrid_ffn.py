@@ -105,6 +105,12 @@ class LayerSplit:
     moved: int = 0
 
 
+def require_split_support(form: FfnForm) -> None:
+    """Device slots hold FFN rows only, not per-neuron biases: such a model is refused before anything is planned."""
+    if form.biased:
+        raise UserError("the GPU/CPU split does not take FFNs with biases (opt) yet; run without --vram-budget")
+
+
 class HybridRunner:
     def __init__(
         self,
@@ -117,9 +123,7 @@ class HybridRunner:
         dynamic: bool,
         policy: CachePolicy | None = None,
     ):
-        if any(w.up_bias is not None for w in layers):
-            # Device slots hold FFN rows only, not per-neuron biases.
-            raise UserError("the GPU/CPU split does not take FFNs with biases (opt) yet; run without --vram-budget")
+        require_split_support(layers[0].form)
         self.layers = layers
         self.threshold = threshold
         self.device = device

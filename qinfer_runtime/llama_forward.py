@@ -14,6 +14,7 @@ import torch
 from qinfer_core.names import Tensor, tensor_name
 from qinfer_runtime.model_file import ModelFile
 from qinfer_runtime.model_forward import KVCache, Step, TransformerForward, cached_attention
+from qinfer_runtime.norms import rms_norm
 from qinfer_runtime.weight_rows import linear
 
 
@@ -25,10 +26,6 @@ class AttentionWeights:
     v: torch.Tensor
     o: torch.Tensor
     ffn_norm: torch.Tensor
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

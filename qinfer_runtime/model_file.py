@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from gguf.quants import dequantize
 
 from qinfer_core.errors import UserError
 from qinfer_core.gguf_reader import PowerInferReader, metadata, open_gguf
+from qinfer_core.model_check import check_model, tensor_entries
 from qinfer_core.model_spec import ModelSpec
 from qinfer_core.names import Key, Tensor, tensor_name
 from qinfer_core.spec_readers import spec_from_metadata
@@ -62,10 +64,11 @@ def _tensors(reader: PowerInferReader, path: Path) -> dict[str, torch.Tensor | Q
 def open_model(path: Path) -> ModelFile:
     reader = open_gguf(path, mode="c")
     meta = metadata(reader)
-    threshold = float(meta.get(Key.SPARSE_THRESHOLD, 0.0))
-    model = ModelFile(
-        path, spec_from_metadata(meta, path), reader.is_powerinfer, threshold, meta, _tensors(reader, path)
-    )
-    if model.config.vocab_size == 0:
-        raise UserError(f"{path} has no tokenizer.ggml.tokens; convert it with its tokenizer")
-    return model
+    spec = spec_from_metadata(meta, path)
+    if spec.vocab_size == 0:
+        raise UserError(f"{path} has no {Key.TOKENS}; convert it with its tokenizer")
+    check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, path)
+    threshold = meta.get(Key.SPARSE_THRESHOLD, 0.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
+        raise UserError(f"{path}: {Key.SPARSE_THRESHOLD} is {threshold!r}, not a finite number; re-convert it")
+    return ModelFile(path, spec, reader.is_powerinfer, float(threshold), meta, _tensors(reader, path))

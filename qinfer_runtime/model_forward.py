@@ -196,6 +196,7 @@ class TransformerForward:
         raise NotImplementedError
 
     def load_head(self, model: ModelFile) -> None:
+        """The output norm and head, onto `device`; runs after `embed` is set, which a tied head reuses."""
         raise NotImplementedError
 
     def block(self, i: int, h: torch.Tensor, step: Step, cache: KVCache, prefill: bool) -> torch.Tensor:

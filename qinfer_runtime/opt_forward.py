@@ -13,9 +13,9 @@ import torch
 
 from qinfer_core.architectures import architecture
 from qinfer_core.names import BIAS, Tensor, tensor_name
-from qinfer_runtime.falcon_forward import Norm, layer_norm, norm_weights
 from qinfer_runtime.model_file import ModelFile
 from qinfer_runtime.model_forward import KVCache, Step, TokenBatch, TransformerForward, cached_attention, down_bias
+from qinfer_runtime.norms import Norm, layer_norm, norm_weights
 from qinfer_runtime.weight_rows import linear
 
 Linear = tuple[torch.Tensor, torch.Tensor]  # weight and bias
@@ -53,8 +53,7 @@ class OPTForward(TransformerForward):
         )
 
     def load_head(self, model: ModelFile) -> None:
-        weight, bias = norm_weights(model, Tensor.OUTPUT_NORM)
-        self.norm = (weight.to(self.device), bias.to(self.device))
+        self.norm = norm_weights(model, Tensor.OUTPUT_NORM, device=self.device)
         self.output = self.embed.to(self.device)
         self.positions = model.tensor(tensor_name(Tensor.POSITION_EMBD))
         self.offset = architecture(model.config.arch).position_offset

@@ -6,8 +6,12 @@
  * reads and then reads it again, and on quantized rows only after dequantizing them; here each row is read once.
  * Built on first use by qinfer_runtime/row_kernels.py with the machine's C compiler and OpenMP.
  *
- * A weight is a base pointer, a row stride in bytes and a type (0 F16, 1 Q4_0, 2 Q8_0). Neuron ids[j] is row
- * ids[j] of gate, up and down_t. variant: 0 llama relu(g)*u, 1 bamboo relu(g)*relu(u), 2 falcon relu(u).
+ * A weight is a base pointer, a row stride in bytes, a type (0 F16, 1 Q4_0, 2 Q8_0), and its rows and columns.
+ * Neuron ids[j] is row ids[j] of gate, up and down_t. form: 0 relu(g)*u, 1 relu(g)*relu(u), 2 relu(u).
+ *
+ * Shapes come from model files, which come from the internet: every entry point checks the ids and row lengths
+ * against the weights' own rows and columns before it reads anything, and returns -1 (nothing read) where they do
+ * not fit, so no crafted header makes a kernel read past a tensor.
  */
 #include <stdint.h>
 #include <string.h>
@@ -84,6 +88,18 @@ static float half_to_float(uint16_t h) {
 static inline float block_scale(const uint8_t *block) { return half_to_float((uint16_t)(block[0] | block[1] << 8)); }
 
 static inline int64_t block_bytes(int type) { return type == Q4_0 ? 2 + QK / 2 : 2 + QK; }
+
+/* Whether n values can be read from every picked row (ids[0..k-1], or rows 0..k-1 where ids is NULL) of a weight
+ * of `rows` rows of `cols` values, `stride` bytes apart. */
+static int fits(int type, int64_t stride, int64_t rows, int64_t cols, int64_t n, const int64_t *ids, int64_t k) {
+    if (n < 0 || k < 0 || rows < 0 || n > cols || (type != F16 && n % QK)) return 0;
+    int64_t bytes = type == F16 ? 2 * n : n / QK * block_bytes(type);
+    if (rows > 1 && stride < bytes) return 0;
+    if (!ids) return k <= rows;
+    for (int64_t j = 0; j < k; j++)
+        if (ids[j] < 0 || ids[j] >= rows) return 0;
+    return 1;
+}
 
 #if LANES == 1
 /* Weights i0..i0+31 of a quantized row as floats (one block; i0 is a multiple of 32). */
@@ -270,10 +286,15 @@ static void add_weighted_rows(const uint8_t *down, int64_t down_stride, int down
 /* For `tokens` inputs x [tokens, n]: act[t, j] for each selected neuron (0 where mask [tokens, k], if given, leaves
  * neuron j out for token t), then out[t] = sum_j act[t, j] * down_t[ids[j]]. act is caller scratch [tokens, k].
  * Each picked row is read from memory once for all the tokens. */
-void qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const uint8_t *up, int64_t up_stride,
-                       int up_type, const uint8_t *down, int64_t down_stride, int down_type, const float *x, int64_t n,
-                       int64_t tokens, const int64_t *ids, int64_t k, const uint8_t *mask, int variant, float *act,
-                       float *out, int threads) {
+int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const int64_t gate_shape[2],
+                      const uint8_t *up, int64_t up_stride, int up_type, const int64_t up_shape[2], const uint8_t *down,
+                      int64_t down_stride, int down_type, const int64_t down_shape[2], const float *x, int64_t n,
+                      int64_t tokens, const int64_t *ids, int64_t k, const uint8_t *mask, int form, float *act,
+                      float *out, int threads) {
+    if ((form != 2 && !fits(gate_type, gate_stride, gate_shape[0], gate_shape[1], n, ids, k)) ||
+        !fits(up_type, up_stride, up_shape[0], up_shape[1], n, ids, k) ||
+        !fits(down_type, down_stride, down_shape[0], down_shape[1], n, ids, k))
+        return -1;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -285,34 +306,40 @@ void qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, 
                 *a = 0.0f;
                 if (mask && !mask[t * k + j]) continue;
                 float g = 1.0f;
-                if (variant != 2) {
+                if (form != 2) {
                     g = dot_row(gate_type, gate + ids[j] * gate_stride, gate + next * gate_stride, xt, n);
                     /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
                     if (g <= 0.0f) continue;
                 }
                 float u = dot_row(up_type, up + ids[j] * up_stride, up + next * up_stride, xt, n);
-                if (variant != 0 && u < 0.0f) u = 0.0f;
-                *a = variant == 2 ? u : g * u;
+                if (form != 0 && u < 0.0f) u = 0.0f;
+                *a = form == 2 ? u : g * u;
             }
         }
         add_weighted_rows(down, down_stride, down_type, ids, k, act, tokens, n, out);
     }
+    return 0;
 }
 
 /* out[t] = sum_j act[t, j] * rows[ids[j]] for `tokens` rows of act [tokens, k] (ids NULL: rows 0..k-1); rows whose
  * act is 0 for every token are not read. */
-void qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64_t *ids, int64_t k, const float *act,
-                          int64_t tokens, int64_t n, float *out, int threads) {
+int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const int64_t *ids,
+                         int64_t k, const float *act, int64_t tokens, int64_t n, float *out, int threads) {
+    if (!fits(type, stride, shape[0], shape[1], n, ids, k)) return -1;
 #pragma omp parallel num_threads(threads)
     add_weighted_rows(w, stride, type, ids, k, act, tokens, n, out);
+    return 0;
 }
 
 /* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n]: each row is read once for all of them. */
-void qinfer_matvec(const uint8_t *w, int64_t stride, int type, int64_t rows, const float *x, int64_t n,
-                   int64_t tokens, float *out, int threads) {
+int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const float *x, int64_t n,
+                  int64_t tokens, float *out, int threads) {
+    int64_t rows = shape[0];
+    if (!fits(type, stride, rows, shape[1], n, NULL, rows)) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = w + r * stride, *next = w + (r + 1 < rows ? r + 1 : r) * stride;
         for (int64_t t = 0; t < tokens; t++) out[t * rows + r] = dot_row(type, row, next, x + t * n, n);
     }
+    return 0;
 }

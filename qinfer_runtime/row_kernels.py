@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qinfer_core.architectures import FfnForm
+from qinfer_core.errors import UserError
 from qinfer_runtime.quant_rows import QuantizedMatrix, Weight
 
 SOURCE = Path(__file__).with_name("row_kernels.c")
@@ -85,13 +86,14 @@ def kernel() -> ctypes.CDLL | None:
     except OSError as exc:
         print(f"qinfer: native row kernels not loaded ({exc}); using torch's slower path", file=sys.stderr)
         return None
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.qinfer_sparse_ffn.argtypes = [p, i64, i32, p, i64, i32, p, i64, i32, p, i64, i64, p, i64, p, i32, p, p, i32]
-    lib.qinfer_sparse_ffn.restype = None
-    lib.qinfer_weighted_rows.argtypes = [p, i64, i32, p, i64, p, i64, i64, p, i32]
-    lib.qinfer_weighted_rows.restype = None
-    lib.qinfer_matvec.argtypes = [p, i64, i32, i64, p, i64, i64, p, i32]
-    lib.qinfer_matvec.restype = None
+    p, i64, i32, s = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, Shape
+    lib.qinfer_sparse_ffn.argtypes = [
+        p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, p, i32, p, p, i32
+    ]  # fmt: skip
+    lib.qinfer_weighted_rows.argtypes = [p, i64, i32, s, p, i64, p, i64, i64, p, i32]
+    lib.qinfer_matvec.argtypes = [p, i64, i32, s, p, i64, i64, p, i32]
+    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec):
+        entry.restype = i32
     return lib
 
 
@@ -104,16 +106,27 @@ def _takes(x: torch.Tensor, max_tokens: int) -> bool:
     return x.shape[0] <= max_tokens and x.device.type == "cpu" and enabled()
 
 
-def _layout(t: object) -> tuple[int, int, int] | None:
-    """(address, row stride in bytes, type code) of CPU rows the kernels read, or None where they cannot."""
+Shape = ctypes.c_int64 * 2  # a weight's rows and columns, which bound what a kernel may read of it
+
+
+def _layout(t: object) -> tuple[int, int, int, ctypes.Array[ctypes.c_int64]] | None:
+    """(address, row stride in bytes, type code, [rows, columns]) of CPU rows the kernels read, or None where they
+    cannot."""
     if isinstance(t, QuantizedMatrix):
         b = t.blocks
         if b.device.type != "cpu" or b.stride(1) != 1 or t.qtype not in TYPE_CODES:
             return None
-        return b.data_ptr(), b.stride(0), TYPE_CODES[t.qtype]
+        return b.data_ptr(), b.stride(0), TYPE_CODES[t.qtype], Shape(*t.shape)
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.float16 or t.stride(1) != 1:
         return None
-    return t.data_ptr(), t.stride(0) * 2, 0
+    return t.data_ptr(), t.stride(0) * 2, 0, Shape(*t.shape)
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise UserError(
+            "a weight tensor is smaller than the model's shape says (its file is corrupt); re-convert the model"
+        )
 
 
 def sparse_ffn(
@@ -134,17 +147,17 @@ def sparse_ffn(
     layouts = [_layout(t) for t in (up if gate is None else gate, up, down_t)]
     if any(lay is None for lay in layouts):
         return None
-    (g, gs, gt), (u, us, ut), (d, ds, dt) = layouts  # type: ignore[misc]
+    (g, gs, gt, gshape), (u, us, ut, ushape), (d, ds, dt, dshape) = layouts  # type: ignore[misc]
     xf = x.float().contiguous()
     ids64 = ids.to(torch.int64).contiguous()
     keep = None if mask is None else mask.to("cpu", torch.uint8).contiguous()
     act = torch.empty(tokens, ids64.numel())
     out = torch.empty(tokens, down_t.shape[1])
-    kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
-        g, gs, gt, u, us, ut, d, ds, dt, xf.data_ptr(), up.shape[1], tokens, ids64.data_ptr(), ids64.numel(),
-        None if keep is None else keep.data_ptr(), FORM_CODES[form.gated, form.relu_up], act.data_ptr(), out.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
+    _check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
+        g, gs, gt, gshape, u, us, ut, ushape, d, ds, dt, dshape, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(),
+        ids64.numel(), None if keep is None else keep.data_ptr(), FORM_CODES[form.gated, form.relu_up], act.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    ))  # fmt: skip
     return out
 
 
@@ -157,14 +170,14 @@ def weighted_rows(act: torch.Tensor, weight: Weight, ids: torch.Tensor | None = 
     layout = _layout(weight)
     if layout is None:
         return None
-    address, stride, code = layout
+    address, stride, code, shape = layout
     a = act.float().contiguous()
     picked = None if ids is None else ids.to(torch.int64).contiguous()
     out = torch.empty(tokens, weight.shape[1])
-    kernel().qinfer_weighted_rows(  # type: ignore[union-attr]
-        address, stride, code, None if picked is None else picked.data_ptr(), a.shape[1], a.data_ptr(), tokens,
+    _check(kernel().qinfer_weighted_rows(  # type: ignore[union-attr]
+        address, stride, code, shape, None if picked is None else picked.data_ptr(), a.shape[1], a.data_ptr(), tokens,
         weight.shape[1], out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    ))  # fmt: skip
     return out
 
 
@@ -176,11 +189,10 @@ def matvec(x: torch.Tensor, weight: QuantizedMatrix) -> torch.Tensor | None:
     layout = _layout(weight)
     if layout is None:
         return None
-    address, stride, code = layout
+    address, stride, code, shape = layout
     xf = x.float().contiguous()
-    rows = weight.shape[0]
-    out = torch.empty(x.shape[0], rows)
-    kernel().qinfer_matvec(  # type: ignore[union-attr]
-        address, stride, code, rows, xf.data_ptr(), weight.shape[1], x.shape[0], out.data_ptr(), torch.get_num_threads()
-    )
+    out = torch.empty(x.shape[0], weight.shape[0])
+    _check(kernel().qinfer_matvec(  # type: ignore[union-attr]
+        address, stride, code, shape, xf.data_ptr(), x.shape[1], x.shape[0], out.data_ptr(), torch.get_num_threads()
+    ))  # fmt: skip
     return out

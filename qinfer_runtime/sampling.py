@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this decode greedily: sampling at them is greedy in all but name, and float32 logits divided
+# by a far smaller one (1e-300 is 0 in float32) overflow to inf and make the probabilities NaN.
+MIN_TEMPERATURE = 1e-6
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,7 +19,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -28,9 +32,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays in).
-        drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p
+        sorted_probs = torch.softmax(sorted_scores, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays in), and always the
+        # most likely token: a top_p that is 0 in float32 (1e-300) would otherwise drop every one.
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[0] = False
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API over an EngineWorker: /v1/completions, /v1/chat/completions (both with server-sent
-event streaming), /v1/models and /health. Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+event streaming), /v1/models and /health. Every error uses OpenAI's shape: {"error": {"message", "type", "param",
+"code"}}. An optional API key guards /v1/*; request bodies are capped in size and in how long they may stall."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qinfer_runtime.engine import Request as EngineRequest
 from qinfer_runtime.engine_worker import EngineWorker, Job
@@ -23,6 +25,23 @@ from qinfer_runtime.openai_schema import ChatRequest, CompletionRequest, Samplin
 
 # How often a non-streamed request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
+# Sent with errors that leave part of the request unread, so that the rest is never read.
+CLOSE = {"Connection": "close"}
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What one client may cost the server: create_app enforces the key and the body's limits, server_thread's
+    protocol the deadline for request heads and the connection limits."""
+
+    api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <api_key>"
+    max_body_bytes: int = 8 * 1024 * 1024
+    read_timeout_s: float = 10.0  # for a request's head to arrive, and for each pause in its body
+    idle_timeout_s: int = 5  # for a kept-alive connection's next request
+    max_connections: int = 256
+
+
+DEFAULT_OPTIONS = ServerOptions()
 
 
 class ApiError(Exception):
@@ -31,9 +50,95 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
+def error_response(
+    status: int,
+    message: str,
+    kind: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class ApiKeyGuard:
+    """ASGI middleware: every /v1 path, routed or not, needs the key, so that not even a 404 answers a stranger."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(scope):
+            message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
+            # Closing spares reading a body that the client may go on sending.
+            headers = {"WWW-Authenticate": "Bearer", **CLOSE}
+            response = error_response(401, message, "authentication_error", code="invalid_api_key", headers=headers)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        value = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = value.partition(b" ")
+        # Constant time, so that response times do not reveal how much of a guess was right.
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._key)
+
+
+class BodyGuard:
+    """ASGI middleware: a body over `max_bytes` gets a 413 (at once when its Content-Length says so, else as soon as
+    the bytes read pass the limit), one that stalls for `timeout_s` gets a 408; the connection then closes, so the
+    server never holds more than the limit of one body nor reads the rest."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # h11 has already refused a Content-Length that is not a number.
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            response = error_response(413, _too_large(self.max_bytes), "invalid_request_error", headers=CLOSE)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, _GuardedBody(receive, self.max_bytes, self.timeout_s).receive, send)
+
+
+def _too_large(max_bytes: int) -> str:
+    return f"the request body is over the server's limit of {max_bytes} bytes"
+
+
+@dataclass
+class _GuardedBody:
+    """One request's receive(), counting its body bytes and timing each wait for more."""
+
+    inner: Receive
+    max_bytes: int
+    timeout_s: float
+    received: int = 0
+    complete: bool = False
+
+    async def receive(self) -> Message:
+        if self.complete:
+            # Past the body, receive() only waits for a disconnect, for as long as the response lasts.
+            return await self.inner()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                message = await self.inner()
+        except TimeoutError:
+            raise HTTPException(408, f"the request body stalled for over {self.timeout_s:g} s", CLOSE) from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.max_bytes:
+                raise HTTPException(413, _too_large(self.max_bytes), CLOSE)
+            self.complete = not message.get("more_body", False)
+        return message
 
 
 @dataclass
@@ -89,11 +194,16 @@ async def pieces(worker: EngineWorker, job: Job, stops: list[str]) -> AsyncItera
             yield Piece(text, None, event.completion_tokens)
 
 
-def create_app(worker: EngineWorker, model_id: str) -> FastAPI:
+def create_app(worker: EngineWorker, model_id: str, options: ServerOptions = DEFAULT_OPTIONS) -> FastAPI:
     app = FastAPI(title="qinfer", lifespan=_lifespan(worker))
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
+    app.add_middleware(BodyGuard, max_bytes=options.max_body_bytes, timeout_s=options.read_timeout_s)
+    if options.api_key:
+        # Added last, so it runs first: a stranger's body is never read.
+        app.add_middleware(ApiKeyGuard, api_key=options.api_key)
     routes = _Routes(worker, model_id)
     app.get("/health")(routes.health)
     app.get("/v1/models")(routes.models)
@@ -114,6 +224,8 @@ def _lifespan(worker: EngineWorker) -> Callable[[FastAPI], AbstractAsyncContextM
 
 async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"the body is not valid JSON: {first['ctx']['error']}", "invalid_request_error")
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
     return error_response(
         400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", "invalid_request_error", param
@@ -124,8 +236,17 @@ async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.kind, exc.param)
 
 
-async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):  # the router's own, which do not say what was asked for
+        message = f"{message}: {request.method} {request.url.path}"
+    kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return error_response(exc.status_code, message, kind, headers=exc.headers)
+
+
+async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
+    # The traceback goes to the server's log; the client learns only that the fault is the server's.
+    return error_response(500, f"the server failed on this request ({type(exc).__name__})", "server_error")
 
 
 @dataclass(frozen=True)
@@ -153,7 +274,7 @@ class _Routes:
     async def _answer(
         self, http: Request, body: SamplingFields, prompt: str, chat: bool
     ) -> JSONResponse | StreamingResponse:
-        job, prompt_tokens = submit(self.worker, body, prompt)
+        job, prompt_tokens = await submit(self.worker, body, prompt)
         head = response_head(self.model_id, chat, body.stream)
         completion = Completion(job, prompt_tokens, chat, body.stream, body.stop_list(), head)
         if body.stream:
@@ -161,9 +282,10 @@ class _Routes:
         return await collect_response(http, self.worker, completion)
 
 
-def submit(worker: EngineWorker, body: SamplingFields, prompt: str) -> tuple[Job, int]:
+async def submit(worker: EngineWorker, body: SamplingFields, prompt: str) -> tuple[Job, int]:
     """Queue the request on the engine; return its job and the prompt's length in tokens."""
-    ids = worker.engine.tokenizer.encode(prompt)
+    # A long prompt takes seconds to tokenize; on the event loop that would stall every other client meanwhile.
+    ids = await asyncio.to_thread(worker.engine.tokenizer.encode, prompt)
     ctx_size = worker.engine.ctx_size
     room = ctx_size - len(ids)
     if room < 1:
@@ -237,7 +359,7 @@ async def collect_response(http: Request, worker: EngineWorker, completion: Comp
         while not (await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S))[0]:
             if await http.is_disconnected():
                 answer.cancel()
-                return JSONResponse({}, status_code=499)
+                return error_response(499, "the client closed the request", "invalid_request_error")
         text, reason, tokens = answer.result()
     finally:
         worker.cancel(completion.job)

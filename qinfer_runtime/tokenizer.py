@@ -47,14 +47,19 @@ class GGUFTokenizer:
         if kind == "gpt2" and not spec.get("merges"):
             raise UserError(f"the GGUF's gpt2 vocabulary has no {Key.MERGES}; re-create it with qinfer prep")
         backend = convert_gguf_tokenizer(meta[Key.ARCHITECTURE], spec)[0]
-        self.backend: Tokenizer = _drop_foreign_added_tokens(backend, len(spec["tokens"]))
+        # Only transformers' GPT-2 builder adds tokens of its own; a SentencePiece backend is used as it is built.
+        self.backend: Tokenizer = (
+            _drop_foreign_added_tokens(backend, len(spec["tokens"])) if kind == "gpt2" else backend
+        )
         self.bos_id: int | None = meta.get(Key.BOS_ID)
         self.eos_id: int | None = meta.get(Key.EOS_ID)
         # llama.cpp's rule for a file that does not say: SentencePiece vocabularies add BOS, BPE ones do not.
         self.add_bos: bool = bool(meta.get(Key.ADD_BOS, kind == "llama"))
 
     def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not), so a server's event loop keeps answering
+        # while a long prompt is tokenized in a worker thread.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:

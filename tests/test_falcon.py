@@ -22,10 +22,9 @@ from qinfer_prep.relu_model import load_relu_model
 from qinfer_prep.residual_sample import collect_residuals
 from qinfer_prep.synth_corpus import synth_corpus
 from qinfer_prep.synth_falcon import FalconShape, build_synth_falcon
-from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
 from qinfer_runtime.model_file import open_model
-from qinfer_runtime.model_forward import KVCache, TokenBatch
 from qinfer_runtime.tokenizer import GGUFTokenizer
+from tests.runtime_logits import our_logits
 
 SHAPE = FalconShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=2, vocab=512)
 TEXT = "The dog ran fast,\nand the cat  slept. 42 times!"
@@ -43,16 +42,6 @@ def falcon(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     files["dense-f32"] = convert(model_dir, out / "f-f32.gguf", None, "f32").outfile
     files["pi-q4"] = quantize_gguf(files["pi-f16"], out / "f-q4.powerinfer.gguf", "Q4_0").outfile
     return files
-
-
-def our_logits(path: Path, ids: list[int], ffn: str, split: int = 5) -> torch.Tensor:
-    """A prompt of `split` tokens, then one token at a time through the KV cache (the sparse decode path)."""
-    forward = load_forward(open_model(path), RuntimeOptions(ffn=ffn)).forward
-    cache = KVCache(forward.cfg, 64)
-    with torch.inference_mode():
-        parts = [forward.forward(TokenBatch.prompt(torch.tensor(ids[:split]), 0), cache)]
-        parts += [forward.forward(TokenBatch.decode([t], [split + j], [0]), cache) for j, t in enumerate(ids[split:])]
-    return torch.cat(parts)
 
 
 @pytest.fixture(scope="module")

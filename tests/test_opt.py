@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, OPTForCausalLM
 from typer.testing import CliRunner
 
@@ -31,9 +31,9 @@ from qinfer_prep.synth_corpus import synth_corpus
 from qinfer_prep.synth_opt import OPTShape, build_synth_opt
 from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
 from qinfer_runtime.model_file import open_model
-from qinfer_runtime.model_forward import KVCache, TokenBatch
 from qinfer_runtime.tokenizer import GGUFTokenizer
 from tests.fake_activation import write_power_law_activation
+from tests.runtime_logits import our_logits
 
 SHAPE = OPTShape()
 TEXT = "The dog ran fast,\nand the cat  slept. 42 times!"
@@ -76,16 +76,6 @@ def opt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     files["biased-dense"] = convert(biased_dir, out / "b-f32.gguf", None, "f32").outfile
     files["pi-q4"] = quantize_gguf(files["pi-f16"], out / "o-q4.powerinfer.gguf", "Q4_0").outfile
     return files
-
-
-def our_logits(path: Path, ids: list[int], ffn: str, split: int = 5) -> torch.Tensor:
-    """A prompt of `split` tokens, then one token at a time through the KV cache (the sparse decode path)."""
-    forward = load_forward(open_model(path), RuntimeOptions(ffn=ffn)).forward
-    cache = KVCache(forward.cfg, 64)
-    with torch.inference_mode():
-        parts = [forward.forward(TokenBatch.prompt(torch.tensor(ids[:split]), 0), cache)]
-        parts += [forward.forward(TokenBatch.decode([t], [split + j], [0]), cache) for j, t in enumerate(ids[split:])]
-    return torch.cat(parts)
 
 
 def reference(model_dir: Path, ids: list[int]) -> torch.Tensor:
@@ -202,6 +192,10 @@ def test_plan_counts_the_up_bias_per_neuron_and_run_generates(opt: dict[str, Pat
     layout, acct = dry_run_account(model, 1 << 40, PlanOptions())
     # Per neuron: a row of up and of down_t in f16, and up's f32 bias.
     assert layout.layers[0].neuron_bytes == 2 * 64 * 2 + 4 and not layout.has_gate
+    # The head is the token embedding, so the output head's bytes are its bytes (f16) and the final norm's; the
+    # position table is looked up like the token embedding, on the CPU.
+    token_embd, positions = SHAPE.padded_vocab * 64 * 2, (SHAPE.context + 2) * 64 * 2
+    assert (layout.output_bytes, layout.embedding_bytes) == (token_embd + 2 * 64 * 4, token_embd + positions)
     plan = load_or_make_gpuidx(model, int(acct.dense + acct.ffn_total / 3), options=PlanOptions(), reset=True)
     assert 0 < sum(int(m.sum()) for m in read_gpuidx(gpuidx_path_for(model)).gpu_idx) < SHAPE.layers * SHAPE.ffn
     assert plan.gpuidx_path == gpuidx_path_for(model)
@@ -211,3 +205,20 @@ def test_plan_counts_the_up_bias_per_neuron_and_run_generates(opt: dict[str, Pat
     # The GPU side (simulated on the CPU) holds FFN rows only: a biased FFN is refused with one line, not run wrong.
     with pytest.raises(UserError, match="biases"):
         load_forward(open_model(model), RuntimeOptions(vram_budget_gib=1.0, reset_gpu_index=True, device="cpu"))
+
+
+def test_published_checkpoint_names_convert_to_the_same_bytes(opt: dict[str, Path], tmp_path: Path) -> None:
+    """facebook/opt-* name tensors `decoder.*` and save no head; transformers' save_pretrained writes
+    `model.decoder.*` and a tied `lm_head.weight`. Both give the same file."""
+    published = Path(shutil.copytree(opt["model"], tmp_path / "published"))
+    tensors = load_file(published / "model.safetensors")
+    save_file(
+        {k.removeprefix("model."): v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"},
+        published / "model.safetensors",
+    )
+    again = convert(published, tmp_path / "again.powerinfer.gguf", opt["predictor"], "f16").outfile
+    # general.name is the directory's name, so the tensors are compared rather than the files' bytes.
+    ours, theirs = open_gguf(again), open_gguf(opt["pi-f16"])
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert np.array_equal(a.data, b.data), a.name

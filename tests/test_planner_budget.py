@@ -33,9 +33,38 @@ def test_tiny_f16_gguf_matches_hand_worked_account(gguf_files: dict[str, Path]) 
 
 def test_f32_and_q4_neuron_bytes(gguf_files: dict[str, Path]) -> None:
     assert read_model_layout(gguf_files["pi-f32"]).layers[0].neuron_bytes == 3 * 64 * 4
-    q4 = layout_for_spec(ModelSpec("llama", "test", 32000, 0, 4096, 1, 11008, 32, 32, 1e-6), 1024, weight_type="Q4_0")
+    q4 = layout_for_spec(
+        ModelSpec(
+            arch="llama",
+            name="test",
+            vocab_size=32000,
+            context_length=0,
+            hidden=4096,
+            layers=1,
+            ffn=11008,
+            heads=32,
+            kv_heads=32,
+            norm_eps=1e-6,
+        ),
+        1024,
+        weight_type="Q4_0",
+    )
     assert q4.layers[0].neuron_bytes == 3 * 4096 / 32 * 18
-    falcon = layout_for_spec(ModelSpec("falcon", "test", 65024, 0, 8192, 1, 32768, 128, 8, 1e-6), 1024)
+    falcon = layout_for_spec(
+        ModelSpec(
+            arch="falcon",
+            name="test",
+            vocab_size=65024,
+            context_length=0,
+            hidden=8192,
+            layers=1,
+            ffn=32768,
+            heads=128,
+            kv_heads=8,
+            norm_eps=1e-6,
+        ),
+        1024,
+    )
     assert falcon.layers[0].neuron_bytes == 2 * 8192 * 2  # no gate
 
 
@@ -45,7 +74,21 @@ def test_dense_model_is_refused(gguf_files: dict[str, Path]) -> None:
 
 
 def test_placement_bytes_by_category() -> None:
-    layout = layout_for_spec(ModelSpec("llama", "test", 512, 0, 64, 2, 256, 4, 2, 1e-6), 32)
+    layout = layout_for_spec(
+        ModelSpec(
+            arch="llama",
+            name="test",
+            vocab_size=512,
+            context_length=0,
+            hidden=64,
+            layers=2,
+            ffn=256,
+            heads=4,
+            kv_heads=2,
+            norm_eps=1e-6,
+        ),
+        32,
+    )
     acct = account(layout, BudgetOptions(ctx_size=10, batch=1, gpu_embeddings=True))
     masks = (np.arange(256) < 10, np.zeros(256, dtype=bool))
     used = vram_used(acct, Placement(masks, (True, False), False))
@@ -58,7 +101,21 @@ def test_placement_bytes_by_category() -> None:
 
 
 def test_too_small_budget_names_the_minimum() -> None:
-    layout = layout_for_spec(ModelSpec("llama", "test", 32000, 0, 8192, 80, 28672, 64, 8, 1e-6), 1024)
+    layout = layout_for_spec(
+        ModelSpec(
+            arch="llama",
+            name="test",
+            vocab_size=32000,
+            context_length=0,
+            hidden=8192,
+            layers=80,
+            ffn=28672,
+            heads=64,
+            kv_heads=8,
+            norm_eps=1e-6,
+        ),
+        1024,
+    )
     acct = account(layout, BudgetOptions(ctx_size=4096, batch=4))
     with pytest.raises(UserError) as info:
         require_budget(acct, 8 << 30, dense_on_gpu=True)

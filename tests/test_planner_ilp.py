@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pulp
 import pytest
 
+from planner import placement_ilp
 from planner.activation_stats import power_law_firing
 from planner.baselines import greedy_placement, reference_capacity, reference_placement
 from planner.budget import BudgetOptions, VramAccount, account, vram_used
@@ -15,7 +17,7 @@ from planner.device_profiles import DeviceProfile, load_profile
 from planner.model_layout import layout_for_spec
 from planner.neuron_groups import group_neurons
 from planner.placement import Placement
-from planner.placement_ilp import MIP_GAP, Objective, solve_placement
+from planner.placement_ilp import MIP_GAP, Objective, build_problem, solve_placement
 from planner.time_model import TimeModel, build_time_model
 from qinfer_core.errors import UserError
 from qinfer_core.model_spec import ModelSpec
@@ -23,7 +25,21 @@ from qinfer_core.model_spec import ModelSpec
 # Slow, latency-free devices make every choice matter at this size: otherwise the sync latency dwarfs 256 neurons.
 GPU = DeviceProfile("g", "gpu", "", 1 << 30, 2e9, 1e12, 1e9, 1e-7)
 CPU = DeviceProfile("c", "cpu", "", 1 << 30, 1e8, 1e10, 0.0, 0.0)
-LAYOUT = layout_for_spec(ModelSpec("llama", "test", 512, 0, 64, 2, 256, 4, 2, 1e-6), 32)
+LAYOUT = layout_for_spec(
+    ModelSpec(
+        arch="llama",
+        name="test",
+        vocab_size=512,
+        context_length=0,
+        hidden=64,
+        layers=2,
+        ffn=256,
+        heads=4,
+        kv_heads=2,
+        norm_eps=1e-6,
+    ),
+    32,
+)
 
 
 def _setup(group_size: int = 64) -> tuple[VramAccount, TimeModel, tuple[np.ndarray, ...]]:
@@ -119,7 +135,21 @@ def test_auto_solves_with_highs_where_cbc_is_missing(monkeypatch: pytest.MonkeyP
 
 
 def test_never_worse_than_greedy_and_never_over_budget() -> None:
-    layout = layout_for_spec(ModelSpec("llama", "test", 1000, 0, 1024, 8, 4096, 8, 8, 1e-6), 128)
+    layout = layout_for_spec(
+        ModelSpec(
+            arch="llama",
+            name="test",
+            vocab_size=1000,
+            context_length=0,
+            hidden=1024,
+            layers=8,
+            ffn=4096,
+            heads=8,
+            kv_heads=8,
+            norm_eps=1e-6,
+        ),
+        128,
+    )
     firing = power_law_firing(8, 4096, seed=1)
     acct = account(layout, BudgetOptions())
     gpu, cpu = load_profile("rtx4090", "gpu"), load_profile("generic-desktop", "cpu")
@@ -135,7 +165,21 @@ def test_never_worse_than_greedy_and_never_over_budget() -> None:
 
 
 def test_reference_capacity_formula() -> None:
-    layout = layout_for_spec(ModelSpec("llama", "test", 32000, 0, 4096, 32, 11008, 32, 32, 1e-6), 1024)
+    layout = layout_for_spec(
+        ModelSpec(
+            arch="llama",
+            name="test",
+            vocab_size=32000,
+            context_length=0,
+            hidden=4096,
+            layers=32,
+            ffn=11008,
+            heads=32,
+            kv_heads=32,
+            norm_eps=1e-6,
+        ),
+        1024,
+    )
     dense = sum(layer.attention_bytes for layer in layout.layers) + layout.output_bytes
     budget = dense + 10**9
     assert reference_capacity(layout, budget) == (10**9 // int(11008 * 2 * 4.5)) * 4
@@ -148,3 +192,25 @@ def test_infeasible_budget_is_a_plan_error() -> None:
     acct, times, firing = _setup()
     with pytest.raises(UserError, match="no placement fits"):
         solve_placement(acct, times, firing, group_neurons(firing, 64), acct.dense - 1)
+
+
+def test_a_solver_stopped_early_never_returns_worse_than_its_warm_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    acct, times, firing = _setup()
+    groups = group_neurons(firing, 64)
+    budget = int(acct.dense + 0.4 * acct.ffn_total)
+    greedy = greedy_placement(acct, firing, groups, budget)
+    real_milp = placement_ilp.milp
+
+    def worst_incumbent(cost: np.ndarray, **kwargs: object) -> object:
+        found = real_milp(cost, **kwargs)
+        # The feasible point that keeps every layer's first option (fewest GPU neurons), as a stopped solver may hold.
+        x = np.zeros_like(found.x)
+        problem = build_problem(acct, times, firing, groups, budget, objective="time", dense_on_gpu=True)
+        bounds = np.cumsum([0] + [len(o.cost) for o in problem.table])
+        x[bounds[:-1]] = 1.0
+        return SimpleNamespace(x=x, status=1)
+
+    monkeypatch.setattr(placement_ilp, "milp", worst_incumbent)
+    result = solve_placement(acct, times, firing, groups, budget, solver="highs", warm_start=greedy)
+    assert "kept the warm start" in result.status
+    assert times.step_seconds(result.placement) == pytest.approx(times.step_seconds(greedy))

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from planner.activation_stats import activation_files, load_activation
+from planner.activation_stats import load_activation
 from planner.budget import GIB
 from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx, make_plan
 from qinfer.cli import app
+from qinfer_core.activation_files import activation_paths
 from qinfer_core.errors import UserError
 from qinfer_core.gpuidx import GpuIndex, gpuidx_path_for, read_gpuidx, write_gpuidx
 from tests.fake_activation import write_power_law_activation
@@ -37,11 +38,11 @@ def _binding_budget(model: Path) -> int:
 def test_layer_files_sort_by_integer_index(tmp_path: Path) -> None:
     for i in (10, 2, 0, 1, 11, 3, 4, 5, 6, 7, 8, 9):
         (tmp_path / f"activation_{i}.pt").touch()
-    assert [p.name for p in activation_files(tmp_path, 12)] == [f"activation_{i}.pt" for i in range(12)]
+    assert [p.name for p in activation_paths(tmp_path, 12)] == [f"activation_{i}.pt" for i in range(12)]
     with pytest.raises(UserError, match=r"missing layers \[12\]"):
-        activation_files(tmp_path, 13)
+        activation_paths(tmp_path, 13)
     with pytest.raises(UserError, match=r"extra layers \[11\]"):
-        activation_files(tmp_path, 11)
+        activation_paths(tmp_path, 11)
 
 
 def test_wrong_length_activation_is_refused(tmp_path: Path) -> None:

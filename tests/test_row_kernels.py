@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from qinfer_core.architectures import ARCHITECTURES
+from qinfer_core.errors import UserError
 from qinfer_runtime import quant_rows, row_kernels
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.quant_rows import QuantizedMatrix
@@ -305,3 +306,37 @@ def test_a_failed_build_is_reported_when_the_model_opens(
     monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
     Engine.open(gguf_files["pi-f16"], ctx_size=32)
     assert "native row kernels not built" in capsys.readouterr().err
+
+
+@needs_compiler
+@pytest.mark.parametrize("crafted", ["up has one row", "gate is narrower", "down_t has one row", "negative id"])
+def test_shapes_that_do_not_fit_are_refused_before_anything_is_read(crafted: str) -> None:
+    """A header can claim any shape: a kernel given rows or columns that its ids and input do not fit reads nothing
+    and the runtime says the file is corrupt, instead of reading past the tensor."""
+    llama = ARCHITECTURES["llama"].ffn
+    gate, up, down_t = (_half_rows(64, 96, 96, seed) for seed in range(3))
+    ids, x = torch.tensor([0, 5, 63]), torch.randn(1, 96)
+    if crafted == "up has one row":
+        up = up[:1]
+    elif crafted == "gate is narrower":
+        gate = gate[:, :64]
+    elif crafted == "down_t has one row":
+        down_t = down_t[:1]
+    else:
+        ids = torch.tensor([0, -1])
+    with pytest.raises(UserError, match="corrupt"):
+        row_kernels.sparse_ffn(llama, x, gate, up, down_t, ids)
+
+
+@needs_compiler
+def test_weighted_rows_and_matvec_check_their_rows() -> None:
+    w = _half_rows(8, 64, 64, 0)
+    with pytest.raises(UserError, match="corrupt"):
+        row_kernels.weighted_rows(torch.ones(1, 2), w, torch.tensor([3, 8]))
+    with pytest.raises(UserError, match="corrupt"):
+        row_kernels.weighted_rows(torch.ones(1, 9), w)  # nine rows of act for eight rows of weights
+    blocks = torch.from_numpy(quants.quantize(np.ones((4, 64), dtype=np.float32), GGMLQuantizationType.Q8_0))
+    narrow = QuantizedMatrix(blocks, GGMLQuantizationType.Q8_0)
+    with pytest.raises(UserError, match="corrupt"):
+        row_kernels.matvec(torch.ones(1, 96), narrow)  # an input wider than the rows
+    assert row_kernels.matvec(torch.ones(1, 64), narrow) is not None

@@ -1,4 +1,4 @@
-"""Sparse FFN: oracle selection reproduces the dense FFN, all three variants; the predictor path runs sparse."""
+"""Sparse FFN: oracle selection reproduces the dense FFN in every FFN form; the predictor path runs sparse."""
 
 from __future__ import annotations
 

@@ -1,0 +1,74 @@
+"""What the commands' number options may hold, so that a meaningless value is refused before any work starts.
+
+Integers use typer's `min` and `max`. Floats parse through `Real`: typer's bounds are inclusive only, and a float
+without an upper bound would let inf through, where every float option here needs a finite number.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+
+SEED_MAX = 2**32 - 1  # llama.cpp's seeds are 32-bit; past 64 bits torch's generator overflows
+# Far above any single GPU's memory, yet a byte count the planner's arithmetic still holds exactly.
+VRAM_BUDGET_MAX_GIB = 1024.0
+
+
+@dataclass(frozen=True)
+class Real:
+    """A typer `parser` for a finite float in an interval; either end may be open or absent."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __call__(self, value: str | float) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise typer.BadParameter(f"{value!r} is not a number") from None
+        if not math.isfinite(number):
+            raise typer.BadParameter(f"{value} is not a finite number")
+        if not self._holds(number):
+            raise typer.BadParameter(f"{value} is outside {self}")
+        return number
+
+    def _holds(self, number: float) -> bool:
+        above = self.low is None or (number > self.low if self.low_open else number >= self.low)
+        below = self.high is None or (number < self.high if self.high_open else number <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        # The notation of typer's own ranges ("x>=0", "0<=x<=10"), which --help shows for the integer options.
+        if self.high is None:
+            return f"x{'>' if self.low_open else '>='}{self.low:g}"
+        low = "" if self.low is None else f"{self.low:g}{'<' if self.low_open else '<='}"
+        return f"{low}x{'<' if self.high_open else '<='}{self.high:g}"
+
+
+VRAM_BUDGET = Real(0.0, VRAM_BUDGET_MAX_GIB, low_open=True)
+
+Threads = Annotated[
+    int, typer.Option("-t", "--threads", min=0, help="CPU threads (default: all cores; capped at the core count).")
+]
+
+
+def use_threads(threads: int) -> None:
+    """Apply --threads: 0 keeps torch's default, and more threads than cores are capped with a note, since they
+    only contend for the cores (--threads 1000 once ran 160x slower)."""
+    import torch
+
+    if threads == 0:
+        return
+    cores = os.cpu_count() or 1
+    if threads > cores:
+        # Plain print: rich would wrap the note onto a second line in a narrow terminal.
+        print(f"note: --threads {threads} is more than the {cores} cores here; using {cores}", file=sys.stderr)
+        threads = cores
+    torch.set_num_threads(threads)
