@@ -1,5 +1,7 @@
 """Every file the pipeline writes keeps its bytes: SHA-256 of converted, dense, quantized and `.gpuidx` files of the
-synth models, against hashes recorded before the code that writes them was last restructured.
+synth models (llama, bamboo, falcon, opt), against recorded hashes. They were recorded before the code that writes
+them moved into qinfer_core; since then only the two llama Q4_0 files changed, on purpose, when quantization took
+the engine's own rounding (qinfer_prep/quant_blocks.py).
 
 The hashes hold only for the same synth inputs (the synth builder trains with float arithmetic, whose last bits
 may differ on another CPU or torch build), so the inputs' hashes are recorded too and a machine whose inputs
@@ -23,6 +25,7 @@ from qinfer_prep.convert import convert
 from qinfer_prep.quantize import quantize_gguf
 from qinfer_prep.synth import SynthReport
 from qinfer_prep.synth_falcon import FalconShape, build_synth_falcon
+from qinfer_prep.synth_opt import OPTShape, build_synth_opt
 from tests.fake_activation import write_power_law_activation
 
 GOLDEN = Path(__file__).with_name("golden_sha256.json")
@@ -79,6 +82,11 @@ def outputs(tiny: SynthReport, tmp_path_factory: pytest.TempPathFactory) -> tupl
     files["falcon-pi-f16"] = convert(falcon_model, out / "f-f16.powerinfer.gguf", falcon_predictor, "f16").outfile
     files["falcon-dense-f32"] = convert(falcon_model, out / "f-f32.gguf", None, "f32").outfile
     files["falcon-pi-Q4_0"] = quantize_gguf(files["falcon-pi-f16"], out / "f-Q4_0.powerinfer.gguf", "Q4_0").outfile
+    opt_model, opt_predictor = build_synth_opt(out / "opt", OPTShape())
+    inputs |= {"opt-model": _tree_sha(opt_model), "opt-predictor": _tree_sha(opt_predictor)}
+    files["opt-pi-f16"] = convert(opt_model, out / "o-f16.powerinfer.gguf", opt_predictor, "f16").outfile
+    files["opt-dense-f32"] = convert(opt_model, out / "o-f32.gguf", None, "f32").outfile
+    files["opt-pi-Q4_0"] = quantize_gguf(files["opt-pi-f16"], out / "o-Q4_0.powerinfer.gguf", "Q4_0").outfile
     return inputs, {name: _sha(path) for name, path in files.items()}
 
 

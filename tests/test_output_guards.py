@@ -3,6 +3,8 @@ the temporary files of killed writers."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from qinfer.cli import main
 from qinfer_core.atomic_file import atomic_directory, atomic_output, check_replaceable
 from qinfer_core.errors import UserError
 from qinfer_prep.predictor_training import PREDICTOR_OUTPUT
@@ -22,7 +25,22 @@ QUICK_TRAINING = ["--train-tokens", "600", "--heldout-tokens", "300", "--epochs"
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+    """`qinfer ARGS` through its entry point, in this process: the libraries are loaded once for all the cases
+    (tests/test_cli_ranges.py runs the entry point as a separate process)."""
+    err, here, argv = io.StringIO(), Path.cwd(), sys.argv
+    try:
+        os.chdir(cwd or here)
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
+            sys.argv = ["qinfer", *args]
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(here)
+        sys.argv = argv
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], expect: str) -> None:

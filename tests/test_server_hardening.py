@@ -316,14 +316,17 @@ def test_a_sampling_failure_fails_its_own_request_alone(
     sample_next = engine_module.sample_next
 
     def failing_for_top_k_7(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-        if params.top_k == 7:
+        # It fails only once all four requests share a step, so that the failure meets a full batch.
+        if params.top_k == 7 and max(batches, default=0) == 4:
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return sample_next(logits, params, generator)
 
     monkeypatch.setattr(engine_module, "sample_next", failing_for_top_k_7)
     with ThreadPoolExecutor(4) as pool:
+        # Submitted first and long, it is still decoding when its batch-mates arrive, however slow the machine.
+        failing = pool.submit(_completion, local.url, PROMPTS[3], {"top_k": 7, "max_tokens": CTX // 2})
+        _wait_for(lambda: _call(f"{local.url}/health")[1]["busy_slots"] == 1, 3.0)
         mates = [pool.submit(_completion, local.url, p, {"temperature": 0.0}) for p in PROMPTS[:3]]
-        failing = pool.submit(_completion, local.url, PROMPTS[3], {"top_k": 7})
         status, body, _ = failing.result()
         _assert_error(status, body, 500, "server_error")
         assert body["error"]["message"].startswith("sampling failed:")
