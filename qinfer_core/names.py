@@ -83,6 +83,7 @@ class Key:
     ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
     ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
 
+    TOKENIZER_PREFIX = "tokenizer."
     TOKENS = Keys.Tokenizer.LIST
     BOS_ID = Keys.Tokenizer.BOS_ID
     EOS_ID = Keys.Tokenizer.EOS_ID

@@ -40,7 +40,9 @@ def _drop_foreign_added_tokens(backend: Tokenizer, n_vocab: int) -> Tokenizer:
 class GGUFTokenizer:
     def __init__(self, meta: dict[str, Any]):
         renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
-        spec = {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+        # transformers names the keys without their "tokenizer." prefix.
+        keys = {name: Key.TOKENIZER_PREFIX + key for key, name in renames.items()}
+        spec = {name: meta[key] for name, key in keys.items() if key in meta}
         kind = spec.get("tokenizer_type")
         if kind not in SUPPORTED:
             raise UserError(f"tokenizer type {kind!r} is not supported; expected one of {', '.join(SUPPORTED)}")

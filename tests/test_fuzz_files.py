@@ -22,10 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
+from qinfer_core.activation_files import read_activations
 from qinfer_core.errors import UserError
 from qinfer_core.gpuidx import gpuidx_path_for, read_gpuidx
+from qinfer_core.predictor_dir import load_layer
 from qinfer_prep.quantize import quantize_gguf
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.generate import generate
@@ -230,3 +233,21 @@ def test_the_cli_turns_a_hostile_file_into_one_line_and_exit_2(samples: dict[str
         done = subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert "Traceback" not in done.stderr and "not a valid GGUF file" in done.stderr
+
+
+class _Payload:
+    """An object whose unpickling would run code: weights_only loading must refuse it."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("pickled code ran",))
+
+
+def test_damaged_torch_files_are_one_line_without_torchs_advice(tmp_path: Path) -> None:
+    """A predictor or activation file that is not a tensor file (or hides a pickled object) is refused in one
+    line; torch's own message, which advises weights_only=False, is never passed on."""
+    torch.save({"fc1.weight": _Payload()}, tmp_path / "model_0.pt")
+    (tmp_path / "activation_0.pt").write_bytes(b"not a torch file at all")
+    for read in (lambda: load_layer(tmp_path / "model_0.pt"), lambda: read_activations(tmp_path)):
+        with pytest.raises(UserError) as info:
+            read()
+        assert "\n" not in str(info.value) and "weights_only" not in str(info.value)
