@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 from transformers.utils import logging as hf_logging
 
+from qinfer_prep.ffn_taps import forward_hooks, hooked
 from qinfer_prep.synth_tokenizer import BOS, EOS, SEQ_LEN, save_tokenizer
 
 Progress = Callable[[str, int, int], None]
@@ -178,11 +179,8 @@ def biases_follow_input(model: LlamaForCausalLM, rates: torch.Tensor, stride: in
         layer.post_attention_layernorm.register_forward_pre_hook(hook(layer, rates[i]))
         for i, layer in enumerate(model.model.layers)
     ]
-    try:
+    with hooked(handles):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def train(
@@ -253,13 +251,9 @@ def observe(model: LlamaForCausalLM, batch: torch.Tensor, rates: torch.Tensor | 
     handles = [
         layer.post_attention_layernorm.register_forward_pre_hook(keep_input(i)) for i, layer in enumerate(layers)
     ]
-    handles += [layer.mlp.gate_proj.register_forward_hook(keep_firing(i)) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad(), biases_follow_input(model, rates) if rates is not None else nullcontext():
-            loss = float(model(input_ids=batch, labels=batch).loss)
-    finally:
-        for handle in handles:
-            handle.remove()
+    handles += forward_hooks(layers, "mlp.gate_proj", keep_firing)
+    with hooked(handles), torch.no_grad(), biases_follow_input(model, rates) if rates is not None else nullcontext():
+        loss = float(model(input_ids=batch, labels=batch).loss)
     return Observed(inputs, fired, loss)
 
 
