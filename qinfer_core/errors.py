@@ -1,5 +1,10 @@
 class UserError(Exception):
     """A problem the user can fix: a missing or corrupt file, a model of another shape, settings that cannot work.
 
-    Every layer raises this one class; the CLI prints its message as one line and exits with code 2.
+    Every layer raises this one class; the CLI prints its message as one line and exits with code 2. Messages quote
+    names read from files, which may hold anything, so control characters (a newline in a key's name) are shown
+    escaped and can never break the line.
     """
+
+    def __init__(self, message: str):
+        super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in message))

@@ -197,4 +197,9 @@ def scan_layout(buf: memoryview) -> Layout:
             raise LayoutError(f"{name} ends at byte {data_start + offset + nbytes}, past the end of the file")
         tensors.append(TensorEntry(name, ne, qtype, offset, nbytes))
         running = -(-(offset + nbytes) // alignment) * alignment
+    # Writers end the file with the last tensor (and at most its padding): more bytes after it mean a header that
+    # no longer describes the data, such as a last tensor given a smaller type.
+    end = data_start + (tensors[-1].offset + tensors[-1].nbytes if tensors else 0)
+    if len(buf) - end >= alignment:
+        raise LayoutError(f"{len(buf) - end} bytes follow the last tensor's data, which the header does not describe")
     return Layout(magic, keys, tuple(tensors), data_start)

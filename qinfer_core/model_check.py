@@ -4,6 +4,7 @@ that do not fit (docs/formats.md#tensors)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
 from qinfer_core.model_spec import ModelSpec
-from qinfer_core.names import TOKEN_ID_KEYS, Tensor, tensor_name
+from qinfer_core.names import TOKEN_ID_KEYS, Key, Tensor, tensor_name
 
 # Types a model tensor may have; 1-D tensors (norms, biases) only F32, as the engine reads them.
 MATRIX_TYPES = (
@@ -53,6 +54,9 @@ def check_model(spec: ModelSpec, powerinfer: bool, entries: Entries, meta: Mappi
     extra = [name for name in entries if name not in expected]
     if extra:
         raise UserError(f"{path} has {len(extra)} tensors a {spec.arch} model of its shape lacks ({extra[0]} ...)")
+    threshold = meta.get(Key.SPARSE_THRESHOLD, 0.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
+        raise UserError(f"{path}: {Key.SPARSE_THRESHOLD} is {threshold!r}, not a finite number; re-convert it")
     for key in TOKEN_ID_KEYS:
         value = meta.get(key)
         if value is not None and not 0 <= value < spec.vocab_size:

@@ -130,9 +130,14 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     Key.ROPE_FREQ_BASE: (_F32, None),
     Key.TOKENS: (_ARRAY, _S),
     Key.MERGES: (_ARRAY, _S),
-    Key.BOS_ID: (_U32, None),
-    Key.EOS_ID: (_U32, None),
-    Key.ADD_BOS: (GGUFValueType.BOOL, None),
+    Keys.Tokenizer.SCORES: (_ARRAY, _F32),
+    Keys.Tokenizer.TOKEN_TYPE: (_ARRAY, GGUFValueType.INT32),
+    **{key: (_U32, None) for key in TOKEN_ID_KEYS},
+    **{
+        key: (GGUFValueType.BOOL, None)
+        for key in (Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.ADD_EOS, Keys.Tokenizer.ADD_SEP, Keys.Tokenizer.ADD_PREFIX)
+    },
+    Keys.Tokenizer.MODEL: (_S, None),
     Key.SPARSE_THRESHOLD: (_F32, None),
     Key.GPU_INDEX_BLOCK_COUNT: (_U32, None),
     Key.VRAM_CAPACITY: (GGUFValueType.UINT64, None),

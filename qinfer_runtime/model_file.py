@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,5 @@ def open_model(path: Path) -> ModelFile:
     if spec.vocab_size == 0:
         raise UserError(f"{path} has no {Key.TOKENS}; convert it with its tokenizer")
     check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, path)
-    threshold = meta.get(Key.SPARSE_THRESHOLD, 0.0)
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
-        raise UserError(f"{path}: {Key.SPARSE_THRESHOLD} is {threshold!r}, not a finite number; re-convert it")
-    return ModelFile(path, spec, reader.is_powerinfer, float(threshold), meta, _tensors(reader, path))
+    threshold = float(meta.get(Key.SPARSE_THRESHOLD, 0.0))  # checked finite by check_model
+    return ModelFile(path, spec, reader.is_powerinfer, threshold, meta, _tensors(reader, path))

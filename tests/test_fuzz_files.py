@@ -106,9 +106,10 @@ def mutate(data: bytes, field: Field, rng: random.Random) -> bytes:
     top = (1 << (8 * field.size)) - 1
     candidates = [old + 1, old - 1, old + 32, 0, 1, top, top - 31, old * 2, old // 2, 1 << (8 * field.size - 1)]
     if field.kind.startswith("value "):
-        candidates = [0, top, 1 << (8 * field.size - 1)]
-    if field.kind == "value 6":  # a float: NaN, infinities, negative
-        candidates = [0x7FC00000, 0x7F800000, 0xFF800000, 0xBF800000]
+        # Zero is a valid token id, and a count of nothing.
+        candidates = [top, 1 << (8 * field.size - 1), *([] if field.key.endswith("_token_id") else [0])]
+    if field.kind == "value 6":  # a float: NaN or infinite (a negative threshold is a valid one)
+        candidates = [0x7FC00000, 0x7F800000, 0xFF800000]
     new = rng.choice([c for c in candidates if 0 <= c <= top and c != old] or [old ^ 1])
     return data[: field.offset] + new.to_bytes(field.size, "little") + data[field.offset + field.size :]
 
