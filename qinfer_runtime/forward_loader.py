@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from planner.budget import GIB
 from planner.device_profiles import load_profile
-from planner.make_plan import Plan, PlanOptions, dry_run_account, load_or_make_gpuidx
 from planner.model_layout import ModelLayout
 from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
@@ -27,6 +27,9 @@ from qinfer_runtime.model_file import ModelFile
 from qinfer_runtime.model_forward import TransformerForward, ffn_weights
 from qinfer_runtime.sparse_ffn import FFNWeights
 from qinfer_runtime.split_cost import SplitCosts
+
+if TYPE_CHECKING:
+    from planner.make_plan import Plan, PlanOptions
 
 FFN_MODES = ("auto", "sparse", "dense", "oracle")
 SCHEDULES = ("auto", "static", "dynamic")
@@ -88,6 +91,8 @@ def gpu_profile_name(device: torch.device | None) -> str:
         for key, profile in (("h200", "h200"), ("4090", "rtx4090"), ("2080", "rtx2080ti")):
             if key in name:
                 return profile
+    from planner.make_plan import PlanOptions
+
     return PlanOptions().gpu
 
 
@@ -103,6 +108,9 @@ class Placement:
 
 
 def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOptions, notes: list[str]) -> Placement:
+    # The planner's solvers (pulp, scipy) load only when a budget asks for a plan, not for every run.
+    from planner.make_plan import dry_run_account, load_or_make_gpuidx
+
     assert options.vram_budget_gib is not None
     budget = int(options.vram_budget_gib * GIB)
     if options.disable_gpu_index:
@@ -147,6 +155,8 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     device = gpu_device(options.device)
     if device is not None:
         require_split_support(layers[0].form)
+    from planner.make_plan import PlanOptions
+
     plan_options = PlanOptions(ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device))
     notes: list[str] = []
     placed = _placement(model, options, plan_options, notes)

@@ -3,8 +3,6 @@ the temporary files of killed writers."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shutil
 import subprocess
@@ -14,33 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from qinfer.cli import main
 from qinfer_core.atomic_file import atomic_directory, atomic_output, check_replaceable
 from qinfer_core.errors import UserError
 from qinfer_prep.predictor_training import PREDICTOR_OUTPUT
 from qinfer_prep.synth import SynthReport, SynthShape, build_synth
 from qinfer_prep.synth_corpus import synth_corpus
+from tests.cli_in_process import run_in_process
 
 QUICK_TRAINING = ["--train-tokens", "600", "--heldout-tokens", "300", "--epochs", "1", "--seq-len", "100"]
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`qinfer ARGS` through its entry point, in this process: the libraries are loaded once for all the cases
-    (tests/test_cli_ranges.py runs the entry point as a separate process)."""
-    err, here, argv = io.StringIO(), Path.cwd(), sys.argv
-    try:
-        os.chdir(cwd or here)
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
-            sys.argv = ["qinfer", *args]
-            try:
-                main()
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        os.chdir(here)
-        sys.argv = argv
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+run_cli = run_in_process
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], expect: str) -> None:

@@ -18,6 +18,7 @@ from qinfer_runtime.llama_forward import KVCache, LlamaForward
 from qinfer_runtime.model_file import open_model
 from qinfer_runtime.sampling import SamplingParams, sample_next
 from qinfer_runtime.tokenizer import GGUFTokenizer
+from tests.cli_in_process import run_in_process
 
 PROMPT = "Once upon a time"
 TEXTS = [PROMPT, "The dog ran fast,\nand the cat  slept. 42 times!", "  leading spaces", "zürich — 東京 🙂", ""]
@@ -128,7 +129,7 @@ def test_run_refuses_bad_model_files(gguf_files: dict[str, Path], tmp_path: Path
         path.write_bytes(gguf_files["pi-f16"].read_bytes()[:5000])
     elif damage == "garbage":
         path.write_bytes(b"not a model at all" * 100)
-    result = run_cli("run", "-m", str(path), "-n", "4")
+    result = run_in_process("run", "-m", str(path), "-n", "4")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
