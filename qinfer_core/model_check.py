@@ -51,7 +51,9 @@ def check_model(spec: ModelSpec, powerinfer: bool, entries: Entries, meta: Mappi
     missing = [name for name in expected if name not in entries]
     if missing:
         raise UserError(f"{path} lacks {len(missing)} tensors of a {spec.arch} model ({missing[0]} ...); re-convert it")
-    extra = [name for name in entries if name not in expected]
+    # The engine's OPT converter also writes a checkpoint's tied lm_head as output.weight, which nothing reads.
+    unread = {tensor_name(Tensor.OUTPUT)} if architecture(spec.arch).output_is_embedding else set()
+    extra = [name for name in entries if name not in expected and name not in unread]
     if extra:
         raise UserError(f"{path} has {len(extra)} tensors a {spec.arch} model of its shape lacks ({extra[0]} ...)")
     threshold = meta.get(Key.SPARSE_THRESHOLD, 0.0)
