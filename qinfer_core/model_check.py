@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
 from qinfer_core.model_spec import ModelSpec
-from qinfer_core.names import TOKEN_ID_KEYS, Key, Tensor, tensor_name
+from qinfer_core.names import Key, Tensor, tensor_name
 
 # Types a model tensor may have; 1-D tensors (norms, biases) only F32, as the engine reads them.
 MATRIX_TYPES = (
@@ -59,9 +59,11 @@ def check_model(spec: ModelSpec, powerinfer: bool, entries: Entries, meta: Mappi
     threshold = meta.get(Key.SPARSE_THRESHOLD, 0.0)
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
         raise UserError(f"{path}: {Key.SPARSE_THRESHOLD} is {threshold!r}, not a finite number; re-convert it")
-    for key in TOKEN_ID_KEYS:
+    # BOS and EOS are the ids the runtime uses; llama.cpp, too, only warns about the other special ids and ignores
+    # one outside the vocabulary, so such a file from another converter stays readable.
+    for key in (Key.BOS_ID, Key.EOS_ID):
         value = meta.get(key)
-        if value is not None and not 0 <= value < spec.vocab_size:
+        if value is not None and spec.vocab_size and not 0 <= value < spec.vocab_size:
             raise UserError(f"{path}: {key} is {value}, outside the vocabulary of {spec.vocab_size}; re-convert it")
     for name, shape in expected.items():
         ne, qtype = entries[name]

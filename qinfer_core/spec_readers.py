@@ -72,7 +72,7 @@ def spec_from_metadata(meta: dict[str, Any], path: Path) -> ModelSpec:
     theta = meta.get(arch_key(Key.ROPE_FREQ_BASE, arch.name))
     eps = arch.default_norm_eps
     if arch.norm_eps_key is not None:
-        eps = _real(key(arch.norm_eps_key), arch_key(arch.norm_eps_key, arch.name), path, 0.0, 1.0)
+        eps = _real(key(arch.norm_eps_key), arch_key(arch.norm_eps_key, arch.name), path, 1e-12, 1.0)
     spec = ModelSpec(
         arch=arch.name,
         name=str(meta.get(Key.NAME, path.stem)),

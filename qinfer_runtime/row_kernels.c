@@ -90,9 +90,9 @@ static inline float block_scale(const uint8_t *block) { return half_to_float((ui
 static inline int64_t block_bytes(int type) { return type == Q4_0 ? 2 + QK / 2 : 2 + QK; }
 
 /* Whether n values can be read from every picked row (ids[0..k-1], or rows 0..k-1 where ids is NULL) of a weight
- * of `rows` rows of `cols` values, `stride` bytes apart. */
+ * of `rows` rows of `cols` values, `stride` bytes apart. A row must hold exactly n, so no output is left unwritten. */
 static int fits(int type, int64_t stride, int64_t rows, int64_t cols, int64_t n, const int64_t *ids, int64_t k) {
-    if (n < 0 || k < 0 || rows < 0 || n > cols || (type != F16 && n % QK)) return 0;
+    if (n < 0 || k < 0 || rows < 0 || n != cols || (type != F16 && n % QK)) return 0;
     int64_t bytes = type == F16 ? 2 * n : n / QK * block_bytes(type);
     if (rows > 1 && stride < bytes) return 0;
     if (!ids) return k <= rows;

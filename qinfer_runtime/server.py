@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +24,8 @@ from qinfer_runtime.engine import Request as EngineRequest
 from qinfer_runtime.engine_worker import EngineWorker, Job
 from qinfer_runtime.openai_schema import ChatRequest, CompletionRequest, SamplingFields
 
+# The slowest body upload accepted, on average: a full 8 MiB body may take about two minutes.
+MIN_BODY_BYTES_PER_S = 64 * 1024
 # How often a non-streamed request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
 # Sent with errors that leave part of the request unread, so that the rest is never read.
@@ -116,23 +119,36 @@ def _too_large(max_bytes: int) -> str:
 
 @dataclass
 class _GuardedBody:
-    """One request's receive(), counting its body bytes and timing each wait for more."""
+    """One request's receive(), counting its body bytes and timing each wait for more, and the whole body: a client
+    trickling a byte just inside each pause would otherwise hold its connection for as long as it likes."""
 
     inner: Receive
     max_bytes: int
     timeout_s: float
     received: int = 0
     complete: bool = False
+    deadline: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.timeout_s + self.max_bytes / MIN_BODY_BYTES_PER_S
 
     async def receive(self) -> Message:
         if self.complete:
             # Past the body, receive() only waits for a disconnect, for as long as the response lasts.
             return await self.inner()
+        wait = min(self.timeout_s, self.deadline - time.monotonic())
         try:
-            async with asyncio.timeout(self.timeout_s):
+            if wait <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(wait):
                 message = await self.inner()
         except TimeoutError:
-            raise HTTPException(408, f"the request body stalled for over {self.timeout_s:g} s", CLOSE) from None
+            raise HTTPException(
+                408,
+                f"the request body stalled or came too slowly (over {self.timeout_s:g} s idle, "
+                f"or under {MIN_BODY_BYTES_PER_S} bytes/s)",
+                CLOSE,
+            ) from None
         if message["type"] == "http.request":
             self.received += len(message.get("body", b""))
             if self.received > self.max_bytes:
@@ -195,7 +211,9 @@ async def pieces(worker: EngineWorker, job: Job, stops: list[str]) -> AsyncItera
 
 
 def create_app(worker: EngineWorker, model_id: str, options: ServerOptions = DEFAULT_OPTIONS) -> FastAPI:
-    app = FastAPI(title="qinfer", lifespan=_lifespan(worker))
+    # With a key, the schema and its pages (not under /v1) are not served to whoever asks.
+    docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if options.api_key else {}
+    app = FastAPI(title="qinfer", lifespan=_lifespan(worker), **docs)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
