@@ -15,7 +15,7 @@ import pytest
 from typer.models import ParameterInfo
 
 from qinfer.app import app
-from qinfer.cli import main
+from tests.cli_in_process import run_in_process
 
 # Paths need not exist: a bad number is refused while the arguments are parsed, before anything is opened.
 RUN = ["run", "-m", "missing.gguf"]
@@ -93,16 +93,10 @@ BAD_VALUES = [
 ]
 
 
-def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+def cli(*args: str) -> tuple[int, str, str]:
     """Exit code, stdout and stderr of `qinfer ARGS` through the entry point, in this process."""
-    monkeypatch.setattr(sys, "argv", ["qinfer", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+    done = run_in_process(*args)
+    return done.returncode, done.stdout, done.stderr
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -118,10 +112,8 @@ def error_lines(stderr: str) -> list[str]:
     BAD_VALUES,
     ids=[f"{c[1] if c[0] == 'prep' else c[0]} {o} {v}" for c, o, v in BAD_VALUES],
 )
-def test_bad_value_is_one_line_and_exit_2(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str], option: str, value: str
-) -> None:
-    code, out, err = cli(monkeypatch, capsys, *command, option, value)
+def test_bad_value_is_one_line_and_exit_2(command: list[str], option: str, value: str) -> None:
+    code, out, err = cli(*command, option, value)
     lines = error_lines(err)
     assert code == 2, err
     assert len(lines) == 1, err
@@ -137,12 +129,10 @@ def test_bad_value_through_python_m_qinfer() -> None:
     ]
 
 
-def test_help_and_missing_subcommand_keep_their_exit_codes(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code, out, err = cli(monkeypatch, capsys, "run", "--help")
+def test_help_and_missing_subcommand_keep_their_exit_codes() -> None:
+    code, out, err = cli("run", "--help")
     assert code == 0 and "--top-p" in out and err == ""
-    code, out, err = cli(monkeypatch, capsys, "prep")
+    code, out, err = cli("prep")
     assert code == 2 and "synth" in out and err == ""  # the group's help, as typer prints it
 
 
@@ -183,33 +173,25 @@ def decode_tokens(stderr: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def test_n_predict_minus_one_runs_until_the_context_is_full(
-    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_n_predict_minus_one_runs_until_the_context_is_full(gguf_files: dict[str, Path]) -> None:
     model = str(gguf_files["pi-f32"])
-    code, out, err = cli(
-        monkeypatch, capsys, "run", "-m", model, "-n", "-1", "-c", "200", "--ignore-eos", "--temp", "0"
-    )
+    code, out, err = cli("run", "-m", model, "-n", "-1", "-c", "200", "--ignore-eos", "--temp", "0")
     assert code == 0, err
     prompt, generated = decode_tokens(err)
     # The prompt and every token but the last fill the context; more than the default -n of 128.
     assert generated == 200 - prompt + 1 > 128
 
 
-def test_n_predict_zero_generates_nothing(
-    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code, out, err = cli(monkeypatch, capsys, "run", "-m", str(gguf_files["pi-f32"]), "-n", "0", "-p", "Hello")
+def test_n_predict_zero_generates_nothing(gguf_files: dict[str, Path]) -> None:
+    code, out, err = cli("run", "-m", str(gguf_files["pi-f32"]), "-n", "0", "-p", "Hello")
     assert code == 0, err
     assert out == "Hello\n" and "decode" not in err
 
 
-def test_a_tiny_temperature_is_greedy(
-    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_tiny_temperature_is_greedy(gguf_files: dict[str, Path]) -> None:
     args = ["run", "-m", str(gguf_files["pi-f32"]), "-n", "12", "--seed", "5"]
-    greedy = cli(monkeypatch, capsys, *args, "--temp", "0")
-    tiny = cli(monkeypatch, capsys, *args, "--temp", "1e-300")
+    greedy = cli(*args, "--temp", "0")
+    tiny = cli(*args, "--temp", "1e-300")
     assert greedy[0] == tiny[0] == 0, tiny[2]
     assert tiny[1] == greedy[1]
 

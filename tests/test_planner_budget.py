@@ -12,7 +12,7 @@ from planner.device_profiles import load_profile
 from planner.model_layout import layout_for_spec, read_model_layout
 from planner.placement import Placement
 from qinfer_core.errors import UserError
-from qinfer_core.model_spec import ModelSpec
+from tests.shapes import shape_spec
 
 
 def test_tiny_f16_gguf_matches_hand_worked_account(gguf_files: dict[str, Path]) -> None:
@@ -34,35 +34,13 @@ def test_tiny_f16_gguf_matches_hand_worked_account(gguf_files: dict[str, Path]) 
 def test_f32_and_q4_neuron_bytes(gguf_files: dict[str, Path]) -> None:
     assert read_model_layout(gguf_files["pi-f32"]).layers[0].neuron_bytes == 3 * 64 * 4
     q4 = layout_for_spec(
-        ModelSpec(
-            arch="llama",
-            name="test",
-            vocab_size=32000,
-            context_length=0,
-            hidden=4096,
-            layers=1,
-            ffn=11008,
-            heads=32,
-            kv_heads=32,
-            norm_eps=1e-6,
-        ),
+        shape_spec("llama", layers=1, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000),
         1024,
         weight_type="Q4_0",
     )
     assert q4.layers[0].neuron_bytes == 3 * 4096 / 32 * 18
     falcon = layout_for_spec(
-        ModelSpec(
-            arch="falcon",
-            name="test",
-            vocab_size=65024,
-            context_length=0,
-            hidden=8192,
-            layers=1,
-            ffn=32768,
-            heads=128,
-            kv_heads=8,
-            norm_eps=1e-6,
-        ),
+        shape_spec("falcon", layers=1, hidden=8192, ffn=32768, heads=128, kv_heads=8, vocab=65024),
         1024,
     )
     assert falcon.layers[0].neuron_bytes == 2 * 8192 * 2  # no gate
@@ -75,18 +53,7 @@ def test_dense_model_is_refused(gguf_files: dict[str, Path]) -> None:
 
 def test_placement_bytes_by_category() -> None:
     layout = layout_for_spec(
-        ModelSpec(
-            arch="llama",
-            name="test",
-            vocab_size=512,
-            context_length=0,
-            hidden=64,
-            layers=2,
-            ffn=256,
-            heads=4,
-            kv_heads=2,
-            norm_eps=1e-6,
-        ),
+        shape_spec("llama", layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512),
         32,
     )
     acct = account(layout, BudgetOptions(ctx_size=10, batch=1, gpu_embeddings=True))
@@ -102,18 +69,7 @@ def test_placement_bytes_by_category() -> None:
 
 def test_too_small_budget_names_the_minimum() -> None:
     layout = layout_for_spec(
-        ModelSpec(
-            arch="llama",
-            name="test",
-            vocab_size=32000,
-            context_length=0,
-            hidden=8192,
-            layers=80,
-            ffn=28672,
-            heads=64,
-            kv_heads=8,
-            norm_eps=1e-6,
-        ),
+        shape_spec("llama", layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=32000),
         1024,
     )
     acct = account(layout, BudgetOptions(ctx_size=4096, batch=4))

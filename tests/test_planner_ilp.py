@@ -20,24 +20,13 @@ from planner.placement import Placement
 from planner.placement_ilp import MIP_GAP, Objective, build_problem, solve_placement
 from planner.time_model import TimeModel, build_time_model
 from qinfer_core.errors import UserError
-from qinfer_core.model_spec import ModelSpec
+from tests.shapes import shape_spec
 
 # Slow, latency-free devices make every choice matter at this size: otherwise the sync latency dwarfs 256 neurons.
 GPU = DeviceProfile("g", "gpu", "", 1 << 30, 2e9, 1e12, 1e9, 1e-7)
 CPU = DeviceProfile("c", "cpu", "", 1 << 30, 1e8, 1e10, 0.0, 0.0)
 LAYOUT = layout_for_spec(
-    ModelSpec(
-        arch="llama",
-        name="test",
-        vocab_size=512,
-        context_length=0,
-        hidden=64,
-        layers=2,
-        ffn=256,
-        heads=4,
-        kv_heads=2,
-        norm_eps=1e-6,
-    ),
+    shape_spec("llama", layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512),
     32,
 )
 
@@ -136,18 +125,7 @@ def test_auto_solves_with_highs_where_cbc_is_missing(monkeypatch: pytest.MonkeyP
 
 def test_never_worse_than_greedy_and_never_over_budget() -> None:
     layout = layout_for_spec(
-        ModelSpec(
-            arch="llama",
-            name="test",
-            vocab_size=1000,
-            context_length=0,
-            hidden=1024,
-            layers=8,
-            ffn=4096,
-            heads=8,
-            kv_heads=8,
-            norm_eps=1e-6,
-        ),
+        shape_spec("llama", layers=8, hidden=1024, ffn=4096, heads=8, kv_heads=8, vocab=1000),
         128,
     )
     firing = power_law_firing(8, 4096, seed=1)
@@ -166,18 +144,7 @@ def test_never_worse_than_greedy_and_never_over_budget() -> None:
 
 def test_reference_capacity_formula() -> None:
     layout = layout_for_spec(
-        ModelSpec(
-            arch="llama",
-            name="test",
-            vocab_size=32000,
-            context_length=0,
-            hidden=4096,
-            layers=32,
-            ffn=11008,
-            heads=32,
-            kv_heads=32,
-            norm_eps=1e-6,
-        ),
+        shape_spec("llama", layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000),
         1024,
     )
     dense = sum(layer.attention_bytes for layer in layout.layers) + layout.output_bytes
