@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from qinfer_core.errors import UserError
@@ -18,7 +17,6 @@ from qinfer_core.names import Key, Tensor, tensor_name
 from qinfer_core.spec_readers import spec_from_metadata
 from qinfer_runtime.quant_rows import QUANTIZED_TYPES, QuantizedMatrix
 
-_TORCH_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16}
 # Quantized matrices stay raw blocks (the native kernels read them as they are; elsewhere rows are expanded as
 # they are used), except the embedding tables, which are looked up row by row and so expanded once, at load.
 _EXPANDED_AT_LOAD = (tensor_name(Tensor.TOKEN_EMBD), tensor_name(Tensor.POSITION_EMBD))
@@ -40,7 +38,7 @@ class ModelFile:
             raise UserError(f"{self.path} has no tensor {name!r}; was it converted by an older tool?") from None
 
 
-def _tensors(reader: PowerInferReader, path: Path) -> dict[str, torch.Tensor | QuantizedMatrix]:
+def _tensors(reader: PowerInferReader) -> dict[str, torch.Tensor | QuantizedMatrix]:
     tensors: dict[str, torch.Tensor | QuantizedMatrix] = {}
     for t in reader.tensors:
         if t.tensor_type in QUANTIZED_TYPES:
@@ -50,12 +48,8 @@ def _tensors(reader: PowerInferReader, path: Path) -> dict[str, torch.Tensor | Q
                 else QuantizedMatrix(torch.from_numpy(t.data), t.tensor_type)
             )
             continue
-        dtype = _TORCH_TYPES.get(t.tensor_type)
-        if dtype is None:
-            raise UserError(
-                f"{path}: tensor {t.name} is {t.tensor_type.name}; this runtime reads F32, F16, Q4_0 and Q8_0 files"
-            )
-        # The reader maps the file copy-on-write, so these views share its pages instead of copying them.
+        # F32 or F16, the only other types check_model lets through. The reader maps the file copy-on-write, so
+        # these views share its pages instead of copying them.
         tensors[t.name] = torch.from_numpy(t.data)
     return tensors
 
@@ -68,4 +62,4 @@ def open_model(path: Path) -> ModelFile:
         raise UserError(f"{path} has no {Key.TOKENS}; convert it with its tokenizer")
     check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, path)
     threshold = float(meta.get(Key.SPARSE_THRESHOLD, 0.0))  # checked finite by check_model
-    return ModelFile(path, spec, reader.is_powerinfer, threshold, meta, _tensors(reader, path))
+    return ModelFile(path, spec, reader.is_powerinfer, threshold, meta, _tensors(reader))
