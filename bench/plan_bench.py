@@ -39,6 +39,13 @@ SHAPES = {
 }
 
 
+def shape_inputs(name: str, weight_type: str) -> tuple[ModelLayout, tuple[np.ndarray, ...]]:
+    """The layout of shape `name` (a key of SHAPES) in `weight_type`, and its synthetic firing rates."""
+    spec = load_model_profile(SHAPES[name][0]).spec
+    layout = layout_for_spec(spec, predictor_rank=1024, weight_type=weight_type)
+    return layout, power_law_firing(spec.layers, spec.ffn, seed=len(name))
+
+
 def reference_that_fits(
     layout: ModelLayout, acct: VramAccount, firing: tuple[np.ndarray, ...], budget: int
 ) -> Placement:
@@ -71,14 +78,12 @@ def main() -> None:
     ):  # fmt: skip
         table.add_column(column, justify="right")
     for name in args.shapes.split(","):
-        model, budgets_gib = SHAPES[name]
-        spec = load_model_profile(model).spec
-        layout = layout_for_spec(spec, predictor_rank=1024, weight_type=args.weight_type)
-        firing = power_law_firing(spec.layers, spec.ffn, seed=len(name))
-        acct = account(layout, BudgetOptions(ctx_size=args.ctx_size, batch=args.batch))
-        times = build_time_model(layout, firing, gpu, cpu, ctx_size=args.ctx_size, batch=args.batch)
+        layout, firing = shape_inputs(name, args.weight_type)
+        options = BudgetOptions(ctx_size=args.ctx_size, batch=args.batch)
+        acct = account(layout, options)
+        times = build_time_model(layout, firing, gpu, cpu, options)
         groups = group_neurons(firing, 64)
-        for budget_gib in budgets_gib:
+        for budget_gib in SHAPES[name][1]:
             budget = int(budget_gib * GIB)
             auto = solve_placement(acct, times, firing, groups, budget, dense_on_gpu=False, time_limit=args.time_limit)
             auto_cells = (f"{times.tokens_per_second(auto.placement):.2f}", f"{auto.seconds:.2f}")

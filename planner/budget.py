@@ -2,7 +2,7 @@
 
 Scratch reserve: a fixed 256 MiB (CUDA context, cuBLAS workspace, allocator slack) plus the f32 buffers one decode
 step of one layer needs at once: per sequence the hidden state, q/k/v, the FFN activations and the attention scores
-over the whole context, with a factor 2 because the engine double-buffers them.
+over the rows the KV policy attends, with a factor 2 because the engine double-buffers them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from planner.model_layout import ModelLayout
 from planner.placement import Placement
 from qinfer_core.errors import UserError
+from qinfer_core.kv_policy import KVPolicy
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -24,6 +25,7 @@ class BudgetOptions:
     ctx_size: int = 512
     batch: int = 1
     gpu_embeddings: bool = False
+    kv_policy: KVPolicy = KVPolicy()
 
 
 @dataclass(frozen=True)
@@ -54,23 +56,24 @@ class VramAccount:
         return sum(b * n for b, n in zip(self.neuron_bytes, self.ffn_neurons, strict=True)) + sum(self.predictors)
 
 
-def kv_cache_bytes(layout: ModelLayout, ctx_size: int, batch: int) -> int:
-    """K and V, f16, for one layer: 2 * ctx * batch * kv_heads * head_dim * 2 bytes."""
-    return 2 * ctx_size * batch * layout.spec.kv_dim * KV_ELEMENT_BYTES
+def kv_cache_bytes(layout: ModelLayout, options: BudgetOptions) -> int:
+    """One layer's f16 KV cache as the runtime allocates it; under `full`, 2 * ctx * batch * kv_dim * 2 bytes."""
+    return options.kv_policy.layer_bytes(layout.spec, options.ctx_size, options.batch, KV_ELEMENT_BYTES)
 
 
-def scratch_bytes(layout: ModelLayout, ctx_size: int, batch: int) -> int:
+def scratch_bytes(layout: ModelLayout, options: BudgetOptions) -> int:
     e = layout.spec.hidden
     f = max(layer.ffn_neurons for layer in layout.layers)
     kv = layout.spec.kv_dim
-    per_sequence = (2 * e + 2 * kv + 2 * f + layout.spec.heads * ctx_size) * 4
-    return SCRATCH_FIXED + 2 * batch * per_sequence
+    scores = layout.spec.heads * options.kv_policy.attended_rows(options.ctx_size)
+    per_sequence = (2 * e + 2 * kv + 2 * f + scores) * 4
+    return SCRATCH_FIXED + 2 * options.batch * per_sequence
 
 
 def account(layout: ModelLayout, options: BudgetOptions) -> VramAccount:
     if options.ctx_size < 1 or options.batch < 1:
         raise UserError("--ctx-size and --batch must be at least 1")
-    kv = kv_cache_bytes(layout, options.ctx_size, options.batch)
+    kv = kv_cache_bytes(layout, options)
     return VramAccount(
         attention=tuple(layer.attention_bytes for layer in layout.layers),
         kv_cache=(kv,) * layout.n_layers,
@@ -79,7 +82,7 @@ def account(layout: ModelLayout, options: BudgetOptions) -> VramAccount:
         ffn_neurons=tuple(layer.ffn_neurons for layer in layout.layers),
         output=layout.output_bytes,
         embeddings=layout.embedding_bytes if options.gpu_embeddings else 0,
-        scratch=scratch_bytes(layout, options.ctx_size, options.batch),
+        scratch=scratch_bytes(layout, options),
     )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from planner.activation_stats import ActivationStats, load_activation
 from planner.baselines import greedy_placement
-from planner.budget import BudgetOptions, VramAccount, account, require_budget, vram_used
+from planner.budget import BudgetOptions, VramAccount, account, minimum_budget, require_budget, vram_used
 from planner.device_profiles import load_profile
 from planner.model_layout import ModelLayout, read_model_layout
 from planner.neuron_groups import group_neurons
@@ -19,6 +19,7 @@ from planner.placement_ilp import Objective, SolveResult, solve_placement
 from planner.time_model import TimeModel, build_time_model
 from qinfer_core.errors import UserError
 from qinfer_core.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
+from qinfer_core.kv_policy import KVPolicy
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,18 @@ class PlanOptions:
     dense: Literal["gpu", "auto"] = "gpu"
     gpu_embeddings: bool = False
     solver: str = "auto"
+    kv_policy: KVPolicy = KVPolicy()
 
     def budget_options(self) -> BudgetOptions:
-        return BudgetOptions(ctx_size=self.ctx_size, batch=self.batch, gpu_embeddings=self.gpu_embeddings)
+        return BudgetOptions(
+            ctx_size=self.ctx_size, batch=self.batch, gpu_embeddings=self.gpu_embeddings, kv_policy=self.kv_policy
+        )
+
+    @property
+    def window_rows(self) -> int:
+        """What a plan records of its KV policy beside the policy's name: the rows a window keeps, 0 under `full`
+        (whose rows are the ctx size, recorded already)."""
+        return self.kv_policy.rows(self.ctx_size) if self.kv_policy.windowed else 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,8 @@ class Plan:
                 dense=self.options.dense,
                 attention_on_gpu=p.attention_on_gpu,
                 output_on_gpu=p.output_on_gpu,
+                kv_policy=self.options.kv_policy.kind,
+                kv_rows=self.options.window_rows,
             ),
         )
 
@@ -113,7 +125,7 @@ def _inputs(
     stats = load_activation(activation_dir or model_path.parent / "activation", acct.ffn_neurons)
     gpu = load_profile(options.gpu, "gpu")
     cpu = load_profile(options.cpu, "cpu")
-    times = build_time_model(layout, stats.firing, gpu, cpu, ctx_size=options.ctx_size, batch=options.batch)
+    times = build_time_model(layout, stats.firing, gpu, cpu, options.budget_options())
     return options, layout, acct, stats, times
 
 
@@ -172,6 +184,28 @@ def _make(
     )
     plan = _plan(model_path, budget, options, layout, acct, stats, times, result.placement, result)
     return plan, stats
+
+
+@dataclass(frozen=True)
+class FullKVComparison:
+    """What a window buys: the same context, batch and budget with a `full` KV cache."""
+
+    account: VramAccount
+    plan: Plan | None  # None when the budget cannot hold `full`'s dense parts
+
+
+def full_kv_account(layout: ModelLayout, options: PlanOptions) -> VramAccount:
+    """The account `options` would have with a `full` KV cache."""
+    return account(layout, replace(_fit_context(options, layout), kv_policy=KVPolicy()).budget_options())
+
+
+def compare_with_full_kv(plan: Plan, activation_dir: Path | None = None) -> FullKVComparison:
+    """Plan `plan`'s budget again, by the same solver and settings, with a `full` KV cache."""
+    options = replace(plan.options, kv_policy=KVPolicy())
+    full = full_kv_account(plan.layout, options)
+    if plan.vram_budget < minimum_budget(full, options.dense == "gpu"):
+        return FullKVComparison(full, None)
+    return FullKVComparison(full, _make(plan.model_path, plan.vram_budget, activation_dir, options)[0])
 
 
 def load_or_make_gpuidx(
@@ -242,6 +276,8 @@ def _require_fresh(
         "gpu profile": (made.gpu, options.gpu),
         "cpu profile": (made.cpu, options.cpu),
         "dense placement": (made.dense, options.dense),
+        "kv policy": (made.kv_policy, options.kv_policy.kind),
+        "kv window rows": (made.kv_rows, options.window_rows),
     }
     changed = [name for name, (then, current) in now.items() if then != current]
     if changed:

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.table import Table
 
 from planner.budget import GIB, MIB, VramAccount, minimum_budget
-from planner.make_plan import Plan
+from planner.make_plan import FullKVComparison, Plan
 from qinfer_core.atomic_file import atomic_output
 from qinfer_core.errors import UserError
 from qinfer_core.names import Tensor
@@ -17,7 +17,15 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.3f}" if n >= MIB else f"{n / GIB:.6f}"
 
 
-def account_table(acct: VramAccount, budget: int, *, dense_on_gpu: bool, title: str = "VRAM account") -> Table:
+def account_table(
+    acct: VramAccount,
+    budget: int,
+    *,
+    dense_on_gpu: bool,
+    title: str = "VRAM account",
+    full_kv: VramAccount | None = None,
+) -> Table:
+    """`full_kv`: for a window KV cache, the same account with a full one, to show what the window frees."""
     table = Table(title=title)
     table.add_column("part")
     table.add_column("GiB", justify="right")
@@ -27,13 +35,19 @@ def account_table(acct: VramAccount, budget: int, *, dense_on_gpu: bool, title: 
     per_neuron = sum(b * n for b, n in zip(acct.neuron_bytes, acct.ffn_neurons, strict=True)) / max(1, neurons)
     rows = [
         ("attention (all layers)", sum(acct.attention), "weights and norms"),
-        ("KV cache", sum(acct.kv_cache), "f16 K and V for ctx x batch"),
+        ("KV cache", sum(acct.kv_cache), "f16 K and V for ctx x batch" if full_kv is None else "window rows x batch"),
         ("output head", acct.output, f"{Tensor.OUTPUT} and {Tensor.OUTPUT_NORM}"),
         ("embeddings", acct.embeddings, "on GPU" if acct.embeddings else "kept on CPU"),
         ("scratch reserve", acct.scratch, "256 MiB + per-sequence buffers"),
         ("predictors (all layers)", sum(acct.predictors), "on GPU with a layer's first neuron"),
         ("FFN neurons (all)", acct.ffn_total - sum(acct.predictors), f"{neurons} neurons x {per_neuron:.1f} B"),
     ]
+    if full_kv is not None:
+        freed = full_kv.dense - acct.dense
+        rows += [
+            ("KV cache with full", sum(full_kv.kv_cache), "f16 K and V for ctx x batch"),
+            ("freed by the window", freed, f"KV and scratch: room for {int(freed // per_neuron)} more FFN neurons"),
+        ]
     for name, n, note in rows:
         table.add_row(name, _gib(n), f"{int(round(n))}", note)
     need = minimum_budget(acct, dense_on_gpu)
@@ -42,7 +56,8 @@ def account_table(acct: VramAccount, budget: int, *, dense_on_gpu: bool, title: 
     return table
 
 
-def summary_table(plan: Plan) -> Table:
+def summary_table(plan: Plan, full_kv: FullKVComparison | None = None) -> Table:
+    """`full_kv`: for a window KV cache, the same budget planned with a full one."""
     table = Table(title=f"plan for {plan.model_path.name}")
     table.add_column("")
     table.add_column("value", justify="right")
@@ -53,6 +68,8 @@ def summary_table(plan: Plan) -> Table:
         ("neurons on GPU", f"{plan.placement.gpu_neuron_count()} / {sum(plan.account.ffn_neurons)}"),
         ("layers with attention on GPU", f"{sum(plan.placement.attention_on_gpu)} / {len(plan.account.attention)}"),
     ]
+    if full_kv is not None:
+        rows += _window_rows(plan, full_kv)
     rows += [(f"VRAM: {name}", f"{_gib(n)} GiB") for name, n in plan.vram.items()]
     rows.append(("VRAM used / budget", f"{_gib(plan.vram_total)} / {_gib(plan.vram_budget)} GiB"))
     if solve is not None:
@@ -66,6 +83,29 @@ def summary_table(plan: Plan) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _window_rows(plan: Plan, full_kv: FullKVComparison) -> list[tuple[str, str]]:
+    split = plan.options.kv_policy.split(plan.options.ctx_size)
+    kept = f"{split.rows} of {plan.options.ctx_size}"
+    kv_full, kv_window = _gib(sum(full_kv.account.kv_cache)), _gib(sum(plan.account.kv_cache))
+    rows = [
+        ("KV window rows", f"{kept} ({split.sinks} sinks, {split.recent} recent, {split.heavy} heavy)"),
+        ("KV cache, full -> window", f"{kv_full} -> {kv_window} GiB"),
+    ]
+    full = full_kv.plan
+    if full is None:
+        return [*rows, ("with a full KV cache", "does not fit: the budget cannot hold its dense parts")]
+    neurons, full_neurons = plan.placement.gpu_neuron_count(), full.placement.gpu_neuron_count()
+    speed = plan.tokens_per_second / full.tokens_per_second
+    return [
+        *rows,
+        ("neurons on GPU, full -> window", f"{full_neurons} -> {neurons} ({neurons - full_neurons:+d})"),
+        (
+            "modelled tokens/s, full -> window",
+            f"{full.tokens_per_second:.2f} -> {plan.tokens_per_second:.2f} ({speed:.2f}x)",
+        ),
+    ]
 
 
 def write_report_png(plan: Plan, path: Path) -> None:

@@ -3,7 +3,8 @@
 Each part costs max(bytes read / bandwidth, FLOPs / FLOP/s) on the device it lives on. A neuron is read when it
 fires for any sequence of the batch and computed once per sequence it fires for. Per layer: attention, then the
 GPU and CPU halves of the FFN concurrently (the slower one counts), plus a synchronisation cost (a latency and the
-hidden state across PCIe both ways) whenever the layer's work spans both devices. KV reads assume a full context.
+hidden state across PCIe both ways) whenever the layer's work spans both devices. Attention reads every KV row the
+policy keeps for a full context (all `ctx_size` of them under `full`), the worst step of a sequence.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.budget import kv_cache_bytes
+from planner.budget import BudgetOptions, kv_cache_bytes
 from planner.device_profiles import DeviceProfile
 from planner.model_layout import ModelLayout
 from planner.placement import Placement
@@ -86,12 +87,11 @@ def build_time_model(
     firing: tuple[np.ndarray, ...],
     gpu: DeviceProfile,
     cpu: DeviceProfile,
-    *,
-    ctx_size: int,
-    batch: int,
+    options: BudgetOptions,
 ) -> TimeModel:
-    kv_read = kv_cache_bytes(layout, ctx_size, batch)
-    attention_flops_extra = 4 * ctx_size * layout.spec.hidden * batch
+    batch = options.batch
+    kv_read = kv_cache_bytes(layout, options)
+    attention_flops_extra = 4 * options.kv_policy.attended_rows(options.ctx_size) * layout.spec.hidden * batch
     hidden_transfer = 2 * batch * layout.spec.hidden * 4
     sync = gpu.sync_latency + hidden_transfer / gpu.pcie_bandwidth
     layers = []

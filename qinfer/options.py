@@ -14,6 +14,8 @@ from typing import Annotated
 
 import typer
 
+from qinfer_core.kv_policy import KV_POLICIES, KVPolicy, parse_kv_budget
+
 SEED_MAX = 2**32 - 1  # llama.cpp's seeds are 32-bit; past 64 bits torch's generator overflows
 # Far above any single GPU's memory, yet a byte count the planner's arithmetic still holds exactly.
 VRAM_BUDGET_MAX_GIB = 1024.0
@@ -53,6 +55,40 @@ class Real:
 
 
 VRAM_BUDGET = Real(0.0, VRAM_BUDGET_MAX_GIB, low_open=True)
+
+
+KvPolicyKind = Annotated[
+    str,
+    typer.Option(
+        "--kv-policy",
+        help="KV cache: full keeps every row of the context; window keeps --kv-budget rows per sequence "
+        "(attention sinks, a recent window and the heaviest hitters by attention mass).",
+    ),
+]
+KvBudget = Annotated[
+    float | None,
+    typer.Option(
+        "--kv-budget",
+        metavar="TOKENS|FRACTION",
+        parser=parse_kv_budget,  # its UserError names the option
+        help="Rows --kv-policy window keeps: tokens (1024) or a fraction of the context (0.25 or 25%).",
+    ),
+]
+
+
+def kv_policy(kind: str, budget: float | None) -> KVPolicy:
+    """The policy --kv-policy and --kv-budget ask for; a budget without a window, or a window without a budget, is
+    refused rather than ignored or guessed."""
+    if kind not in KV_POLICIES:
+        raise typer.BadParameter(f"use {' or '.join(KV_POLICIES)}", param_hint="--kv-policy")
+    if kind == "full":
+        if budget is not None:
+            raise typer.BadParameter("only --kv-policy window keeps a budget of rows", param_hint="--kv-budget")
+        return KVPolicy()
+    if budget is None:
+        raise typer.BadParameter("--kv-policy window needs --kv-budget TOKENS or a FRACTION", param_hint="--kv-budget")
+    return KVPolicy("window", budget)
+
 
 Threads = Annotated[
     int, typer.Option("-t", "--threads", min=0, help="CPU threads (default: all cores; capped at the core count).")

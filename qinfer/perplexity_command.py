@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qinfer.app import app, err, progress_bar
-from qinfer.options import Threads, use_threads
+from qinfer.options import KvBudget, KvPolicyKind, Threads, kv_policy, use_threads
 
 
 @app.command("perplexity")
@@ -21,6 +21,8 @@ def perplexity_cmd(
     ffn: Annotated[
         str, typer.Option(help="dense (each window as one prompt), sparse (token by token, predictor-selected).")
     ] = "dense",
+    kv_policy_kind: KvPolicyKind = "full",
+    kv_budget: KvBudget = None,
     threads: Threads = 0,
 ) -> None:
     """Perplexity over non-overlapping windows of the text, as llama.cpp's `perplexity` reports it."""
@@ -33,6 +35,7 @@ def perplexity_cmd(
     if ffn not in ("dense", "sparse"):
         raise typer.BadParameter("dense or sparse", param_hint="--ffn")
     use_threads(threads)
+    policy = kv_policy(kv_policy_kind, kv_budget)
     if not file.is_file():
         raise UserError(f"text file not found: {file}")
     opened = open_model(model)
@@ -48,8 +51,9 @@ def perplexity_cmd(
         bar.update(task, completed=i + 1, total=n, description=f"perplexity {ppl:.4f}")
 
     try:
-        result = perplexity(forward, ids, ctx_size, tokenizer.bos_id, ffn == "sparse", step)
+        result = perplexity(forward, ids, ctx_size, tokenizer.bos_id, ffn == "sparse", step, policy)
     finally:
         bar.stop()
-    err.print(f"{result.windows} windows of {ctx_size} tokens, {result.scored_tokens} tokens scored ({ffn} FFN)")
+    kept = "" if not policy.windowed else f", KV window of {policy.rows(ctx_size)} rows"
+    err.print(f"{result.windows} windows of {ctx_size} tokens, {result.scored_tokens} tokens scored ({ffn} FFN{kept})")
     print(f"Final estimate: PPL = {result.perplexity:.4f} +/- {result.stderr:.5f}")

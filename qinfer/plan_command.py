@@ -8,7 +8,7 @@ from typing import Annotated, Literal, cast
 import typer
 
 from qinfer.app import app, err
-from qinfer.options import VRAM_BUDGET, Real
+from qinfer.options import VRAM_BUDGET, KvBudget, KvPolicyKind, Real, kv_policy
 
 TIME_LIMIT = Real(0.0, low_open=True)
 
@@ -26,6 +26,8 @@ def plan_cmd(
         Path | None, typer.Option(help="Directory of activation_{i}.pt files; default: <model dir>/activation.")
     ] = None,
     ctx_size: Annotated[int, typer.Option(min=1, help="Context length the KV cache and scratch are sized for.")] = 512,
+    kv_policy_kind: KvPolicyKind = "full",
+    kv_budget: KvBudget = None,
     batch: Annotated[
         int, typer.Option(min=1, help="Number of sequences decoded together (KV cache, scratch, timing).")
     ] = 1,
@@ -55,7 +57,13 @@ def plan_cmd(
     """Decide which FFN neurons live on the GPU and write <model>.generated.gpuidx beside the model."""
     # Imported here, as in the other commands, so that `qinfer --help` and unrelated commands start fast.
     from planner.budget import GIB
-    from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
+    from planner.make_plan import (
+        PlanOptions,
+        compare_with_full_kv,
+        dry_run_account,
+        full_kv_account,
+        load_or_make_gpuidx,
+    )
     from planner.placement_ilp import Objective
     from planner.plan_report import account_table, summary_table, write_report_png
     from qinfer_core.atomic_file import check_output_file
@@ -74,11 +82,14 @@ def plan_cmd(
         time_limit=time_limit,
         dense=cast(Literal["gpu", "auto"], dense_placement),
         gpu_embeddings=gpu_embeddings,
+        kv_policy=kv_policy(kv_policy_kind, kv_budget),
     )
+    windowed = options.kv_policy.windowed
     budget = int(vram_budget * GIB)
     if dry_run:
-        _, acct = dry_run_account(model, budget, options)
-        err.print(account_table(acct, budget, dense_on_gpu=options.dense == "gpu"))
+        layout, acct = dry_run_account(model, budget, options)
+        full = full_kv_account(layout, options) if windowed else None
+        err.print(account_table(acct, budget, dense_on_gpu=options.dense == "gpu", full_kv=full))
         return
     if report is not None:
         if report.suffix.lower() != ".png":
@@ -87,7 +98,7 @@ def plan_cmd(
     plan = load_or_make_gpuidx(model, budget, activation, options, reset=reset_gpu_index)
     for note in plan.notes:
         err.print(f"note: {note}")
-    err.print(summary_table(plan))
+    err.print(summary_table(plan, compare_with_full_kv(plan, activation) if windowed else None))
     verb = "reused" if plan.reused else "wrote"
     err.print(f"{verb} {plan.gpuidx_path}")
     if report is not None:

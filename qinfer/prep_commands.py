@@ -33,6 +33,11 @@ def synth_cmd(
     ] = 2,
     vocab: Annotated[int, typer.Option(min=384, help="Tokenizer vocabulary size.")] = 1024,
     predictor_rank: Annotated[int, typer.Option(min=32, help="Predictor hidden width P (a multiple of 32).")] = 64,
+    context: Annotated[int, typer.Option(min=1, help="Context length (max positions) of the model.")] = 256,
+    train_seq_len: Annotated[
+        int | None,
+        typer.Option(min=1, help="Tokens per training window, up to --context (default 128; long-context models)."),
+    ] = None,
     train_steps: Annotated[
         int | None, typer.Option(min=0, help="Training steps; 0 builds the model without training.")
     ] = None,
@@ -48,6 +53,7 @@ def synth_cmd(
 ) -> None:
     """Build a tiny ReLU-LLaMA (HF format, real tokenizer) and its predictors, for trying the pipeline offline."""
     from qinfer_prep.synth import SynthShape, build_synth
+    from qinfer_prep.synth_tokenizer import SEQ_LEN
 
     shape = SynthShape(
         layers=layers,
@@ -57,6 +63,7 @@ def synth_cmd(
         kv_heads=kv_heads,
         vocab=vocab,
         predictor_rank=predictor_rank,
+        context=context,
     )
     with progress_bar() as bar:
         tasks: dict[str, int] = {}
@@ -67,7 +74,14 @@ def synth_cmd(
             bar.update(tasks[stage], completed=done, total=total)
 
         report = build_synth(
-            out, shape, seed=seed, train_steps=train_steps, target_sparsity=sparsity, progress=progress, force=force
+            out,
+            shape,
+            seed=seed,
+            train_steps=train_steps,
+            target_sparsity=sparsity,
+            progress=progress,
+            force=force,
+            train_seq_len=train_seq_len or SEQ_LEN,
         )
     err.print(
         f"model: {report.model_dir}\npredictor: {report.predictor_dir}\n"

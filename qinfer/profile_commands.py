@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -44,13 +45,20 @@ def profile_cmd(
     device: Device = "auto",
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save resumable state every this many windows.")] = 32,
     restart: Annotated[bool, typer.Option(help="Discard the state of an interrupted run and start over.")] = False,
+    distributed: Annotated[
+        bool,
+        typer.Option(help="Run as one of torchrun's processes: each profiles its share, rank 0 writes the sum."),
+    ] = False,
 ) -> None:
     """Count how often each FFN neuron fires over a corpus: writes activation_{i}.pt per layer and summary.json.
 
-    An interrupted run continues from its last checkpoint when started again with the same arguments.
+    An interrupted run continues from its last checkpoint when started again with the same arguments (under
+    torchrun: with the same number of processes, each from its own checkpoint).
     """
-    from qinfer_prep.activation_profile import profile_activations
+    from qinfer_prep.activation_profile import profile_activations, torchrun_shard
 
+    shard = torchrun_shard(os.environ) if distributed else None
+    lead = shard is None or shard.rank == 0  # the one process that reports; the others stay silent
     out = out if out is not None else model_dir / "activation"
     if model_dir.is_dir():  # else the model's own error comes first, and no stray directory is made
         _make_output_directory(out)
@@ -87,10 +95,14 @@ def profile_cmd(
             device=device,
             checkpoint_every=checkpoint_every,
             restart=restart,
-            on_progress=progress,
+            on_progress=progress if lead else None,
+            shard=shard,
         )
     finally:
-        bar.stop()
+        if bar.live.is_started:  # a bar never started would still end its line: a blank one, on every other rank
+            bar.stop()
+    if not lead:
+        return
     if result.fell_back_to_cpu:
         err.print("CUDA is not available: profiled on the CPU")
     if result.resumed_from:

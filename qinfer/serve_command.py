@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qinfer.app import app, err
-from qinfer.options import VRAM_BUDGET, Real, Threads, use_threads
+from qinfer.options import VRAM_BUDGET, KvBudget, KvPolicyKind, Real, Threads, kv_policy, use_threads
 
 
 @app.command("serve")
@@ -29,6 +29,8 @@ def serve_cmd(
     ctx_size: Annotated[
         int, typer.Option("-c", "--ctx-size", min=0, help="Context length per slot (0 = the model's).")
     ] = 512,
+    kv_policy_kind: KvPolicyKind = "full",
+    kv_budget: KvBudget = None,
     threads: Threads = 0,
     schedule: Annotated[str, typer.Option(help="GPU/CPU schedule of the runtime (see `qinfer run --help`).")] = "auto",
     api_key: Annotated[
@@ -61,7 +63,10 @@ def serve_cmd(
     from qinfer_runtime.server_thread import uvicorn_server
 
     use_threads(threads)
-    engine = Engine.open(model, slots=slots, ctx_size=ctx_size, vram_budget_gib=vram_budget, schedule=schedule)
+    policy = kv_policy(kv_policy_kind, kv_budget)
+    engine = Engine.open(
+        model, slots=slots, ctx_size=ctx_size, vram_budget_gib=vram_budget, schedule=schedule, kv_policy=policy
+    )
     options = ServerOptions(
         api_key=api_key,
         max_body_bytes=max_body_bytes,

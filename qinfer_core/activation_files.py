@@ -45,8 +45,10 @@ def write_activations(out: Path, counts: torch.Tensor, tokens: int, meta: dict[s
     """`activation_{i}.pt` (1-D int64 counts, length F) for each layer and `summary.json`, each written atomically."""
     out.mkdir(parents=True, exist_ok=True)
     for i, row in enumerate(counts):
-        with atomic_output(out / f"activation_{i}.pt") as tmp:
-            torch.save(row.detach().to("cpu", torch.int64).clone(), tmp)
+        # Saved through a file object, the archive inside is named "archive" rather than after the temporary file,
+        # so equal counts give equal bytes: a re-profiled model keeps its activation digest, and processes agree.
+        with atomic_output(out / f"activation_{i}.pt") as tmp, tmp.open("wb") as file:
+            torch.save(row.detach().to("cpu", torch.int64).clone(), file)
     layers = summarise(counts, tokens)
     summary = {"tokens": tokens, **meta, "layers": [asdict(layer) for layer in layers]}
     with atomic_output(out / "summary.json") as tmp:

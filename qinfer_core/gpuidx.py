@@ -16,7 +16,12 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from qinfer_core.errors import UserError
 from qinfer_core.gguf_reader import field_value, open_gguf
 from qinfer_core.gguf_writer import TensorPlan, write_gguf
+from qinfer_core.kv_policy import KV_POLICIES
 from qinfer_core.names import Key, Tensor, tensor_name
+
+# Written only for a plan whose KV policy is not `full`, so that a `full` plan keeps the bytes it had before KV
+# policies existed, and a file without them (older, or `full`) reads as `full`.
+KV_POLICY_KEYS = ("kv_policy", "kv_rows")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Provenance:
     dense: str
     attention_on_gpu: tuple[bool, ...]
     output_on_gpu: bool
+    kv_policy: str = "full"
+    kv_rows: int = 0  # KV rows a window keeps per layer, sequence and kv head; 0 under `full`, which keeps them all
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,9 @@ def write_gpuidx(path: Path, index: GpuIndex) -> None:
         writer.add_string(Key.PLAN_PREFIX + "dense", p.dense)
         writer.add_string(Key.PLAN_PREFIX + "attention_on_gpu", "".join("1" if a else "0" for a in p.attention_on_gpu))
         writer.add_bool(Key.PLAN_PREFIX + "output_on_gpu", p.output_on_gpu)
+        if p.kv_policy != "full":
+            writer.add_string(Key.PLAN_PREFIX + "kv_policy", p.kv_policy)
+            writer.add_uint32(Key.PLAN_PREFIX + "kv_rows", p.kv_rows)
 
     tensors = []
     for i, (mask, bucket) in enumerate(zip(masks, index.buckets, strict=True)):
@@ -126,10 +136,14 @@ def _provenance(reader: GGUFReader, path: Path, fix: str) -> Provenance | None:
     present = {key for key in reader.fields if key.startswith(Key.PLAN_PREFIX)}
     if not present:
         return None
-    wanted = {Key.PLAN_PREFIX + f.name for f in fields(Provenance)}
+    kv_keys = {Key.PLAN_PREFIX + name for name in KV_POLICY_KEYS}
+    wanted = {Key.PLAN_PREFIX + f.name for f in fields(Provenance)} - kv_keys
+    if present & kv_keys:
+        wanted |= kv_keys
     layers = int(field_value(reader, Key.GPU_INDEX_BLOCK_COUNT))
     attention = str(get("attention_on_gpu") or "")
-    if present != wanted or len(attention) != layers or set(attention) - {"0", "1"}:
+    kv_policy = str(get("kv_policy") or "full")
+    if present != wanted or len(attention) != layers or set(attention) - {"0", "1"} or kv_policy not in KV_POLICIES:
         raise UserError(f"{path} has damaged {Key.PLAN_PREFIX}* provenance keys; {fix}")
     return Provenance(
         model_size=int(get("model_size")),
@@ -145,4 +159,6 @@ def _provenance(reader: GGUFReader, path: Path, fix: str) -> Provenance | None:
         dense=str(get("dense")),
         attention_on_gpu=tuple(c == "1" for c in str(get("attention_on_gpu"))),
         output_on_gpu=bool(get("output_on_gpu")),
+        kv_policy=kv_policy,
+        kv_rows=int(get("kv_rows") or 0),
     )

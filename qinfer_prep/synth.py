@@ -69,13 +69,15 @@ def build_synth(
     target_sparsity: float = 0.9,
     progress: Progress | None = None,
     force: bool = False,
+    train_seq_len: int = SEQ_LEN,
 ) -> SynthReport:
     """Write `out/model` (a Hugging Face LLaMA checkpoint with tokenizer), `out/predictor` and `out/synth.json`.
 
     Everything is built in a sibling directory that replaces `out` only when complete; `out` must be new, empty
-    or an earlier build unless `force`.
+    or an earlier build unless `force`. `train_seq_len` is the length of the training windows: the context a
+    model is trained to use (for long-context studies, up to `shape.context`).
     """
-    _check_args(shape, train_steps, target_sparsity)
+    _check_args(shape, train_steps, target_sparsity, train_seq_len)
     check_replaceable(out, SYNTH_BUILD, force)
     steps = DEFAULT_TRAIN_STEPS if train_steps is None else train_steps
     tell = progress or _no_progress
@@ -91,7 +93,7 @@ def build_synth(
     started = time.monotonic()
     if steps:
         stream = token_stream(sp, synth_corpus(seed, min(steps * BATCH * SEQ_LEN * 5, TRAIN_CHARS_MAX), "train"))
-        train(model, bases, stream, rates, steps, gen, tell)
+        train(model, bases, stream, rates, steps, gen, tell, train_seq_len)
     train_seconds = time.monotonic() - started
 
     rows = sample_rows(model)
@@ -122,7 +124,7 @@ def build_synth(
         tmp.chmod(0o755)  # a private temporary directory becomes an ordinary output one
         save_model(model, tokenizer_model, tmp / "model")
         save_predictors(predictors, threshold, tmp / "predictor")
-        _write_json(tmp / "synth.json", _manifest(shape, seed, steps, target_sparsity, result))
+        _write_json(tmp / "synth.json", _manifest(shape, seed, steps, target_sparsity, train_seq_len, result))
     tell("save", 1, 1)
     return result
 
@@ -131,7 +133,7 @@ def _no_progress(stage: str, done: int, total: int) -> None:
     pass
 
 
-def _check_args(shape: SynthShape, train_steps: int | None, target_sparsity: float) -> None:
+def _check_args(shape: SynthShape, train_steps: int | None, target_sparsity: float, train_seq_len: int) -> None:
     problems = []
     if min(shape.layers, shape.heads, shape.kv_heads) < 1 or shape.hidden < 2 or shape.ffn < 5:
         problems.append("layers, heads and kv_heads must be positive, hidden at least 2 and ffn at least 5")
@@ -143,6 +145,8 @@ def _check_args(shape: SynthShape, train_steps: int | None, target_sparsity: flo
         problems.append(f"vocab={shape.vocab} is too small: 259 ids go to byte fallback and special tokens")
     if shape.context < SEQ_LEN:
         problems.append(f"context={shape.context} must be at least {SEQ_LEN}, the length of the text sequences")
+    if not SEQ_LEN <= train_seq_len <= shape.context:
+        problems.append(f"train_seq_len={train_seq_len} must lie between {SEQ_LEN} and the context {shape.context}")
     if shape.predictor_rank < 32 or shape.predictor_rank % 32:
         problems.append(f"predictor_rank={shape.predictor_rank} must be a positive multiple of 32")
     if train_steps is not None and train_steps < 0:
@@ -162,7 +166,10 @@ def _write_json(path: Path, data: dict[str, object]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _manifest(shape: SynthShape, seed: int, steps: int, target: float, result: SynthReport) -> dict[str, object]:
+def _manifest(
+    shape: SynthShape, seed: int, steps: int, target: float, seq_len: int, result: SynthReport
+) -> dict[str, object]:
     """What synth.json records: the recipe, so the build can be repeated, and what was measured."""
     measured = {k: v for k, v in asdict(result).items() if k not in ("model_dir", "predictor_dir", "train_seconds")}
-    return {"shape": asdict(shape), "seed": seed, "train_steps": steps, "target_sparsity": target, **measured}
+    recipe = {"shape": asdict(shape), "seed": seed, "train_steps": steps, "train_seq_len": seq_len}
+    return {**recipe, "target_sparsity": target, **measured}

@@ -191,8 +191,11 @@ def train(
     steps: int,
     gen: torch.Generator,
     progress: Progress,
+    seq_len: int = SEQ_LEN,
 ) -> None:
-    """Next-token training on random windows of `stream`, with the biases tracking the target rates."""
+    """Next-token training on random windows of `seq_len` tokens of `stream`, with the biases tracking the target
+    rates. Each step sees the same number of tokens whatever the window length, so long windows cost no more."""
+    rows = max(1, BATCH * SEQ_LEN // seq_len)
     matrices = [p for p in model.parameters() if p.dim() == 2]
     vectors = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW(
@@ -205,8 +208,8 @@ def train(
     model.train()
     with biases_follow_input(model, rates, TRAIN_CALIBRATION_STRIDE):
         for step in range(steps):
-            starts = torch.randint(0, len(stream) - SEQ_LEN, (BATCH,), generator=gen).tolist()
-            batch = torch.stack([stream[s : s + SEQ_LEN] for s in starts])
+            starts = torch.randint(0, len(stream) - seq_len, (rows,), generator=gen).tolist()
+            batch = torch.stack([stream[s : s + seq_len] for s in starts])
             loss = model(input_ids=batch, labels=batch).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()

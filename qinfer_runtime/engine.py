@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from qinfer_core.errors import UserError
+from qinfer_core.kv_policy import KVPolicy
 from qinfer_runtime.forward_loader import LoadedRuntime, RuntimeOptions, load_forward
 from qinfer_runtime.model_file import open_model
-from qinfer_runtime.model_forward import KVCache, ModelForward, TokenBatch
+from qinfer_runtime.model_forward import ModelForward, TokenBatch, make_kv_cache
 from qinfer_runtime.sampling import SamplingParams, sample_next
 from qinfer_runtime.tokenizer import GGUFTokenizer
 
@@ -54,6 +55,7 @@ class Engine:
         slots: int = 1,
         ctx_size: int = 512,
         cache_device: torch.device | str = "cpu",
+        kv_policy: KVPolicy | None = None,
     ):
         if slots < 1 or ctx_size < 2:
             raise UserError("an engine needs at least one slot and a context of at least 2 tokens")
@@ -61,7 +63,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.slots = slots
         self.ctx_size = ctx_size
-        self.cache = KVCache(forward.cfg, ctx_size, slots, cache_device)
+        self.cache = make_kv_cache(forward.cfg, ctx_size, slots, cache_device, kv_policy)
         self._active: dict[int, _Sequence] = {}
         self.runtime: LoadedRuntime | None = None  # how `open` set the model up (FFN mode, plan, schedule)
 
@@ -78,8 +80,9 @@ class Engine:
         reset_gpu_index: bool = False,
         disable_gpu_index: bool = False,
         device: str | None = None,
+        kv_policy: KVPolicy | None = None,
     ) -> Engine:
-        """Load a GGUF and set up its runtime (see forward_loader.RuntimeOptions for the FFN and GPU settings);
+        """Load a GGUF and set up its runtime (see forward_loader.RuntimeOptions for the FFN, GPU and KV settings);
         `ctx_size` 0 means the model's own context length."""
         model = open_model(model_path)
         ctx = model.config.context_length if ctx_size <= 0 else min(ctx_size, model.config.context_length)
@@ -90,9 +93,11 @@ class Engine:
             reset_gpu_index=reset_gpu_index,
             disable_gpu_index=disable_gpu_index,
             device=device,
+            kv_policy=kv_policy or KVPolicy(),
         )
         loaded = load_forward(model, options, slots=slots, ctx_size=ctx)
-        engine = cls(loaded.forward, GGUFTokenizer(model.metadata), slots, ctx, loaded.forward.device)
+        tokenizer = GGUFTokenizer(model.metadata)
+        engine = cls(loaded.forward, tokenizer, slots, ctx, loaded.forward.device, options.kv_policy)
         engine.runtime = loaded
         return engine
 

@@ -15,7 +15,7 @@ import torch
 
 from qinfer_core.names import Tensor, tensor_name
 from qinfer_runtime.model_file import ModelFile
-from qinfer_runtime.model_forward import KVCache, Step, TransformerForward, cached_attention
+from qinfer_runtime.model_forward import Cache, Step, TransformerForward, cached_attention
 from qinfer_runtime.norms import Norm, layer_norm, norm_weights
 from qinfer_runtime.weight_rows import linear
 
@@ -50,7 +50,7 @@ class FalconForward(TransformerForward):
         self.norm = norm_weights(model, Tensor.OUTPUT_NORM, device=self.device)
         self.output = model.tensor(tensor_name(Tensor.OUTPUT)).to(self.device)
 
-    def attention(self, i: int, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         assert step.cos is not None and step.sin is not None
         q_rows, kv_rows = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -60,7 +60,7 @@ class FalconForward(TransformerForward):
         v = v.reshape(n, cfg.kv_heads, cfg.head_dim)
         return linear(cached_attention(q, k, v, i, step, cache), self.attn[i].o)
 
-    def block(self, i: int, h: torch.Tensor, step: Step, cache: KVCache, prefill: bool) -> torch.Tensor:
+    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
         w, eps = self.attn[i], self.cfg.norm_eps
         attention = self.attention(i, layer_norm(h, w.attn_norm, eps), step, cache)
         return h + attention + self.ffn(i, layer_norm(h, w.ffn_norm, eps), h, prefill)

@@ -20,6 +20,7 @@ from planner.device_profiles import load_profile
 from planner.model_layout import ModelLayout
 from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
+from qinfer_core.kv_policy import KVPolicy
 from qinfer_runtime import row_kernels
 from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
 from qinfer_runtime.hybrid_ffn import HybridRunner, require_split_support
@@ -45,7 +46,7 @@ def forward_class(model: ModelFile) -> type[TransformerForward]:
 class RuntimeOptions:
     """ffn: auto (sparse when the file has predictors), sparse, dense, or oracle (true active set; testing).
     vram_budget_gib: None runs without a GPU split. device: the GPU side ("cuda", or "cpu" to simulate one);
-    None picks CUDA when available."""
+    None picks CUDA when available. kv_policy: which KV rows each sequence keeps, as the plan budgets them."""
 
     ffn: str = "auto"
     vram_budget_gib: float | None = None
@@ -53,6 +54,7 @@ class RuntimeOptions:
     reset_gpu_index: bool = False
     disable_gpu_index: bool = False
     device: str | None = None
+    kv_policy: KVPolicy = field(default_factory=KVPolicy)
 
 
 @dataclass
@@ -157,7 +159,9 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
         require_split_support(layers[0].form)
     from planner.make_plan import PlanOptions
 
-    plan_options = PlanOptions(ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device))
+    plan_options = PlanOptions(
+        ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device), kv_policy=options.kv_policy
+    )
     notes: list[str] = []
     placed = _placement(model, options, plan_options, notes)
     if device is None:

@@ -13,7 +13,7 @@ import torch
 
 from qinfer_core.names import Tensor, tensor_name
 from qinfer_runtime.model_file import ModelFile
-from qinfer_runtime.model_forward import KVCache, Step, TransformerForward, cached_attention
+from qinfer_runtime.model_forward import Cache, Step, TransformerForward, cached_attention
 from qinfer_runtime.norms import rms_norm
 from qinfer_runtime.weight_rows import linear
 
@@ -54,7 +54,7 @@ class LlamaForward(TransformerForward):
         self.norm = model.tensor(tensor_name(Tensor.OUTPUT_NORM)).to(self.device)
         self.output = model.tensor(tensor_name(Tensor.OUTPUT)).to(self.device)
 
-    def attention(self, i: int, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
         cfg, n, w = self.cfg, x.shape[0], self.attn[i]
         assert step.cos is not None and step.sin is not None
         q = linear(x, w.q).view(n, cfg.heads, cfg.head_dim)
@@ -63,7 +63,7 @@ class LlamaForward(TransformerForward):
         q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
         return linear(cached_attention(q, k, v, i, step, cache), w.o)
 
-    def block(self, i: int, h: torch.Tensor, step: Step, cache: KVCache, prefill: bool) -> torch.Tensor:
+    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
         w, eps = self.attn[i], self.cfg.norm_eps
         h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
         return h + self.ffn(i, rms_norm(h, w.ffn_norm, eps), h, prefill)

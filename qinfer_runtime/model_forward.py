@@ -16,11 +16,13 @@ import torch.nn.functional as F
 
 from qinfer_core.architectures import architecture
 from qinfer_core.errors import UserError
+from qinfer_core.kv_policy import KVPolicy
 from qinfer_core.model_spec import ModelSpec
 from qinfer_core.names import BIAS, Tensor, tensor_name
 from qinfer_runtime.ffn_runners import DenseRunner
 from qinfer_runtime.model_file import ModelFile
 from qinfer_runtime.sparse_ffn import FFNWeights
+from qinfer_runtime.window_kv import WindowKVCache
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,22 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.ctx = ctx
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v))
+
+
+Cache = KVCache | WindowKVCache
+
+
+def make_kv_cache(
+    cfg: ModelSpec, ctx: int, slots: int = 1, device: torch.device | str = "cpu", policy: KVPolicy | None = None
+) -> Cache:
+    """The cache that `policy` (qinfer_core.kv_policy; default full) describes, for `slots` sequences of `ctx`."""
+    if policy is not None and policy.windowed:
+        return WindowKVCache(cfg, ctx, slots, device, policy)
+    return KVCache(cfg, ctx, slots, device)
 
 
 @dataclass(frozen=True)
@@ -95,10 +113,12 @@ def rope_tables(cfg: ModelSpec, positions: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, cache: KVCache
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, cache: Cache
 ) -> torch.Tensor:
     """Store k, v [T, kv_heads, d] at the batch's slots and positions, attend q [T, heads, d]; returns [T, heads*d]."""
     n, batch = q.shape[0], step.batch
+    if isinstance(cache, WindowKVCache):
+        return cache.attend(q, k, v, layer, batch.positions, batch.slots, batch.single_sequence)
     if batch.single_sequence:
         slot, start = int(batch.slots[0]), int(batch.positions[0])
         end = start + n
@@ -170,7 +190,7 @@ class ModelForward(Protocol):
     cfg: ModelSpec
     device: torch.device
 
-    def forward(self, batch: TokenBatch, cache: KVCache) -> torch.Tensor: ...
+    def forward(self, batch: TokenBatch, cache: Cache) -> torch.Tensor: ...
 
 
 class TransformerForward:
@@ -199,7 +219,7 @@ class TransformerForward:
         """The output norm and head, onto `device`; runs after `embed` is set, which a tied head reuses."""
         raise NotImplementedError
 
-    def block(self, i: int, h: torch.Tensor, step: Step, cache: KVCache, prefill: bool) -> torch.Tensor:
+    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
         raise NotImplementedError
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -213,7 +233,7 @@ class TransformerForward:
         cos, sin = rope_tables(self.cfg, positions) if self.cfg.rope_dim else (None, None)
         return Step(batch, positions, attention_mask(batch, self.device), cos, sin)
 
-    def forward(self, batch: TokenBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, batch: TokenBatch, cache: Cache) -> torch.Tensor:
         """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`."""
         if int(batch.positions.max()) >= cache.ctx:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
@@ -224,5 +244,5 @@ class TransformerForward:
             h = self.block(i, h, step, cache, prefill)
         return self.head(h)
 
-    def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, slot: int = 0) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, start: int, cache: Cache, slot: int = 0) -> torch.Tensor:
         return self.forward(TokenBatch.prompt(tokens, start, slot), cache)

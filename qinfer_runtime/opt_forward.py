@@ -14,7 +14,7 @@ import torch
 from qinfer_core.architectures import architecture
 from qinfer_core.names import BIAS, Tensor, tensor_name
 from qinfer_runtime.model_file import ModelFile
-from qinfer_runtime.model_forward import KVCache, Step, TokenBatch, TransformerForward, cached_attention, down_bias
+from qinfer_runtime.model_forward import Cache, Step, TokenBatch, TransformerForward, cached_attention, down_bias
 from qinfer_runtime.norms import Norm, layer_norm, norm_weights
 from qinfer_runtime.weight_rows import linear
 
@@ -62,7 +62,7 @@ class OPTForward(TransformerForward):
         rows = self.embed[batch.tokens].float() + self.positions[batch.positions + self.offset].float()
         return rows.to(self.device)
 
-    def block(self, i: int, h: torch.Tensor, step: Step, cache: KVCache, prefill: bool) -> torch.Tensor:
+    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
         cfg, n, w, eps = self.cfg, h.shape[0], self.attn[i], self.cfg.norm_eps
         x = layer_norm(h, w.attn_norm, eps)
         q = affine(x, w.q).view(n, cfg.heads, cfg.head_dim)

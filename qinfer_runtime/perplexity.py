@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from qinfer_core.errors import UserError
-from qinfer_runtime.model_forward import KVCache, TokenBatch, TransformerForward
+from qinfer_core.kv_policy import KVPolicy
+from qinfer_runtime.model_forward import TokenBatch, TransformerForward, make_kv_cache
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,10 @@ class PerplexityResult:
     window_perplexities: list[float]
 
 
-def window_logits(forward: TransformerForward, tokens: torch.Tensor, token_by_token: bool) -> torch.Tensor:
-    cache = KVCache(forward.cfg, tokens.shape[0])
+def window_logits(
+    forward: TransformerForward, tokens: torch.Tensor, token_by_token: bool, kv_policy: KVPolicy | None = None
+) -> torch.Tensor:
+    cache = make_kv_cache(forward.cfg, tokens.shape[0], policy=kv_policy)
     if not token_by_token:
         return forward.forward(TokenBatch.prompt(tokens, 0), cache)
     return torch.cat(
@@ -43,8 +46,10 @@ def perplexity(
     bos_id: int | None,
     token_by_token: bool = False,
     on_window: Callable[[int, int, float], None] | None = None,
+    kv_policy: KVPolicy | None = None,
 ) -> PerplexityResult:
-    """`on_window(i, n, ppl_so_far)` is called after each of the n windows."""
+    """`on_window(i, n, ppl_so_far)` is called after each of the n windows; `kv_policy` (default full) decides
+    which KV rows the window keeps."""
     if ctx < 4:
         raise UserError(f"context {ctx} is too small; use at least 4 tokens")
     if ctx > forward.cfg.context_length:
@@ -60,7 +65,9 @@ def perplexity(
             tokens = torch.tensor(ids[i * ctx : (i + 1) * ctx])
             if bos_id is not None:
                 tokens[0] = bos_id
-            logits = window_logits(forward, tokens, token_by_token).float().cpu()
+            # A window cache is judged as decode meets it: every scored token sees only the rows kept before it.
+            one_by_one = token_by_token or (kv_policy is not None and kv_policy.windowed)
+            logits = window_logits(forward, tokens, one_by_one, kv_policy).float().cpu()
             logp = torch.log_softmax(logits[first : ctx - 1], dim=-1)
             window = -logp.gather(1, tokens[first + 1 :, None])[:, 0].double()
             nll.append(window)

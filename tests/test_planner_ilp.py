@@ -33,8 +33,8 @@ LAYOUT = layout_for_spec(
 
 def _setup(group_size: int = 64) -> tuple[VramAccount, TimeModel, tuple[np.ndarray, ...]]:
     firing = power_law_firing(2, 256, seed=3)
-    acct = account(LAYOUT, BudgetOptions(ctx_size=64, batch=1))
-    return acct, build_time_model(LAYOUT, firing, GPU, CPU, ctx_size=64, batch=1), firing
+    options = BudgetOptions(ctx_size=64, batch=1)
+    return account(LAYOUT, options), build_time_model(LAYOUT, firing, GPU, CPU, options), firing
 
 
 def _placements(firing: tuple[np.ndarray, ...], group_size: int, dense_auto: bool, prefixes_only: bool):
@@ -131,7 +131,7 @@ def test_never_worse_than_greedy_and_never_over_budget() -> None:
     firing = power_law_firing(8, 4096, seed=1)
     acct = account(layout, BudgetOptions())
     gpu, cpu = load_profile("rtx4090", "gpu"), load_profile("generic-desktop", "cpu")
-    times = build_time_model(layout, firing, gpu, cpu, ctx_size=512, batch=1)
+    times = build_time_model(layout, firing, gpu, cpu, BudgetOptions())
     groups = group_neurons(firing, 64)
     for share in (0.05, 0.2, 0.5):
         budget = int(acct.dense + share * acct.ffn_total)

@@ -14,8 +14,9 @@ from qinfer_core.gguf_reader import open_gguf
 from qinfer_prep.synth import SynthReport
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.generate import generate
-from qinfer_runtime.llama_forward import KVCache, LlamaForward
+from qinfer_runtime.llama_forward import LlamaForward
 from qinfer_runtime.model_file import open_model
+from qinfer_runtime.model_forward import KVCache
 from qinfer_runtime.sampling import SamplingParams, sample_next
 from qinfer_runtime.tokenizer import GGUFTokenizer
 from tests.cli_in_process import run_in_process

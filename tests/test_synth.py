@@ -249,6 +249,31 @@ def test_rejects_bad_shapes(shape: SynthShape, problem: str, tmp_path: Path) -> 
         build_synth(tmp_path / "out", shape, train_steps=0)
 
 
+def test_rejects_training_windows_longer_than_the_context(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="train_seq_len=512 must lie between 128 and the context 256"):
+        build_synth(tmp_path / "out", SynthShape(context=256), train_steps=1, train_seq_len=512)
+
+
+def test_long_context_model_trains_on_windows_of_its_length(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes: list[tuple[int, ...]] = []
+    real_train = synth.train
+
+    def spy(model: torch.nn.Module, *args: object) -> None:
+        hook = model.register_forward_pre_hook(
+            lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
+        real_train(model, *args)
+        hook.remove()
+
+    monkeypatch.setattr(synth, "train", spy)
+    shape = SynthShape(layers=1, hidden=64, ffn=128, heads=2, kv_heads=2, vocab=512, context=512, predictor_rank=32)
+    report = build_synth(tmp_path / "long", shape, train_steps=2, train_seq_len=512)
+    # The same tokens per step as the default 16 x 128, in windows of 512.
+    assert shapes == [(4, 512), (4, 512)]
+    assert json.loads((report.model_dir / "config.json").read_text())["max_position_embeddings"] == 512
+    assert json.loads((tmp_path / "long" / "synth.json").read_text())["train_seq_len"] == 512
+
+
 def test_corpus_is_deterministic_plain_paragraphs() -> None:
     text = synth_corpus(7, 5000)
     assert text == synth_corpus(7, 5000)
