@@ -1,7 +1,7 @@
 """Decode speed on the CPU, side by side in one run: transformers, our runtime dense, our runtime sparse.
 
     .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 5] [--quant Q4_0]
-                                     [--work work/bench] [-t N]
+                                     [--work work/bench] [-t N] [-c 256] [--powerinfer-main PATH]
 
 (a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
 (b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
@@ -11,20 +11,39 @@ With --quant, a second row per model runs (b), (c) and (c') on the files quantiz
 steps after the prompt (transformers' steps are timed by a logits processor), best of --rounds interleaved
 runs, so that other load on a shared machine skews it little. Models are built under --work on first use
 (`bench_model`, also used by bench/gpu_check.sh); the 7B slice takes about a minute and 4 GB of RAM.
+
+A second table sets our runtime beside its peers in the same interleaved rounds (bench/decode_peers.py):
+llama.cpp through llama-cpp-python (the `peers` extra) on the dense files, the PowerInfer engine's `main` with
+--powerinfer-main on the dense and the PowerInfer files, and the limit, the bytes a step must read over the read
+bandwidth measured at the start of the run; with the prompt (prefill) tokens/s of ours and the peers.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from decode_peers import (
+    LLAMA_CPP_MISSING,
+    Speed,
+    StepBytes,
+    Timer,
+    engine_main_problem,
+    llama_cpp_available,
+    llama_cpp_decoder,
+    powerinfer_decoder,
+    read_bandwidth,
+    selected_shares,
+    step_bytes,
+)
 from rich.console import Console
 from rich.table import Table
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -94,10 +113,10 @@ class _Stamps(LogitsProcessor):
         return scores
 
 
-def transformers_decoder(model_dir: Path, prompt_ids: list[int], n: int, dtype: torch.dtype) -> Callable[[], float]:
+def transformers_decoder(model_dir: Path, prompt_ids: list[int], n: int, dtype: torch.dtype) -> Timer:
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
-    def tps() -> float:
+    def tps() -> Speed:
         stamps = _Stamps()
         with torch.inference_mode():
             model.generate(
@@ -108,17 +127,19 @@ def transformers_decoder(model_dir: Path, prompt_ids: list[int], n: int, dtype: 
                 pad_token_id=0,
                 logits_processor=LogitsProcessorList([stamps]),
             )
-        return 1.0 / statistics.median(b - a for a, b in itertools.pairwise(stamps.times))
+        return Speed(1.0 / statistics.median(b - a for a, b in itertools.pairwise(stamps.times)))
 
     return tps
 
 
-def runtime_decoder(path: Path, ffn: str, prompt_ids: list[int], n: int, native: bool = True) -> Callable[[], float]:
-    engine = Engine.open(path, ctx_size=len(prompt_ids) + n + 8, ffn=ffn)
+def runtime_decoder(path: Path, ffn: str, prompt_ids: list[int], n: int, ctx: int, native: bool = True) -> Timer:
+    engine = Engine.open(path, ctx_size=ctx, ffn=ffn)
 
-    def tps() -> float:
+    def tps() -> Speed:
         os.environ["QINFER_NATIVE"] = "1" if native else "0"
+        started = time.perf_counter()
         engine.submit(Request(prompt_ids, n + 2, GREEDY, ignore_eos=True))
+        prompt_seconds = time.perf_counter() - started
         engine.step()
         seconds = []
         for _ in range(n):
@@ -126,9 +147,25 @@ def runtime_decoder(path: Path, ffn: str, prompt_ids: list[int], n: int, native:
             engine.step()
             seconds.append(time.perf_counter() - started)
         engine.cancel(engine.active_slots()[0])
-        return 1.0 / statistics.median(seconds)
+        return Speed(1.0 / statistics.median(seconds), len(prompt_ids) / prompt_seconds)
 
     return tps
+
+
+# The PowerInfer engine computes only these weight types (and decodes its f32 PowerInfer files to garbage).
+ENGINE_TYPES = ("F16", "Q4_0")
+
+
+# A peer that did not run (not installed, not asked for, or not on this file type) shows as a dash.
+NOT_RUN = Speed(math.nan)
+
+
+def _cell(tps: float | None) -> str:
+    return "—" if tps is None or math.isnan(tps) else f"{tps:.2f}"
+
+
+def _ratio(ours: float, other: float) -> str:
+    return "—" if math.isnan(other) else f"{ours / other:.2f}x"
 
 
 def main() -> None:
@@ -139,14 +176,37 @@ def main() -> None:
     parser.add_argument("--quant", choices=["Q4_0", "Q8_0"], help="also run the files quantized to this type")
     parser.add_argument("--work", type=Path, default=Path("work/bench"))
     parser.add_argument("-t", "--threads", type=int, default=0)
+    parser.add_argument("-c", "--ctx", type=int, default=256, help="context size, for ours and the peers")
+    parser.add_argument(
+        "--powerinfer-main", type=Path, help="the `main` of a PowerInfer engine CPU build: adds its column"
+    )
     args = parser.parse_args()
+    if args.powerinfer_main is not None and (problem := engine_main_problem(args.powerinfer_main)):
+        print(problem, file=sys.stderr)
+        raise SystemExit(2)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    console = Console(width=max(Console().width, 130))  # the table is wider than a pipe's default 80 columns
-    table = Table(title=f"decode tokens/s on the CPU ({torch.get_num_threads()} threads, {args.tokens} tokens)")
+    threads = torch.get_num_threads()
+    console = Console(width=max(Console().width, 170))  # the tables are wider than a pipe's default 80 columns
+    llama_cpp = llama_cpp_available()
+    if not llama_cpp:
+        console.print(LLAMA_CPP_MISSING, markup=False)  # its pip extra's [peers] is no markup
+    bandwidth = read_bandwidth()
+    console.print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB, {threads} threads, best of 5)")
+    table = Table(title=f"decode tokens/s on the CPU ({threads} threads, {args.tokens} tokens)")
     columns = ("model", "(a) HF f16", "(a) HF f32", "(b) ours dense", "(c) ours sparse", "(c') torch path")
     for col in (*columns, "b / best a", "c / b", "c' / b"):
         table.add_column(col, justify="right")
+    peers = Table(
+        title=f"ours beside the peers: decode tokens/s ({threads} threads, {args.tokens} tokens, -c {args.ctx})",
+        caption="ours: (b) on dense files, (c) on PowerInfer ones; llama.cpp applies SiLU to a `llama` file (speed "
+        "only); limit: bytes a step reads / read bandwidth; prompt: prefill tokens/s of the bench's prompt",
+    )
+    peers.add_column("file", no_wrap=True)
+    for col in ("ours", "llama.cpp", "PowerInfer", "limit", "ours/llama.cpp", "ours/PowerInfer", "ours/limit"):
+        peers.add_column(col, justify="right")
+    for col in ("prompt: ours", "llama.cpp", "PowerInfer"):
+        peers.add_column(col, justify="right")
     for name in args.models.split(","):
         model = bench_model(args.work, name)
         prompt_ids = GGUFTokenizer(open_model(model.powerinfer).metadata).encode(PROMPT)
@@ -154,21 +214,42 @@ def main() -> None:
             "hf16": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float16),
             "hf32": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float32),
         }
-        variants = [model, *([quantized(model, args.quant)] if args.quant else [])]
-        for v in variants:
-            decoders[f"{v.name} dense"] = runtime_decoder(v.dense, "dense", prompt_ids, args.tokens)
-            decoders[f"{v.name} sparse"] = runtime_decoder(v.powerinfer, "sparse", prompt_ids, args.tokens)
-            decoders[f"{v.name} torch"] = runtime_decoder(v.powerinfer, "sparse", prompt_ids, args.tokens, False)
-        best: dict[str, float] = dict.fromkeys(decoders, 0.0)
+        variants = [(model, "F16"), *([(quantized(model, args.quant), args.quant)] if args.quant else [])]
+        limits: dict[str, StepBytes] = {}
+        for v, qtype in variants:
+            decoders[f"{v.name} dense"] = runtime_decoder(v.dense, "dense", prompt_ids, args.tokens, args.ctx)
+            decoders[f"{v.name} sparse"] = runtime_decoder(v.powerinfer, "sparse", prompt_ids, args.tokens, args.ctx)
+            decoders[f"{v.name} torch"] = runtime_decoder(
+                v.powerinfer, "sparse", prompt_ids, args.tokens, args.ctx, False
+            )
+            if llama_cpp:
+                decoders[f"{v.name} llama.cpp dense"] = llama_cpp_decoder(
+                    v.dense, prompt_ids, args.tokens, threads, args.ctx
+                )
+            if args.powerinfer_main is not None and qtype in ENGINE_TYPES:
+                for kind, path in (("dense", v.dense), ("sparse", v.powerinfer)):
+                    decoders[f"{v.name} engine {kind}"] = powerinfer_decoder(
+                        args.powerinfer_main, path, PROMPT, args.tokens, threads, args.ctx
+                    )
+            elif args.powerinfer_main is not None:
+                console.print(f"{v.name}: no PowerInfer column, the engine computes only {', '.join(ENGINE_TYPES)}")
+            shares = selected_shares(v.powerinfer, prompt_ids, args.tokens, args.ctx)
+            limits[v.name] = step_bytes(v.powerinfer, shares)
+            console.print(
+                f"{v.name}: a step reads {limits[v.name].dense / 1e6:.1f} MB dense, {limits[v.name].sparse / 1e6:.1f} "
+                f"MB sparse ({statistics.fmean(shares):.1%} of neurons picked per token, measured on our run)"
+            )
+        best: dict[str, Speed] = {}
         # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run.
         for _ in range(args.rounds):
             for key, decode in decoders.items():
-                best[key] = max(best[key], decode())
+                speed = decode()
+                best[key] = best[key].best(speed) if key in best else speed
         os.environ.pop("QINFER_NATIVE")
-        hf16, hf32 = best["hf16"], best["hf32"]
+        hf16, hf32 = best["hf16"].decode, best["hf32"].decode
         baseline = max(hf16, hf32)
-        for v in variants:
-            dense, sparse, gather = (best[f"{v.name} {k}"] for k in ("dense", "sparse", "torch"))
+        for v, _ in variants:
+            dense, sparse, gather = (best[f"{v.name} {k}"].decode for k in ("dense", "sparse", "torch"))
             console.print(
                 f"{v.name}: HF f16 {hf16:.2f}, HF f32 {hf32:.2f}, dense {dense:.2f}, sparse {sparse:.2f}, "
                 f"sparse on torch's path {gather:.2f} tok/s"
@@ -184,7 +265,29 @@ def main() -> None:
                 f"{sparse / dense:.2f}x",
                 f"{gather / dense:.2f}x",
             )
+            for kind, path, step in (
+                ("dense", v.dense, limits[v.name].dense),
+                ("sparse", v.powerinfer, limits[v.name].sparse),
+            ):
+                ours = best[f"{v.name} {kind}"]
+                llama = best.get(f"{v.name} llama.cpp {kind}", NOT_RUN)
+                engine = best.get(f"{v.name} engine {kind}", NOT_RUN)
+                limit = bandwidth / step
+                peers.add_row(
+                    path.name,
+                    _cell(ours.decode),
+                    _cell(llama.decode),
+                    _cell(engine.decode),
+                    _cell(limit),
+                    _ratio(ours.decode, llama.decode),
+                    _ratio(ours.decode, engine.decode),
+                    _ratio(ours.decode, limit),
+                    _cell(ours.prompt),
+                    _cell(llama.prompt),
+                    _cell(engine.prompt),
+                )
     console.print(table)
+    console.print(peers)
 
 
 if __name__ == "__main__":

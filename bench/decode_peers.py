@@ -1,0 +1,194 @@
+"""What bench/decode.py measures our decode against: llama.cpp, the PowerInfer engine, and the bandwidth limit.
+
+llama.cpp runs in this process through llama-cpp-python (the optional `peers` extra, `pip install -e '.[peers]'`);
+the PowerInfer engine's `main` runs as a subprocess from a build the user points at, and its speeds are read from
+the timing lines it prints on stderr. The limit is the bytes one decode step must read (the planner's accounting,
+planner/model_layout.py) over the read bandwidth measured on this machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from planner.model_layout import read_model_layout
+from qinfer_runtime.engine import Engine, Request
+from qinfer_runtime.ffn_runners import SparseRunner, active_ids, select
+from qinfer_runtime.model_forward import TransformerForward
+from qinfer_runtime.sampling import SamplingParams
+
+GIB = 1 << 30
+LLAMA_CPP_MISSING = (
+    "llama.cpp column skipped: llama-cpp-python is not installed "
+    "(pip install -e '.[peers]'; it compiles llama.cpp, which takes minutes)"
+)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Tokens/s of one run: decode, and prompt (prefill) where the column measures it."""
+
+    decode: float
+    prompt: float | None = None
+
+    def best(self, other: Speed) -> Speed:
+        prompts = [p for p in (self.prompt, other.prompt) if p is not None]
+        return Speed(max(self.decode, other.decode), max(prompts) if prompts else None)
+
+
+Timer = Callable[[], Speed]
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_decoder(path: Path, prompt_ids: list[int], n: int, threads: int, ctx: int) -> Timer:
+    """llama.cpp on a dense GGUF: the prompt, then n greedy steps, each timed like ours (the median step).
+    Speed only: llama.cpp applies SiLU to any `llama` file, so a ReLU model's tokens differ from ours."""
+    # The optional `peers` extra, imported only where it is installed.
+    from llama_cpp import Llama, llama_get_logits_ith
+
+    llm = Llama(model_path=str(path), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    vocab = llm.n_vocab()
+
+    def run() -> Speed:
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(prompt_ids)
+        prompt_seconds = time.perf_counter() - started
+        seconds = []
+        for _ in range(n):
+            started = time.perf_counter()
+            # Greedy, with the argmax inside the timed step as our engine's sampling is. Llama.eval keeps no
+            # logits unless every position's are kept, so the last token's are read from the context.
+            logits = np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            llm.eval([int(np.argmax(logits))])
+            seconds.append(time.perf_counter() - started)
+        return Speed(1.0 / statistics.median(seconds), len(prompt_ids) / prompt_seconds)
+
+    return run
+
+
+def engine_main_problem(main: Path) -> str | None:
+    """Why `main` cannot be run as the PowerInfer engine, or None."""
+    if not main.is_file():
+        return f"--powerinfer-main {main}: no such file (point it at the `main` of a PowerInfer CPU build)"
+    if not os.access(main, os.X_OK):
+        return f"--powerinfer-main {main}: not executable (chmod +x it, or point at the built binary)"
+    return None
+
+
+# Its llama_print_timings lines: "prompt eval time = ... tokens per second)" and "eval time = ...".
+_TIMING = re.compile(r"^\w+:\s+(prompt eval|eval) time\s*=.*?,\s*([0-9.]+|inf|nan) tokens per second\)", re.MULTILINE)
+
+
+def parse_engine_timings(stderr: str) -> Speed:
+    """Decode and prompt tokens/s from the engine's timing lines; its decode figure is the mean over its steps."""
+    found = {kind: float(value) for kind, value in _TIMING.findall(stderr)}
+    if "eval" not in found or not math.isfinite(found["eval"]):
+        tail = stderr.strip().splitlines()[-3:]
+        raise RuntimeError(f"no 'eval time ... tokens per second' line from the PowerInfer engine: {tail}")
+    prompt = found.get("prompt eval")
+    return Speed(found["eval"], prompt if prompt is not None and math.isfinite(prompt) else None)
+
+
+def powerinfer_decoder(main: Path, path: Path, prompt: str, n: int, threads: int, ctx: int) -> Timer:
+    """The engine's `main` on `path` with our options: greedy (its default repeat penalty is 1.1), n tokens."""
+    # Its tokenizer drops SentencePiece's leading space, so a leading space gives it the same ids as ours.
+    command = [str(main.resolve()), "-m", str(path.resolve()), "-p", f" {prompt}", "-n", str(n), "-t", str(threads)]
+    command += ["-c", str(ctx), "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos"]
+
+    def run() -> Speed:
+        # It writes a main.log into its working directory on every run: keep that out of the user's.
+        with tempfile.TemporaryDirectory() as scratch:
+            done = subprocess.run(
+                command,
+                cwd=scratch,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=900,
+            )
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-3:]
+            raise RuntimeError(f"{main} exited with {done.returncode} on {path.name}: {tail}")
+        return parse_engine_timings(done.stderr)
+
+    return run
+
+
+def read_bandwidth(tries: int = 5) -> float:
+    """Bytes/s of a torch sum over a 1 GiB float32 tensor at torch's thread count, best of `tries`: what a
+    memory-bound pass over weights can reach here."""
+    data = torch.ones(GIB // 4)
+    best = math.inf
+    for _ in range(tries):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * data.element_size() / best
+
+
+class _SelectionShares:
+    """Stands in for a sparse runner during one untimed generation, recording per layer the share of neurons
+    its predictor picks at each decode step."""
+
+    def __init__(self, runner: SparseRunner):
+        self.runner = runner
+        self.shares: list[list[float]] = [[] for _ in runner.layers]
+
+    def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
+        if not prefill:
+            w = self.runner.layers[layer]
+            mask = select(w, x, h, self.runner.threshold, self.runner.selector)
+            self.shares[layer].append(active_ids(mask).numel() / mask.shape[1])
+        return self.runner(layer, x, h, prefill)
+
+
+def selected_shares(path: Path, prompt_ids: list[int], n: int, ctx: int) -> list[float]:
+    """Per layer, the mean share of FFN neurons our predictor picks per decode step of the bench's generation."""
+    engine = Engine.open(path, ctx_size=ctx, ffn="sparse")
+    forward = engine.forward
+    if not isinstance(forward, TransformerForward) or not isinstance(forward.ffn, SparseRunner):
+        raise RuntimeError(f"{path}: expected the CPU sparse runner")
+    shares = _SelectionShares(forward.ffn)
+    forward.ffn = shares
+    engine.submit(Request(prompt_ids, n + 2, SamplingParams(temperature=0.0), ignore_eos=True))
+    for _ in range(n + 1):
+        engine.step()
+    return [statistics.fmean(layer) for layer in shares.shares]
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    dense: float
+    sparse: float
+
+
+def step_bytes(powerinfer: Path, shares: list[float]) -> StepBytes:
+    """Bytes one decode step reads, by the planner's accounting of `powerinfer`'s tensors: attention and the
+    output head, plus all FFN neurons (dense; the dense file holds the same tensors less the predictors) or the
+    predictors and each layer's picked share of neurons (sparse). The token's embedding row and the KV cache
+    are left out, as the planner leaves them out of a step."""
+    layout = read_model_layout(powerinfer)
+    shared = layout.output_bytes + sum(layer.attention_bytes for layer in layout.layers)
+    dense = shared + sum(layer.ffn_neurons * layer.neuron_bytes for layer in layout.layers)
+    picked = sum(
+        layer.predictor_bytes + share * layer.ffn_neurons * layer.neuron_bytes
+        for layer, share in zip(layout.layers, shares, strict=True)
+    )
+    return StepBytes(dense, shared + picked)
