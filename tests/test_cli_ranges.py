@@ -48,6 +48,8 @@ BAD_VALUES = [
     (RUN, "-t", "-1"),
     (RUN, "--parallel", "0"),
     (RUN, "--top-k", "1.5"),
+    (RUN, "--kv-budget", "nan"),
+    (RUN, "--kv-budget", "12.5"),
     (PLAN, "--vram-budget", "nan"),
     (PLAN, "--vram-budget", "1e30"),
     (PLAN, "--ctx-size", "0"),
@@ -96,6 +98,10 @@ BAD_VALUES = [
     (SERVE, "--vram-budget", "inf"),
     (SERVE, "--read-timeout", "inf"),
     (SERVE, "--max-body-bytes", "0"),
+    (SERVE, "--kv-budget", "0"),
+    (PERPLEXITY, "--kv-budget", "-1"),
+    (SYNTH, "--context", "0"),
+    (SYNTH, "--train-seq-len", "0"),
 ]
 
 
