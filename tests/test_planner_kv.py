@@ -151,7 +151,10 @@ def test_window_plan_places_more_neurons_and_the_report_says_how_many(model: Pat
     assert _row(
         text, "modelled tokens/s, full -> window", f"{speed} ({plan.tokens_per_second / full.tokens_per_second:.2f}x)"
     )
-    assert _row(text, "KV window rows", "16 of 256 (4 sinks, 6 recent, 6 heavy)")
+    split = WINDOW.split(256)
+    assert split.sinks + split.recent + split.heavy == 16 and split.heavy > 0
+    parts = f"{split.sinks} sinks, {split.recent} recent, {split.heavy} heavy"
+    assert _row(text, "KV window rows", f"16 of 256 ({parts})")
     assert "full -> window" not in _text(summary_table(full))
 
 
