@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import re
-import shutil
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -36,27 +35,14 @@ from qinfer_core.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuid
 from qinfer_core.kv_policy import WINDOW_ROW_EXTRA_BYTES, KVPolicy
 from qinfer_core.model_spec import ModelSpec
 from tests.cli_in_process import run_in_process
-from tests.fake_activation import write_power_law_activation
 from tests.shapes import shape_spec
+from tests.test_planner_plan import _binding_budget
+from tests.test_planner_plan import model as model  # the tiny model copied beside power-law activation files
 
 TINY_SHAPE = shape_spec("llama", layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512)
 LLAMA_7B = shape_spec("llama", layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000)
 LLAMA_70B = shape_spec("llama", layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=32000)
 WINDOW = KVPolicy("window", 16)  # of the tiny model's 256 tokens of context
-
-
-@pytest.fixture
-def model(tmp_path: Path, gguf_files: dict[str, Path]) -> Path:
-    path = tmp_path / "tiny.powerinfer.gguf"
-    shutil.copy(gguf_files["pi-f16"], path)
-    write_power_law_activation(tmp_path / "activation")
-    return path
-
-
-def _binding_budget(model: Path) -> int:
-    """Room under `full` for the dense parts and about a third of the FFN neurons."""
-    _, acct = dry_run_account(model, 1 << 40, PlanOptions())
-    return int(acct.dense + acct.ffn_total / 3)
 
 
 def _text(table: Table) -> str:
