@@ -57,7 +57,7 @@ class Real:
 VRAM_BUDGET = Real(0.0, VRAM_BUDGET_MAX_GIB, low_open=True)
 
 
-KvPolicyKind = Annotated[
+KvPolicyOption = Annotated[
     str,
     typer.Option(
         "--kv-policy",
@@ -65,7 +65,7 @@ KvPolicyKind = Annotated[
         "(attention sinks, a recent window and the heaviest hitters by attention mass).",
     ),
 ]
-KvBudget = Annotated[
+KvBudgetOption = Annotated[
     float | None,
     typer.Option(
         "--kv-budget",

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qinfer.app import app, err, progress_bar
-from qinfer.options import KvBudget, KvPolicyKind, Threads, kv_policy, use_threads
+from qinfer.options import KvBudgetOption, KvPolicyOption, Threads, kv_policy, use_threads
 
 
 @app.command("perplexity")
@@ -21,8 +21,8 @@ def perplexity_cmd(
     ffn: Annotated[
         str, typer.Option(help="dense (each window as one prompt), sparse (token by token, predictor-selected).")
     ] = "dense",
-    kv_policy_kind: KvPolicyKind = "full",
-    kv_budget: KvBudget = None,
+    kv_policy_kind: KvPolicyOption = "full",
+    kv_budget: KvBudgetOption = None,
     threads: Threads = 0,
 ) -> None:
     """Perplexity over non-overlapping windows of the text, as llama.cpp's `perplexity` reports it."""

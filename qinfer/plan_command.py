@@ -8,7 +8,7 @@ from typing import Annotated, Literal, cast
 import typer
 
 from qinfer.app import app, err
-from qinfer.options import VRAM_BUDGET, KvBudget, KvPolicyKind, Real, kv_policy
+from qinfer.options import VRAM_BUDGET, KvBudgetOption, KvPolicyOption, Real, kv_policy
 
 TIME_LIMIT = Real(0.0, low_open=True)
 
@@ -26,8 +26,8 @@ def plan_cmd(
         Path | None, typer.Option(help="Directory of activation_{i}.pt files; default: <model dir>/activation.")
     ] = None,
     ctx_size: Annotated[int, typer.Option(min=1, help="Context length the KV cache and scratch are sized for.")] = 512,
-    kv_policy_kind: KvPolicyKind = "full",
-    kv_budget: KvBudget = None,
+    kv_policy_kind: KvPolicyOption = "full",
+    kv_budget: KvBudgetOption = None,
     batch: Annotated[
         int, typer.Option(min=1, help="Number of sequences decoded together (KV cache, scratch, timing).")
     ] = 1,

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from qinfer.app import app, err
-from qinfer.options import SEED_MAX, VRAM_BUDGET, KvBudget, KvPolicyKind, Real, Threads, kv_policy, use_threads
+from qinfer.options import SEED_MAX, VRAM_BUDGET, KvBudgetOption, KvPolicyOption, Real, Threads, kv_policy, use_threads
 
 TEMPERATURE = Real(0.0)
 TOP_P = Real(0.0, 1.0, low_open=True)
@@ -25,8 +25,8 @@ def run_cmd(
     ] = 128,
     threads: Threads = 0,
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=0, help="Context length (0 = the model's).")] = 512,
-    kv_policy_kind: KvPolicyKind = "full",
-    kv_budget: KvBudget = None,
+    kv_policy_kind: KvPolicyOption = "full",
+    kv_budget: KvBudgetOption = None,
     seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Sampling seed.")] = 0,
     temp: Annotated[
         float, typer.Option(parser=TEMPERATURE, help=f"Sampling temperature; 0 = greedy ({TEMPERATURE}).")

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qinfer.app import app, err
-from qinfer.options import VRAM_BUDGET, KvBudget, KvPolicyKind, Real, Threads, kv_policy, use_threads
+from qinfer.options import VRAM_BUDGET, KvBudgetOption, KvPolicyOption, Real, Threads, kv_policy, use_threads
 
 
 @app.command("serve")
@@ -29,8 +29,8 @@ def serve_cmd(
     ctx_size: Annotated[
         int, typer.Option("-c", "--ctx-size", min=0, help="Context length per slot (0 = the model's).")
     ] = 512,
-    kv_policy_kind: KvPolicyKind = "full",
-    kv_budget: KvBudget = None,
+    kv_policy_kind: KvPolicyOption = "full",
+    kv_budget: KvBudgetOption = None,
     threads: Threads = 0,
     schedule: Annotated[str, typer.Option(help="GPU/CPU schedule of the runtime (see `qinfer run --help`).")] = "auto",
     api_key: Annotated[

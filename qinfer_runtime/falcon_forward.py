@@ -15,7 +15,7 @@ import torch
 
 from qinfer_core.names import Tensor, tensor_name
 from qinfer_runtime.model_file import ModelFile
-from qinfer_runtime.model_forward import Cache, Step, TransformerForward, cached_attention
+from qinfer_runtime.model_forward import Cache, Step, TransformerForward
 from qinfer_runtime.norms import Norm, layer_norm, norm_weights
 from qinfer_runtime.weight_rows import linear
 
@@ -58,7 +58,7 @@ class FalconForward(TransformerForward):
         q = apply_neox_rope(q.reshape(n, cfg.heads, cfg.head_dim), step.cos, step.sin)
         k = apply_neox_rope(k.reshape(n, cfg.kv_heads, cfg.head_dim), step.cos, step.sin)
         v = v.reshape(n, cfg.kv_heads, cfg.head_dim)
-        return linear(cached_attention(q, k, v, i, step, cache), self.attn[i].o)
+        return linear(cache.attend(q, k, v, i, step), self.attn[i].o)
 
     def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
         w, eps = self.attn[i], self.cfg.norm_eps

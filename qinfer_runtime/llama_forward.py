@@ -13,7 +13,7 @@ import torch
 
 from qinfer_core.names import Tensor, tensor_name
 from qinfer_runtime.model_file import ModelFile
-from qinfer_runtime.model_forward import Cache, Step, TransformerForward, cached_attention
+from qinfer_runtime.model_forward import Cache, Step, TransformerForward
 from qinfer_runtime.norms import rms_norm
 from qinfer_runtime.weight_rows import linear
 
@@ -61,7 +61,7 @@ class LlamaForward(TransformerForward):
         k = linear(x, w.k).view(n, cfg.kv_heads, cfg.head_dim)
         v = linear(x, w.v).view(n, cfg.kv_heads, cfg.head_dim)
         q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-        return linear(cached_attention(q, k, v, i, step, cache), w.o)
+        return linear(cache.attend(q, k, v, i, step), w.o)
 
     def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
         w, eps = self.attn[i], self.cfg.norm_eps

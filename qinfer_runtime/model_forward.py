@@ -63,6 +63,37 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v))
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """Store k, v [T, kv_heads, d] at the batch's slots and positions, attend q [T, heads, d]; returns
+        [T, heads*d]."""
+        n, batch = q.shape[0], step.batch
+        if batch.single_sequence:
+            slot, start = int(batch.slots[0]), int(batch.positions[0])
+            end = start + n
+            # A slice write: no index tensors to build or move for the one sequence's consecutive positions.
+            self.k[layer, slot, :, start:end] = k.transpose(0, 1)
+            self.v[layer, slot, :, start:end] = v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                self.k[layer, slot, :, :end].to(q.dtype),
+                self.v[layer, slot, :, :end].to(q.dtype),
+                attn_mask=step.mask,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        else:
+            slots = batch.slots.to(self.k.device)
+            self.k[layer, slots, :, step.positions] = k.to(self.k.dtype)
+            self.v[layer, slots, :, step.positions] = v.to(self.v.dtype)
+            end = int(batch.positions.max()) + 1
+            out = F.scaled_dot_product_attention(
+                q[:, :, None],
+                self.k[layer, slots, :, :end].to(q.dtype),
+                self.v[layer, slots, :, :end].to(q.dtype),
+                attn_mask=step.mask,
+                enable_gqa=True,
+            )[:, :, 0]
+        return out.reshape(n, -1)
+
 
 Cache = KVCache | WindowKVCache
 
@@ -110,41 +141,6 @@ def rope_tables(cfg: ModelSpec, positions: torch.Tensor) -> tuple[torch.Tensor, 
     # The frequencies depend on the model only: computed once, not per layer and step.
     angles = positions.float()[:, None] * _inv_freq(cfg.rope_base, cfg.rope_dim, positions.device)[None, :]
     return angles.cos(), angles.sin()
-
-
-def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, cache: Cache
-) -> torch.Tensor:
-    """Store k, v [T, kv_heads, d] at the batch's slots and positions, attend q [T, heads, d]; returns [T, heads*d]."""
-    n, batch = q.shape[0], step.batch
-    if isinstance(cache, WindowKVCache):
-        return cache.attend(q, k, v, layer, batch.positions, batch.slots, batch.single_sequence)
-    if batch.single_sequence:
-        slot, start = int(batch.slots[0]), int(batch.positions[0])
-        end = start + n
-        # A slice write: no index tensors to build or move for the one sequence's consecutive positions.
-        cache.k[layer, slot, :, start:end] = k.transpose(0, 1)
-        cache.v[layer, slot, :, start:end] = v.transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            cache.k[layer, slot, :, :end].to(q.dtype),
-            cache.v[layer, slot, :, :end].to(q.dtype),
-            attn_mask=step.mask,
-            enable_gqa=True,
-        ).transpose(0, 1)
-    else:
-        slots = batch.slots.to(cache.k.device)
-        cache.k[layer, slots, :, step.positions] = k.to(cache.k.dtype)
-        cache.v[layer, slots, :, step.positions] = v.to(cache.v.dtype)
-        end = int(batch.positions.max()) + 1
-        out = F.scaled_dot_product_attention(
-            q[:, :, None],
-            cache.k[layer, slots, :, :end].to(q.dtype),
-            cache.v[layer, slots, :, :end].to(q.dtype),
-            attn_mask=step.mask,
-            enable_gqa=True,
-        )[:, :, 0]
-    return out.reshape(n, -1)
 
 
 def ffn_weights(model: ModelFile, i: int) -> FFNWeights:

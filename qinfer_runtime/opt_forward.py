@@ -14,7 +14,7 @@ import torch
 from qinfer_core.architectures import architecture
 from qinfer_core.names import BIAS, Tensor, tensor_name
 from qinfer_runtime.model_file import ModelFile
-from qinfer_runtime.model_forward import Cache, Step, TokenBatch, TransformerForward, cached_attention, down_bias
+from qinfer_runtime.model_forward import Cache, Step, TokenBatch, TransformerForward, down_bias
 from qinfer_runtime.norms import Norm, layer_norm, norm_weights
 from qinfer_runtime.weight_rows import linear
 
@@ -68,7 +68,7 @@ class OPTForward(TransformerForward):
         q = affine(x, w.q).view(n, cfg.heads, cfg.head_dim)
         k = affine(x, w.k).view(n, cfg.kv_heads, cfg.head_dim)
         v = affine(x, w.v).view(n, cfg.kv_heads, cfg.head_dim)
-        h = h + affine(cached_attention(q, k, v, i, step, cache), w.o)
+        h = h + affine(cache.attend(q, k, v, i, step), w.o)
         return h + self.ffn(i, layer_norm(h, w.ffn_norm, eps), h, prefill) + w.down_bias.float()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,15 @@ predecessors kept.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from qinfer_core.kv_policy import KVPolicy
 from qinfer_core.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from qinfer_runtime.model_forward import Step
 
 CHUNK = 256
 EMPTY = -1
@@ -44,19 +48,11 @@ class WindowKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.mass))
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        single_sequence: bool,
-    ) -> torch.Tensor:
-        """q [T, heads, d], k and v [T, kv_heads, d] at `positions` in `slots` (a prompt in one slot, or one token
-        per slot); returns [T, heads * d] and keeps the chosen rows."""
-        if not single_sequence:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """q [T, heads, d], k and v [T, kv_heads, d] at the batch's positions in its slots (a prompt in one slot, or
+        one token per slot); returns [T, heads * d] and keeps the chosen rows."""
+        positions, slots = step.batch.positions, step.batch.slots
+        if not step.batch.single_sequence:
             return self._attend(q[:, None], k[:, None], v[:, None], layer, positions[:, None], slots).flatten(1)
         slot = slots[:1]
         outs = [
