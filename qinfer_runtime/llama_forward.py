@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from qinfer_core.names import Tensor, tensor_name
+from qinfer_runtime.decode_layer import DecodeLayers
 from qinfer_runtime.model_file import ModelFile
-from qinfer_runtime.model_forward import Cache, Step, TransformerForward
+from qinfer_runtime.model_forward import Cache, FFNRunner, Step, TransformerForward
 from qinfer_runtime.norms import rms_norm
 from qinfer_runtime.weight_rows import linear
 
@@ -37,7 +38,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaForward(TransformerForward):
-    """Attention, norms and output head on `device`; the FFN through `ffn` (default: dense, on the CPU)."""
+    """Attention, norms and output head on `device`; the FFN through `ffn` (default: dense, on the CPU). A decode
+    step of one token on the CPU runs each layer as one native call (decode_layer.py) where the kernel applies."""
+
+    def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
+        super().__init__(model, ffn, device)
+        self.native = DecodeLayers.build(self.cfg, self.attn, self.ffn) if self.device.type == "cpu" else None
 
     def load_block(self, model: ModelFile, i: int) -> AttentionWeights:
         t = model.tensor
@@ -64,6 +70,8 @@ class LlamaForward(TransformerForward):
         return linear(cache.attend(q, k, v, i, step), w.o)
 
     def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+        if self.native is not None and self.native.takes(h, step, cache):
+            return self.native.run(i, h, step, cache)  # type: ignore[arg-type]
         w, eps = self.attn[i], self.cfg.norm_eps
         h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
         return h + self.ffn(i, rms_norm(h, w.ffn_norm, eps), h, prefill)

@@ -11,17 +11,21 @@
  *
  * Shapes come from model files, which come from the internet: every entry point checks the ids and row lengths
  * against the weights' own rows and columns before it reads anything, and returns -1 (nothing read) where they do
- * not fit, so no crafted header makes a kernel read past a tensor.
+ * not fit, so no crafted header makes a kernel read past a tensor; -2 means no memory for the quantized input.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum { F16 = 0, Q4_0 = 1, Q8_0 = 2 };
 #define QK 32 /* weights per quantized block */
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #define LANES 16
 typedef __m512 vec;
 static inline vec vload_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -39,7 +43,6 @@ static inline void vload_q4(const uint8_t *p, vec *lo, vec *hi) {
     *hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
 }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#include <immintrin.h>
 #define LANES 8
 typedef __m256 vec;
 static inline vec vload_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
@@ -85,7 +88,14 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-static inline float block_scale(const uint8_t *block) { return half_to_float((uint16_t)(block[0] | block[1] << 8)); }
+static inline float block_scale(const uint8_t *block) {
+    uint16_t h = (uint16_t)(block[0] | block[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return half_to_float(h);
+#endif
+}
 
 static inline int64_t block_bytes(int type) { return type == Q4_0 ? 2 + QK / 2 : 2 + QK; }
 
@@ -100,23 +110,6 @@ static int fits(int type, int64_t stride, int64_t rows, int64_t cols, int64_t n,
         if (ids[j] < 0 || ids[j] >= rows) return 0;
     return 1;
 }
-
-#if LANES == 1
-/* Weights i0..i0+31 of a quantized row as floats (one block; i0 is a multiple of 32). */
-static void dequantize_block(int type, const uint8_t *row, int64_t i0, float *w) {
-    const uint8_t *b = row + i0 / QK * block_bytes(type);
-    float d = block_scale(b);
-    for (int i = 0; i < QK / 2; i++) {
-        if (type == Q4_0) {
-            w[i] = d * (float)((b[2 + i] & 15) - 8);
-            w[i + QK / 2] = d * (float)((b[2 + i] >> 4) - 8);
-        } else {
-            w[i] = d * (float)(int8_t)b[2 + i];
-            w[i + QK / 2] = d * (float)(int8_t)b[2 + QK / 2 + i];
-        }
-    }
-}
-#endif
 
 /* Rows are scattered, so the hardware prefetcher restarts at each one; reading the next row (`next`) ahead while
  * this one is summed keeps enough reads in flight to run near memory bandwidth. */
@@ -143,39 +136,180 @@ static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int
     return s;
 }
 
-/* n is a multiple of 32 for quantized rows (the file format requires it). */
-static float dot_quant(int type, const uint8_t *row, const uint8_t *next, const float *x, int64_t n) {
-    int64_t bb = block_bytes(type);
-#if LANES > 1
-    vec acc = vzero();
-    for (int64_t i = 0; i < n; i += QK) {
-        const uint8_t *b = row + i / QK * bb;
-        prefetch(next, i / QK * bb);
-        vec blk = vzero(), lo, hi;
-        if (type == Q4_0) {
-            for (int h = 0; h < QK / 2; h += LANES) {
-                vload_q4(b + 2 + h, &lo, &hi);
-                blk = vfma(hi, vload(x + i + QK / 2 + h), vfma(lo, vload(x + i + h), blk));
-            }
-        } else {
-            for (int h = 0; h < QK; h += LANES) blk = vfma(vload_i8((const int8_t *)b + 2 + h), vload(x + i + h), blk);
-        }
-        acc = vfma(vset(block_scale(b)), blk, acc);
+/* Quantized weights multiply activations quantized to Q8_0 as ggml does (Q4_0 x Q8_0, Q8_0 x Q8_0): per block of
+ * 32, q = round(x / d) with d = max|x| / 127, and the row's dot product is sum over blocks of d_w * d_x * (integer
+ * dot of the 32 weights with the 32 q). Integer products do in one instruction what the float path does in four
+ * (widen, convert, scale, add), which is what keeps a quantized row at memory speed. Unlike ggml, d stays float
+ * instead of being rounded to f16, so the error is at most ggml's. */
+typedef struct {
+    int8_t *q;     /* [tokens, n] */
+    float *d;      /* [tokens, n / 32] */
+    int32_t *sum;  /* [tokens, n / 32]: sum of each block's q */
+} q8_act;
+
+static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
+    a->q = malloc((size_t)(tokens * n));
+    a->d = malloc((size_t)(tokens * (n / QK)) * sizeof(float));
+    a->sum = malloc((size_t)(tokens * (n / QK)) * sizeof(int32_t));
+    if (!a->q || !a->d || !a->sum) return -1;
+    for (int64_t b = 0; b < tokens * (n / QK); b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        a->d[b] = d;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) sum += a->q[b * QK + i] = (int8_t)roundf(xb[i] * inv);
+        a->sum[b] = sum;
     }
-    return vsum(acc);
+    return 0;
+}
+
+static void q8_free(q8_act *a) {
+    free(a->q);
+    free(a->d);
+    free(a->sum);
+}
+
+#if defined(__AVX2__)
+/* The 16 bytes of a Q4_0 block as 32 signed weights in file order: low nibbles (weights 0-15), then high ones. */
+static inline __m256i q4_weights(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+    return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+}
+
+/* Eight int32 partial sums of u[i] * x[i] over 32 unsigned bytes u and signed bytes x. No pair sum reaches int16's
+ * limit while u <= 128 and |x| <= 127 (128 * 127 * 2 < 32767), so the AVX2 form is as exact as VNNI's. */
+static inline __m256i unsigned_dot32(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
 #else
-    float s = 0.0f, w[QK];
-    for (int64_t i = 0; i < n; i += QK) {
-        prefetch(next, i / QK * bb);
-        dequantize_block(type, row, i, w);
-        for (int k = 0; k < QK; k++) s += w[k] * x[i + k];
-    }
-    return s;
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 #endif
 }
 
-static float dot_row(int type, const uint8_t *row, const uint8_t *next, const float *x, int64_t n) {
-    return type == F16 ? dot_f16((const uint16_t *)row, next, x, n) : dot_quant(type, row, next, x, n);
+/* The same for signed w: |w| times x with w's sign. */
+static inline __m256i int_dot32(__m256i w, __m256i x) {
+    return unsigned_dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static inline __m256i block_weights(int type, const uint8_t *b) {
+    return type == Q4_0 ? q4_weights(b + 2) : _mm256_loadu_si256((const __m256i *)(b + 2));
+}
+
+static inline __m256i q4_nibbles(const uint8_t *p) {
+    __m128i r = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
+}
+
+/* Lane j of the result = the sum of the eight lanes of p[j]. */
+static inline __m256i sum_lanes8(const __m256i p[8]) {
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Q4_0 rows: the nibbles (0..15) go into the multiply unsigned as they are, and the 8 they are offset by comes off
+ * as 8 * sum(q) of the block (kept with the quantized input), which saves re-signing every weight. Eight blocks
+ * per pass share one vector of their scales, so the scaling costs a few instructions per eight blocks. */
+static float dot_q4_q8(const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d, const int32_t *qsum,
+                       int64_t n) {
+    const int64_t bb = 2 + QK / 2, nb = n / QK;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *blk = row + b * bb;
+        prefetch(next, b * bb);
+        prefetch(next, b * bb + 64);
+        prefetch(next, b * bb + 128);
+        __m256i p[8];
+        __m128i h = _mm_setzero_si128();
+        for (int m = 0; m < 8; m++) {
+            const uint8_t *bm = blk + m * bb;
+            __m256i x = _mm256_loadu_si256((const __m256i *)(q + (b + m) * QK));
+            p[m] = unsigned_dot32(q4_nibbles(bm + 2), x);
+            h = _mm_insert_epi16(h, bm[0] | bm[1] << 8, m);
+        }
+        __m256i sums = _mm256_sub_epi32(sum_lanes8(p), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(qsum + b)), 3));
+        __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(d + b));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc);
+    }
+    float s = 0.0f;
+    for (; b < nb; b++) {
+        const uint8_t *bm = row + b * bb;
+        __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        __m256i pm = unsigned_dot32(q4_nibbles(bm + 2), x);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pm), _mm256_extracti128_si256(pm, 1));
+        t = _mm_hadd_epi32(t, t);
+        t = _mm_hadd_epi32(t, t);
+        s += block_scale(bm) * d[b] * (float)(_mm_cvtsi128_si32(t) - 8 * qsum[b]);
+    }
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r))) + s;
+}
+
+/* Inlined once per type, so the block loop carries no type test. */
+static inline __attribute__((always_inline)) float dot_q8_typed(int type, const uint8_t *row, const uint8_t *next,
+                                                                const int8_t *q, const float *d, int64_t n) {
+    int64_t bb = block_bytes(type), nb = n / QK, b = 0;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    /* Two blocks per pass: two independent sums keep the multiply-add latency hidden. */
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *b0 = row + b * bb, *b1 = b0 + bb;
+        prefetch(next, b * bb);
+        __m256i p0 = int_dot32(block_weights(type, b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
+        __m256i p1 = int_dot32(block_weights(type, b1), _mm256_loadu_si256((const __m256i *)(q + b * QK + QK)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b0) * d[b]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b1) * d[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    if (b < nb) {
+        const uint8_t *b0 = row + b * bb;
+        __m256i p0 = int_dot32(block_weights(type, b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b0) * d[b]), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    __m256 v = _mm256_add_ps(acc0, acc1);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d,
+                    const int32_t *qsum, int64_t n) {
+    if (type == Q4_0) return dot_q4_q8(row, next, q, d, qsum, n);
+    return dot_q8_typed(Q8_0, row, next, q, d, n);
+}
+#else
+/* The scalar reference of the SIMD kernels above: the same integer block sums, the same float scaling. */
+static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d,
+                    const int32_t *qsum, int64_t n) {
+    (void)qsum;
+    int64_t bb = block_bytes(type);
+    float s = 0.0f;
+    for (int64_t b = 0; b < n / QK; b++) {
+        const uint8_t *blk = row + b * bb;
+        const int8_t *qb = q + b * QK;
+        prefetch(next, b * bb);
+        int32_t sum = 0;
+        for (int i = 0; i < QK / 2; i++) {
+            if (type == Q4_0) {
+                sum += ((blk[2 + i] & 15) - 8) * qb[i] + ((blk[2 + i] >> 4) - 8) * qb[i + QK / 2];
+            } else {
+                sum += (int8_t)blk[2 + i] * qb[i] + (int8_t)blk[2 + QK / 2 + i] * qb[i + QK / 2];
+            }
+        }
+        s += block_scale(blk) * d[b] * (float)sum;
+    }
+    return s;
+}
+#endif
+
+/* Row . token t's input: F16 rows take the float input, quantized rows its Q8_0 blocks. */
+static float dot_row(int type, const uint8_t *row, const uint8_t *next, const float *x, const q8_act *xq, int64_t t,
+                     int64_t n) {
+    if (type == F16) return dot_f16((const uint16_t *)row, next, x + t * n, n);
+    return dot_q8(type, row, next, xq->q + t * n, xq->d + t * (n / QK), xq->sum + t * (n / QK), n);
 }
 
 /* out[0:w] += sum over 4 rows of a[m] * row_m[c0:c0+w] (four rows per pass read and write out a quarter as often).
@@ -295,6 +429,11 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
         !fits(up_type, up_stride, up_shape[0], up_shape[1], n, ids, k) ||
         !fits(down_type, down_stride, down_shape[0], down_shape[1], n, ids, k))
         return -1;
+    q8_act xq = {0};
+    if (((form != 2 && gate_type != F16) || up_type != F16) && q8_quantize(x, tokens, n, &xq)) {
+        q8_free(&xq);
+        return -2;
+    }
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -302,22 +441,22 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
             int64_t next = ids[j + 1 < k ? j + 1 : j];
             for (int64_t t = 0; t < tokens; t++) {
                 float *a = act + t * k + j;
-                const float *xt = x + t * n;
                 *a = 0.0f;
                 if (mask && !mask[t * k + j]) continue;
                 float g = 1.0f;
                 if (form != 2) {
-                    g = dot_row(gate_type, gate + ids[j] * gate_stride, gate + next * gate_stride, xt, n);
+                    g = dot_row(gate_type, gate + ids[j] * gate_stride, gate + next * gate_stride, x, &xq, t, n);
                     /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
                     if (g <= 0.0f) continue;
                 }
-                float u = dot_row(up_type, up + ids[j] * up_stride, up + next * up_stride, xt, n);
+                float u = dot_row(up_type, up + ids[j] * up_stride, up + next * up_stride, x, &xq, t, n);
                 if (form != 0 && u < 0.0f) u = 0.0f;
                 *a = form == 2 ? u : g * u;
             }
         }
         add_weighted_rows(down, down_stride, down_type, ids, k, act, tokens, n, out);
     }
+    q8_free(&xq);
     return 0;
 }
 
@@ -336,10 +475,16 @@ int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shap
                   int64_t tokens, float *out, int threads) {
     int64_t rows = shape[0];
     if (!fits(type, stride, rows, shape[1], n, NULL, rows)) return -1;
+    q8_act xq = {0};
+    if (type != F16 && q8_quantize(x, tokens, n, &xq)) {
+        q8_free(&xq);
+        return -2;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = w + r * stride, *next = w + (r + 1 < rows ? r + 1 : r) * stride;
-        for (int64_t t = 0; t < tokens; t++) out[t * rows + r] = dot_row(type, row, next, x + t * n, n);
+        for (int64_t t = 0; t < tokens; t++) out[t * rows + r] = dot_row(type, row, next, x, &xq, t, n);
     }
+    q8_free(&xq);
     return 0;
 }

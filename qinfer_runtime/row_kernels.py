@@ -1,6 +1,8 @@
 """Native decode kernels over weight rows (row_kernels.c): the sparse FFN of a few tokens over F16, Q4_0 or Q8_0
-rows picked by id, the weighted row sum (the FFN's down product), and matrix-vector products over quantized
-matrices, all without a float copy of the rows.
+rows picked by id, the weighted row sum (the FFN's down product), and matrix-vector products over F16 and
+quantized matrices, all without a float copy of the rows; quantized rows multiply the input quantized to Q8_0
+blocks, as ggml does. The whole-layer decode step (decode_layer.c, driven by decode_layer.py) is built into the
+same library.
 
 The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and OpenMP into the user
 cache (`$XDG_CACHE_HOME/qinfer/kernels`, named by a hash of the source and the compiler) and loaded with ctypes.
@@ -27,7 +29,9 @@ from qinfer_core.architectures import FfnForm
 from qinfer_core.errors import UserError
 from qinfer_runtime.quant_rows import QuantizedMatrix, Weight
 
-SOURCE = Path(__file__).with_name("row_kernels.c")
+# decode_layer.c includes row_kernels.c: one translation unit, so the layer step inlines the row products.
+SOURCE = Path(__file__).with_name("decode_layer.c")
+SOURCES = (SOURCE, Path(__file__).with_name("row_kernels.c"))
 # The kernel's FFN forms: relu(gate) * up, relu(gate) * relu(up), relu(up).
 FORM_CODES = {(True, False): 0, (True, True): 1, (False, True): 2}
 TYPE_CODES = {GGMLQuantizationType.Q4_0: 1, GGMLQuantizationType.Q8_0: 2}
@@ -73,7 +77,8 @@ def _build(compiler: str, target: Path) -> str | None:
 def kernel() -> ctypes.CDLL | None:
     """The loaded kernels, or None where no compiler with OpenMP builds them (one line on stderr says so)."""
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{compiler}|{platform.machine()}".encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(code + f"{compiler}|{platform.machine()}".encode()).hexdigest()[:16]
     target = cache_dir() / f"row_kernels_{key}.so"
     try:
         if not target.exists() and (error := _build(compiler, target)) is not None:
@@ -92,7 +97,8 @@ def kernel() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.qinfer_weighted_rows.argtypes = [p, i64, i32, s, p, i64, p, i64, i64, p, i32]
     lib.qinfer_matvec.argtypes = [p, i64, i32, s, p, i64, i64, p, i32]
-    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec):
+    lib.qinfer_decode_layer.argtypes = [p, p, p, p, i64, p, p, i32]
+    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec, lib.qinfer_decode_layer):
         entry.restype = i32
     return lib
 
@@ -109,7 +115,7 @@ def _takes(x: torch.Tensor, max_tokens: int) -> bool:
 Shape = ctypes.c_int64 * 2  # a weight's rows and columns, which bound what a kernel may read of it
 
 
-def _layout(t: object) -> tuple[int, int, int, ctypes.Array[ctypes.c_int64]] | None:
+def layout(t: object) -> tuple[int, int, int, ctypes.Array[ctypes.c_int64]] | None:
     """(address, row stride in bytes, type code, [rows, columns]) of CPU rows the kernels read, or None where they
     cannot."""
     if isinstance(t, QuantizedMatrix):
@@ -123,6 +129,8 @@ def _layout(t: object) -> tuple[int, int, int, ctypes.Array[ctypes.c_int64]] | N
 
 
 def _check(status: int) -> None:
+    if status == -2:
+        raise MemoryError("the row kernels could not allocate scratch for the quantized activations")
     if status != 0:
         raise UserError(
             "a weight tensor is smaller than the model's shape says (its file is corrupt); re-convert the model"
@@ -144,7 +152,7 @@ def sparse_ffn(
     if form.biased or (gate is None) == form.gated or not _takes(x, SPARSE_MAX_TOKENS):
         return None
     tokens = x.shape[0]
-    layouts = [_layout(t) for t in (up if gate is None else gate, up, down_t)]
+    layouts = [layout(t) for t in (up if gate is None else gate, up, down_t)]
     if any(lay is None for lay in layouts):
         return None
     (g, gs, gt, gshape), (u, us, ut, ushape), (d, ds, dt, dshape) = layouts  # type: ignore[misc]
@@ -167,10 +175,10 @@ def weighted_rows(act: torch.Tensor, weight: Weight, ids: torch.Tensor | None = 
     if not _takes(act, SPARSE_MAX_TOKENS):
         return None
     tokens = act.shape[0]
-    layout = _layout(weight)
-    if layout is None:
+    described = layout(weight)
+    if described is None:
         return None
-    address, stride, code, shape = layout
+    address, stride, code, shape = described
     a = act.float().contiguous()
     picked = None if ids is None else ids.to(torch.int64).contiguous()
     out = torch.empty(tokens, weight.shape[1])
@@ -181,15 +189,15 @@ def weighted_rows(act: torch.Tensor, weight: Weight, ids: torch.Tensor | None = 
     return out
 
 
-def matvec(x: torch.Tensor, weight: QuantizedMatrix) -> torch.Tensor | None:
-    """x [T, E] @ weight.T as float32 [T, R] for a few CPU tokens over a quantized matrix, or None where the
-    kernel does not apply."""
+def matvec(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
+    """x [T, E] @ weight.T as float32 [T, R] for a few CPU tokens over an F16 or quantized matrix, or None where
+    the kernel does not apply."""
     if not _takes(x, MATVEC_MAX_TOKENS):
         return None
-    layout = _layout(weight)
-    if layout is None:
+    described = layout(weight)
+    if described is None:
         return None
-    address, stride, code, shape = layout
+    address, stride, code, shape = described
     xf = x.float().contiguous()
     out = torch.empty(x.shape[0], weight.shape[0])
     _check(kernel().qinfer_matvec(  # type: ignore[union-attr]

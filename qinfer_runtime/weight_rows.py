@@ -22,10 +22,11 @@ _scratch = threading.local()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
-    """x @ weight.T in the weight's dtype, as float32."""
+    """x @ weight.T in the weight's dtype, as float32 (F16 rows in the native kernel take x in float32)."""
+    if (out := row_kernels.matvec(x, weight)) is not None:
+        return out
     if isinstance(weight, QuantizedMatrix):
-        out = row_kernels.matvec(x, weight)
-        return _expanded_linear(x, weight) if out is None else out
+        return _expanded_linear(x, weight)
     return F.linear(x.to(weight.dtype), weight).float()
 
 
@@ -85,6 +86,8 @@ def weighted_row_sum(
     if isinstance(weight, QuantizedMatrix):
         weight = weight.dense() if ids is None else weight.rows(ids)
         return act.to(weight.dtype).matmul(weight).float()
+    if ids is None and weight.T.is_contiguous():
+        return linear(act, weight.T)
     if weight.device.type != "cpu" or weight.T.is_contiguous():
         rows = weight if ids is None else gather_rows(weight, ids)
         return act.to(rows.dtype).matmul(rows).float()

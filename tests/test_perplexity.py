@@ -73,15 +73,36 @@ def test_perplexity_matches_transformers(tiny: SynthReport, gguf_files: dict[str
     assert 1.0 < result.perplexity < model.config.vocab_size  # a trained model beats a uniform guess
 
 
-def test_q4_keeps_ffn_rows_as_blocks_and_expands_them_exactly(q4: Path) -> None:
+def ggml_q8_input(x: torch.Tensor) -> torch.Tensor:
+    """x as ggml's Q4_0 x Q8_0 product sees it: blocks of 32 with d = max|x| / 127 rounded to f16."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d != 0, 1 / d, 0))
+    return (q * d.half().float()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("ffn", ["dense", "sparse"])
+def test_q4_logits_within_ggmls_q4_0_by_q8_0_error(
+    q4: Path, heldout: Path, monkeypatch: pytest.MonkeyPatch, ffn: str
+) -> None:
+    """Decoding from the raw Q4_0 blocks (the native kernels: quantized rows times the input quantized to Q8_0)
+    stays as close to float32 arithmetic on the same weights as ggml's own Q4_0 x Q8_0 path does, here emulated by
+    quantizing the input of every product over the expanded weights ggml's way. Measured over 128 tokens, mean and
+    max error, ours against ggml's: dense 0.0087 / 0.080 against 0.0086 / 0.086, sparse 0.0093 / 0.31 against
+    0.0097 / 0.31, on logits of magnitude ~2."""
     model = open_model(q4)
     assert isinstance(model.tensors["blk.0.ffn_down_t.weight"], QuantizedMatrix)
     assert isinstance(model.tensors["token_embd.weight"], torch.Tensor)  # dense parts expanded at load
-    ids = GGUFTokenizer(model.metadata).encode("Once upon a time, the dog")
-    # Sparse decoding gathers only the predicted rows from the raw blocks; it must equal expanding all first.
-    gathered = prompt_logits(q4, ids, "sparse")
-    expanded = prompt_logits(q4, ids, "sparse", expand=True)
-    assert torch.allclose(gathered, expanded, atol=1e-5, rtol=0)
+    ids = GGUFTokenizer(model.metadata).encode(heldout.read_text(encoding="utf-8"))[:CTX]
+    ours = prompt_logits(q4, ids, ffn)
+    exact = prompt_logits(q4, ids, ffn, expand=True)
+    float_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: float_linear(ggml_q8_input(x), w, b))
+    ggml = prompt_logits(q4, ids, ffn, expand=True)
+    ours_error, ggml_error = (ours - exact).abs(), (ggml - exact).abs()
+    # Both errors come from rounding the inputs, which lands differently per product: 10% leeway either way.
+    assert ggml_error.mean() > 0 and ours_error.mean() <= 1.1 * ggml_error.mean()
+    assert ours_error.max() <= 1.1 * ggml_error.max()
 
 
 @pytest.mark.parametrize("ffn", ["dense", "sparse"])

@@ -1,0 +1,200 @@
+"""One native call per layer for a LLaMA-family decode step of one token on the CPU (decode_layer.c).
+
+`DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
+rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
+made in between. It applies to llama and bamboo files whose matrices are F16, Q4_0 or Q8_0 rows, with a dense FFN
+or the predictor's sparse one, a full KV cache on the CPU, and one sequence decoding one token; everything else
+(prompts, batches of slots, the window cache, the GPU split, the oracle) keeps the torch path, which computes the
+same layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from qinfer_core.errors import UserError
+from qinfer_core.model_spec import ModelSpec
+from qinfer_runtime import row_kernels
+from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
+from qinfer_runtime.model_forward import Cache, FFNRunner, KVCache, Step
+from qinfer_runtime.quant_rows import TransposedQuantized, Weight
+from qinfer_runtime.sparse_ffn import FFNWeights
+
+i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("data", ptr), ("stride", i64), ("type", i32), ("rows", i64), ("cols", i64)]
+
+
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "fc1", "fc2")
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        *((name, Matrix) for name in MATRICES),
+        ("attn_norm", ptr),
+        ("ffn_norm", ptr),
+        ("k_cache", ptr),
+        ("v_cache", ptr),
+    ]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [
+        *((name, i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor")),
+        ("eps", f32),
+        ("threshold", f32),
+        ("form", i32),
+        ("sparse", i32),
+        ("down_rows", i32),
+    ]
+
+
+# The scratch buffers of decode_layer.c, in its order, with their element type.
+SCRATCH = (
+    ("x", torch.float32), ("q", torch.float32), ("k", torch.float32), ("v", torch.float32), ("att", torch.float32),
+    ("scores", torch.float32), ("pred", torch.float32), ("g", torch.float32), ("u", torch.float32),
+    ("out", torch.float32), ("ids", torch.int64), ("fire", torch.uint8), ("xq", torch.int8), ("xd", torch.float32),
+    ("xs", torch.int32),
+)  # fmt: skip
+
+
+class Scratch(ctypes.Structure):
+    _fields_ = [(name, ptr) for name, _ in SCRATCH]
+
+
+class AttentionRows(Protocol):
+    """What the kernel reads of one layer besides its FFN (llama_forward.AttentionWeights)."""
+
+    attn_norm: torch.Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
+    ffn_norm: torch.Tensor
+
+
+def _matrix(weight: object) -> Matrix | None:
+    layout = row_kernels.layout(weight)
+    if layout is None:
+        return None
+    address, stride, code, shape = layout
+    return Matrix(address, stride, code, shape[0], shape[1])
+
+
+def _down(down_t: Weight | TransposedQuantized) -> tuple[Matrix | None, int]:
+    """down as the kernel reads it, and whether it holds neuron rows [F, E] (1) or is the dense file's [E, F] (0)."""
+    if isinstance(down_t, TransposedQuantized):
+        return _matrix(down_t.matrix), 0
+    if isinstance(down_t, torch.Tensor) and down_t.stride(1) != 1 and down_t.T.is_contiguous():
+        return _matrix(down_t.T), 0
+    return _matrix(down_t), 1
+
+
+class DecodeLayers:
+    """The kernel's description of every layer, its dimensions and its scratch, made once."""
+
+    def __init__(self, cfg: ModelSpec, layers: list[Layer], dims: Dims, keep: list[object]):
+        self.cfg = cfg
+        self.layers = layers
+        self.dims = dims
+        self._keep = keep  # the tensors the structures point into
+        self._scratch = Scratch()
+        self._ctx = 0
+
+    @classmethod
+    def build(cls, cfg: ModelSpec, attn: Sequence[AttentionRows], runner: FFNRunner) -> DecodeLayers | None:
+        """The layers' description, or None where the kernel does not apply to this model and FFN runner."""
+        if isinstance(runner, SparseRunner) and runner.selector == "predictor":
+            ffn, sparse, threshold = runner.layers, True, runner.threshold
+        elif isinstance(runner, DenseRunner):
+            ffn, sparse, threshold = runner.layers, False, 0.0
+        else:
+            return None
+        if not row_kernels.enabled() or cfg.rope_dim != cfg.head_dim or not ffn:
+            return None
+        form = ffn[0].form
+        if not form.gated or form.biased or (sparse and not all(w.has_predictor for w in ffn)):
+            return None
+        layers, keep, down_rows = [], [], set()
+        for a, w in zip(attn, ffn, strict=True):
+            layer = cls._layer(a, w, sparse, keep)
+            if layer is None:
+                return None
+            layers.append(layer[0])
+            down_rows.add(layer[1])
+        if len(down_rows) != 1:
+            return None
+        dims = Dims(
+            hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn, ctx=0,
+            predictor=ffn[0].fc1.shape[0] if sparse else 0, eps=cfg.norm_eps, threshold=threshold,
+            form=int(form.relu_up), sparse=int(sparse), down_rows=down_rows.pop(),
+        )  # fmt: skip
+        return cls(cfg, layers, dims, keep)
+
+    @staticmethod
+    def _layer(a: AttentionRows, w: FFNWeights, sparse: bool, keep: list[object]) -> tuple[Layer, int] | None:
+        down, down_rows = _down(w.down_t)
+        weights = {"q": a.q, "k": a.k, "v": a.v, "o": a.o, "gate": w.gate, "up": w.up}
+        if sparse:
+            weights |= {"fc1": w.fc1, "fc2": w.fc2}
+        matrices = {name: _matrix(t) for name, t in weights.items()}
+        if down is None or any(m is None for m in matrices.values()):
+            return None
+        norms = [n.float().contiguous() for n in (a.attn_norm, a.ffn_norm)]
+        keep.extend(norms)
+        layer = Layer(**matrices, down=down, attn_norm=norms[0].data_ptr(), ffn_norm=norms[1].data_ptr())
+        return layer, down_rows
+
+    def takes(self, h: torch.Tensor, step: Step, cache: Cache) -> bool:
+        """Whether this forward call is one the kernel computes: one token of one sequence, all on the CPU."""
+        return (
+            h.shape[0] == 1
+            and h.device.type == "cpu"
+            and isinstance(cache, KVCache)
+            and cache.k.device.type == "cpu"
+            and cache.k.dtype == torch.float32
+            and step.cos is not None
+            and row_kernels.enabled()
+        )
+
+    def _scratch_for(self, ctx: int) -> None:
+        """(Re)allocate the scratch for a cache of `ctx` positions (the attention scores grow with it)."""
+        cfg, d = self.cfg, self.dims
+        widest = max(cfg.hidden, cfg.ffn)
+        sizes = {
+            "x": cfg.hidden, "q": cfg.heads * cfg.head_dim, "k": cfg.kv_dim, "v": cfg.kv_dim,
+            "att": cfg.heads * cfg.head_dim, "scores": cfg.heads * ctx, "pred": max(d.predictor, 1), "g": cfg.ffn,
+            "u": cfg.ffn, "out": cfg.hidden, "ids": cfg.ffn, "fire": cfg.ffn, "xq": widest, "xd": widest // 32 + 1,
+            "xs": widest // 32 + 1,
+        }  # fmt: skip
+        self._buffers = {name: torch.empty(sizes[name], dtype=dtype) for name, dtype in SCRATCH}
+        for name, buffer in self._buffers.items():
+            setattr(self._scratch, name, buffer.data_ptr())
+        d.ctx = self._ctx = ctx
+
+    def run(self, i: int, h: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        """Layer i for the one token h [1, E] (updated in place and returned), at the step's position and slot."""
+        if cache.ctx != self._ctx:
+            self._scratch_for(cache.ctx)
+        assert step.cos is not None and step.sin is not None
+        slot, pos = int(step.batch.slots[0]), int(step.batch.positions[0])
+        layer = self.layers[i]
+        # The cache is [layers, slots, kv_heads, ctx, head_dim]: this layer's and slot's block.
+        offset = (i * cache.k.shape[1] + slot) * cache.k[0, 0].numel() * cache.k.element_size()
+        layer.k_cache = cache.k.data_ptr() + offset
+        layer.v_cache = cache.v.data_ptr() + offset
+        status = row_kernels.kernel().qinfer_decode_layer(  # type: ignore[union-attr]
+            ctypes.addressof(layer), ctypes.addressof(self.dims), ctypes.addressof(self._scratch), h.data_ptr(), pos,
+            step.cos.data_ptr(), step.sin.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise UserError(
+                "a weight tensor does not match the model's shape (its file is corrupt); re-convert the model"
+            )
+        return h
