@@ -1,7 +1,8 @@
 """Decode speed on the CPU, side by side in one run: transformers, our runtime dense, our runtime sparse.
 
     .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 5] [--quant Q4_0]
-                                     [--work work/bench] [-t N] [-c 256] [--powerinfer-main PATH]
+                                     [--work work/bench] [-t N] [-c 256] [--prompt-tokens 128]
+                                     [--powerinfer-main PATH]
 
 (a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
 (b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
@@ -15,7 +16,8 @@ runs, so that other load on a shared machine skews it little. Models are built u
 A second table sets our runtime beside its peers in the same interleaved rounds (bench/decode_peers.py):
 llama.cpp through llama-cpp-python (the `peers` extra) on the dense files, the PowerInfer engine's `main` with
 --powerinfer-main on the dense and the PowerInfer files, and the limit, the bytes a step must read over the read
-bandwidth measured at the start of the run; with the prompt (prefill) tokens/s of ours and the peers.
+bandwidth measured at the start of the run; with the prompt (prefill) tokens/s of ours and the peers over the
+bench's prompt, a sentence repeated to at least --prompt-tokens tokens.
 """
 
 from __future__ import annotations
@@ -99,6 +101,14 @@ def quantized(model: BenchModel, qtype: str) -> BenchModel:
 
 
 PROMPT = "Once upon a time there was a little dog"
+
+
+def bench_prompt(tokenizer: GGUFTokenizer, tokens: int) -> str:
+    """PROMPT repeated until it holds at least `tokens` tokens: the prompt every column prefills."""
+    text = PROMPT
+    while len(tokenizer.encode(text)) < tokens:
+        text += " " + PROMPT
+    return text
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -178,6 +188,9 @@ def main() -> None:
     parser.add_argument("-t", "--threads", type=int, default=0)
     parser.add_argument("-c", "--ctx", type=int, default=256, help="context size, for ours and the peers")
     parser.add_argument(
+        "--prompt-tokens", type=int, default=128, help="prefill at least this many tokens before decoding"
+    )
+    parser.add_argument(
         "--powerinfer-main", type=Path, help="the `main` of a PowerInfer engine CPU build: adds its column"
     )
     args = parser.parse_args()
@@ -198,9 +211,11 @@ def main() -> None:
     for col in (*columns, "b / best a", "c / b", "c' / b"):
         table.add_column(col, justify="right")
     peers = Table(
-        title=f"ours beside the peers: decode tokens/s ({threads} threads, {args.tokens} tokens, -c {args.ctx})",
+        title=f"ours beside the peers: decode tokens/s ({threads} threads, {args.tokens} tokens, -c {args.ctx}, "
+        f"after a prompt of {args.prompt_tokens}+ tokens)",
         caption="ours: (b) on dense files, (c) on PowerInfer ones; llama.cpp applies SiLU to a `llama` file (speed "
-        "only); limit: bytes a step reads / read bandwidth; prompt: prefill tokens/s of the bench's prompt",
+        "only); limit: bytes a step reads / read bandwidth; prompt: prefill tokens/s of the bench's prompt "
+        "(--prompt-tokens)",
     )
     peers.add_column("file", no_wrap=True)
     for col in ("ours", "llama.cpp", "PowerInfer", "limit", "ours/llama.cpp", "ours/PowerInfer", "ours/limit"):
@@ -209,7 +224,11 @@ def main() -> None:
         peers.add_column(col, justify="right")
     for name in args.models.split(","):
         model = bench_model(args.work, name)
-        prompt_ids = GGUFTokenizer(open_model(model.powerinfer).metadata).encode(PROMPT)
+        tokenizer = GGUFTokenizer(open_model(model.powerinfer).metadata)
+        prompt = bench_prompt(tokenizer, args.prompt_tokens)
+        prompt_ids = tokenizer.encode(prompt)
+        if len(prompt_ids) + args.tokens + 2 > args.ctx:
+            parser.error(f"a {len(prompt_ids)}-token prompt and {args.tokens} tokens do not fit -c {args.ctx}")
         decoders = {
             "hf16": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float16),
             "hf32": transformers_decoder(model.model_dir, prompt_ids, args.tokens, torch.float32),
@@ -229,7 +248,7 @@ def main() -> None:
             if args.powerinfer_main is not None and qtype in ENGINE_TYPES:
                 for kind, path in (("dense", v.dense), ("sparse", v.powerinfer)):
                     decoders[f"{v.name} engine {kind}"] = powerinfer_decoder(
-                        args.powerinfer_main, path, PROMPT, args.tokens, threads, args.ctx
+                        args.powerinfer_main, path, prompt, args.tokens, threads, args.ctx
                     )
             elif args.powerinfer_main is not None:
                 console.print(f"{v.name}: no PowerInfer column, the engine computes only {', '.join(ENGINE_TYPES)}")

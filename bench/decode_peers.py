@@ -167,6 +167,10 @@ def selected_shares(path: Path, prompt_ids: list[int], n: int, ctx: int) -> list
         raise RuntimeError(f"{path}: expected the CPU sparse runner")
     shares = _SelectionShares(forward.ffn)
     forward.ffn = shares
+    # The native layer step runs its own predictor and would pass the recording runner by; torch's path selects
+    # the same neurons.
+    if hasattr(forward, "native"):
+        forward.native = None
     engine.submit(Request(prompt_ids, n + 2, SamplingParams(temperature=0.0), ignore_eos=True))
     for _ in range(n + 1):
         engine.step()

@@ -136,6 +136,27 @@ static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int
     return s;
 }
 
+#if LANES > 1
+#define F16_TILE 8
+/* One F16 row against tokens t0..t0+count-1 (count <= F16_TILE): each stretch of the row is converted once for all
+ * of them. Inlined with a constant count, the sums stay in registers. */
+static inline __attribute__((always_inline)) void f16_tile(const uint16_t *w, const float *x, int64_t t0, int count,
+                                                          int64_t n, float *out, int64_t out_stride) {
+    vec acc[F16_TILE];
+    for (int t = 0; t < count; t++) acc[t] = vzero();
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vec wv = vload_half(w + i);
+        for (int t = 0; t < count; t++) acc[t] = vfma(wv, vload(x + (t0 + t) * n + i), acc[t]);
+    }
+    for (int t = 0; t < count; t++) {
+        float s = vsum(acc[t]);
+        for (int64_t c = i; c < n; c++) s += half_to_float(w[c]) * x[(t0 + t) * n + c];
+        out[t * out_stride] = s;
+    }
+}
+#endif
+
 /* Quantized weights multiply activations quantized to Q8_0 as ggml does (Q4_0 x Q8_0, Q8_0 x Q8_0): per block of
  * 32, q = round(x / d) with d = max|x| / 127, and the row's dot product is sum over blocks of d_w * d_x * (integer
  * dot of the 32 weights with the 32 q). Integer products do in one instruction what the float path does in four
@@ -198,6 +219,12 @@ static inline __m256i block_weights(int type, const uint8_t *b) {
     return type == Q4_0 ? q4_weights(b + 2) : _mm256_loadu_si256((const __m256i *)(b + 2));
 }
 
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 static inline __m256i q4_nibbles(const uint8_t *p) {
     __m128i r = _mm_loadu_si128((const __m128i *)p);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
@@ -245,9 +272,7 @@ static float dot_q4_q8(const uint8_t *row, const uint8_t *next, const int8_t *q,
         t = _mm_hadd_epi32(t, t);
         s += block_scale(bm) * d[b] * (float)(_mm_cvtsi128_si32(t) - 8 * qsum[b]);
     }
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r))) + s;
+    return hsum256(acc) + s;
 }
 
 /* Inlined once per type, so the block loop carries no type test. */
@@ -269,16 +294,49 @@ static inline __attribute__((always_inline)) float dot_q8_typed(int type, const 
         __m256i p0 = int_dot32(block_weights(type, b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b0) * d[b]), _mm256_cvtepi32_ps(p0), acc0);
     }
-    __m256 v = _mm256_add_ps(acc0, acc1);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    return hsum256(_mm256_add_ps(acc0, acc1));
 }
 
 static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d,
                     const int32_t *qsum, int64_t n) {
     if (type == Q4_0) return dot_q4_q8(row, next, q, d, qsum, n);
     return dot_q8_typed(Q8_0, row, next, q, d, n);
+}
+
+#define TOKEN_TILE 16
+
+/* One Q4_0 row against tokens t0..t0+count-1 (count <= TOKEN_TILE) of a quantized prompt: each group of eight
+ * blocks is unpacked, and its scales converted, once for all of them; out[t * out_stride] gets token t0 + t. */
+static void q4_row_tokens(const uint8_t *row, const q8_act *a, int64_t t0, int64_t count, int64_t n, float *out,
+                          int64_t out_stride) {
+    const int64_t bb = 2 + QK / 2, nb = n / QK, whole = nb / 8 * 8;
+    __m256 acc[TOKEN_TILE];
+    for (int64_t t = 0; t < count; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < whole; b += 8) {
+        const uint8_t *blk = row + b * bb;
+        __m256i nibbles[8];
+        __m128i h = _mm_setzero_si128();
+        for (int m = 0; m < 8; m++) {
+            nibbles[m] = q4_nibbles(blk + m * bb + 2);
+            h = _mm_insert_epi16(h, blk[m * bb] | blk[m * bb + 1] << 8, m);
+        }
+        __m256 scale = _mm256_cvtph_ps(h);
+        for (int64_t t = 0; t < count; t++) {
+            const int8_t *q = a->q + (t0 + t) * n + b * QK;
+            int64_t at = (t0 + t) * nb + b;
+            __m256i p[8];
+            for (int m = 0; m < 8; m++) p[m] = unsigned_dot32(nibbles[m], _mm256_loadu_si256((const __m256i *)(q + m * QK)));
+            __m256i sums = _mm256_sub_epi32(sum_lanes8(p), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->sum + at)), 3));
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_loadu_ps(a->d + at)), _mm256_cvtepi32_ps(sums), acc[t]);
+        }
+    }
+    for (int64_t t = 0; t < count; t++) {
+        int64_t at = (t0 + t) * nb + whole;
+        float tail = whole < nb ? dot_q4_q8(row + whole * bb, row, a->q + (t0 + t) * n + whole * QK, a->d + at,
+                                            a->sum + at, n - whole * QK)
+                                : 0.0f;
+        out[t * out_stride] = hsum256(acc[t]) + tail;
+    }
 }
 #else
 /* The scalar reference of the SIMD kernels above: the same integer block sums, the same float scaling. */
@@ -310,6 +368,44 @@ static float dot_row(int type, const uint8_t *row, const uint8_t *next, const fl
                      int64_t n) {
     if (type == F16) return dot_f16((const uint16_t *)row, next, x + t * n, n);
     return dot_q8(type, row, next, xq->q + t * n, xq->d + t * (n / QK), xq->sum + t * (n / QK), n);
+}
+
+#define TOKEN_BLOCK 16
+
+/* out[t * out_stride] = row . token t's input, for every token: the row is read once, and unpacked once per tile
+ * of tokens where a kernel for its type does that. */
+static void row_tokens(int type, const uint8_t *row, const uint8_t *next, const float *x, const q8_act *xq,
+                       int64_t tokens, int64_t n, float *out, int64_t out_stride) {
+    if (tokens == 1) {
+        *out = dot_row(type, row, next, x, xq, 0, n);
+        return;
+    }
+#if LANES > 1
+    if (type == F16) {
+        /* Tiles of 8, then 4, 2 and 1: constant sizes, so each tile's sums stay in registers. */
+        int64_t t0 = 0;
+        for (int tile = F16_TILE; tile >= 1; tile /= 2) {
+            for (; t0 + tile <= tokens; t0 += tile) {
+                float *o = out + t0 * out_stride;
+                const uint16_t *w = (const uint16_t *)row;
+                if (tile == 8) f16_tile(w, x, t0, 8, n, o, out_stride);
+                else if (tile == 4) f16_tile(w, x, t0, 4, n, o, out_stride);
+                else if (tile == 2) f16_tile(w, x, t0, 2, n, o, out_stride);
+                else *o = dot_f16(w, next, x + t0 * n, n);
+            }
+        }
+        return;
+    }
+#endif
+#if defined(__AVX2__)
+    if (type == Q4_0) {
+        for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_TILE)
+            q4_row_tokens(row, xq, t0, tokens - t0 < TOKEN_TILE ? tokens - t0 : TOKEN_TILE, n, out + t0 * out_stride,
+                          out_stride);
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < tokens; t++) out[t * out_stride] = dot_row(type, row, next, x, xq, t, n);
 }
 
 /* out[0:w] += sum over 4 rows of a[m] * row_m[c0:c0+w] (four rows per pass read and write out a quarter as often).
@@ -429,6 +525,9 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
         !fits(up_type, up_stride, up_shape[0], up_shape[1], n, ids, k) ||
         !fits(down_type, down_stride, down_shape[0], down_shape[1], n, ids, k))
         return -1;
+    const uint8_t *first = form != 2 ? gate : up;
+    int64_t first_stride = form != 2 ? gate_stride : up_stride;
+    int first_type = form != 2 ? gate_type : up_type;
     q8_act xq = {0};
     if (((form != 2 && gate_type != F16) || up_type != F16) && q8_quantize(x, tokens, n, &xq)) {
         q8_free(&xq);
@@ -439,19 +538,27 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < k; j++) {
             int64_t next = ids[j + 1 < k ? j + 1 : j];
+            const uint8_t *row = first + ids[j] * first_stride, *next_row = first + next * first_stride;
+            /* Without a mask every token needs the first row's product (the gate's, or up's without a gate): one
+             * pass over the row serves them all, parked in act until each token's turn. */
+            int shared = !mask && tokens > 1;
+            if (shared) row_tokens(first_type, row, next_row, x, &xq, tokens, n, act + j, k);
             for (int64_t t = 0; t < tokens; t++) {
                 float *a = act + t * k + j;
-                *a = 0.0f;
-                if (mask && !mask[t * k + j]) continue;
-                float g = 1.0f;
-                if (form != 2) {
-                    g = dot_row(gate_type, gate + ids[j] * gate_stride, gate + next * gate_stride, x, &xq, t, n);
-                    /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
-                    if (g <= 0.0f) continue;
+                if (mask && !mask[t * k + j]) {
+                    *a = 0.0f;
+                    continue;
                 }
+                float f = shared ? *a : dot_row(first_type, row, next_row, x, &xq, t, n);
+                *a = 0.0f;
+                if (form == 2) {
+                    *a = f > 0.0f ? f : 0.0f;
+                    continue;
+                }
+                /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
+                if (f <= 0.0f) continue;
                 float u = dot_row(up_type, up + ids[j] * up_stride, up + next * up_stride, x, &xq, t, n);
-                if (form != 0 && u < 0.0f) u = 0.0f;
-                *a = form == 2 ? u : g * u;
+                *a = f * (form != 0 && u < 0.0f ? 0.0f : u);
             }
         }
         add_weighted_rows(down, down_stride, down_type, ids, k, act, tokens, n, out);
@@ -480,10 +587,16 @@ int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shap
         q8_free(&xq);
         return -2;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = w + r * stride, *next = w + (r + 1 < rows ? r + 1 : r) * stride;
-        for (int64_t t = 0; t < tokens; t++) out[t * rows + r] = dot_row(type, row, next, x, &xq, t, n);
+    /* Tokens go a block at a time, so a block's inputs stay in cache while every row passes by them. */
+#pragma omp parallel num_threads(threads)
+    for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
+        int64_t count = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK, nb = n / QK;
+        q8_act block = {xq.q ? xq.q + t0 * n : NULL, xq.d ? xq.d + t0 * nb : NULL, xq.sum ? xq.sum + t0 * nb : NULL};
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *row = w + r * stride, *next = w + (r + 1 < rows ? r + 1 : r) * stride;
+            row_tokens(type, row, next, x + t0 * n, &block, count, n, out + t0 * rows + r, rows);
+        }
     }
     q8_free(&xq);
     return 0;

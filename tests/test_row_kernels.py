@@ -20,7 +20,7 @@ from qinfer_core.errors import UserError
 from qinfer_runtime import quant_rows, row_kernels
 from qinfer_runtime.engine import Engine
 from qinfer_runtime.quant_rows import QuantizedMatrix
-from qinfer_runtime.sparse_ffn import sparse_rows
+from qinfer_runtime.sparse_ffn import FFNWeights, dense_ffn, sparse_rows
 from qinfer_runtime.weight_rows import linear
 
 needs_compiler = pytest.mark.skipif(
@@ -213,11 +213,10 @@ def test_weighted_rows_match_float64_and_skip_idle_rows(qtype: object, tokens: i
         assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-def test_linear_on_quantized_rows_takes_the_kernel_for_few_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A few tokens go through the kernel; a prompt (or no kernel) expands 7 rows at a time, never the whole."""
+def test_linear_on_quantized_rows_expands_only_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU a product over quantized rows takes the kernel for any number of tokens, a prompt included;
+    without the kernel (QINFER_NATIVE=0) it expands 7 rows at a time, never the whole matrix."""
     w = _quantized(45, 64, Q4, 9)
-    ref = lambda x: x.double() @ w.dense().double().T  # noqa: E731
-    kernel_ref = lambda x: q8_input(x) @ w.dense().double().T  # noqa: E731
     expanded: list[int] = []
     real = QuantizedMatrix.row_range
 
@@ -227,14 +226,54 @@ def test_linear_on_quantized_rows_takes_the_kernel_for_few_tokens(monkeypatch: p
 
     monkeypatch.setattr(QuantizedMatrix, "row_range", counting)
     monkeypatch.setattr(quant_rows, "EXPAND_CHUNK_BYTES", 7 * 64 * 4)
-    prompt = torch.randn(row_kernels.MATVEC_MAX_TOKENS + 1, 64, generator=torch.Generator().manual_seed(10))
-    assert (linear(prompt, w).double() - ref(prompt)).abs().max() < 1e-5
-    assert expanded == [7] * 6 + [3]
-    few = prompt[:2]
-    expanded.clear()
+    prompt = torch.randn(40, 64, generator=torch.Generator().manual_seed(10))
     native = row_kernels.kernel() is not None
-    assert (linear(few, w).double() - (kernel_ref if native else ref)(few)).abs().max() < 1e-5
+    ref = (q8_input(prompt) if native else prompt.double()) @ w.dense().double().T
+    assert (linear(prompt, w).double() - ref).abs().max() < 1e-5
     assert expanded == ([] if native else [7] * 6 + [3])
+    monkeypatch.setenv("QINFER_NATIVE", "0")
+    expanded.clear()
+    assert (linear(prompt, w).double() - prompt.double() @ w.dense().double().T).abs().max() < 1e-5
+    assert expanded == [7] * 6 + [3]
+
+
+@needs_compiler
+@pytest.mark.parametrize("qtype", [None, Q4, Q8])
+@pytest.mark.parametrize("tokens", [15, 40])
+def test_products_over_many_tokens_match_float64(qtype: object, tokens: int) -> None:
+    """Prompts: tokens go in blocks of 16, each row unpacked once per tile of them (F16 in tiles of 8, 4, 2 and 1;
+    Q4_0 in tiles of 16 over groups of eight blocks, here 320 columns: one group and a tail of two blocks)."""
+    cols = 320
+    w = _half_rows(33, cols, cols, 21) if qtype is None else _quantized(33, cols, qtype, 21)  # type: ignore[arg-type]
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(22))
+    if qtype is None and tokens > row_kernels.F16_MATVEC_MAX_TOKENS:
+        assert row_kernels.matvec(x, w) is None  # torch's float32 matmul takes long F16 prompts
+        return
+    out = row_kernels.matvec(x, w)
+    assert out is not None and out.shape == (tokens, 33)
+    ref = _input(x, w) @ _float(w).double().T
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize("qtype", [None, Q4, Q8])
+@pytest.mark.parametrize("variant", ["llama", "falcon"])
+def test_every_neuron_over_a_prompt_is_the_dense_ffn(qtype: object, variant: str) -> None:
+    """A prompt's FFN over a PowerInfer file's rows: chunks of 16 tokens through the sparse kernel with every
+    neuron, the first row's product shared by all tokens of a chunk; 20 tokens are a full chunk and a short one."""
+    rows, cols, tokens = 45, 96, 20
+
+    def weight(seed: int) -> torch.Tensor | QuantizedMatrix:
+        return _half_rows(rows, cols, cols, seed) if qtype is None else _quantized(rows, cols, qtype, seed)  # type: ignore[arg-type]
+
+    form = ARCHITECTURES[variant].ffn
+    gate = None if variant == "falcon" else weight(0)
+    w = FFNWeights(form=form, up=weight(1), down_t=weight(2), gate=gate)  # type: ignore[arg-type]
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(23))
+    out = dense_ffn(w, x)
+    ref = _reference(variant, x, gate, w.up, w.down_t, torch.arange(rows))
+    assert out.shape == (tokens, cols)
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @needs_compiler
@@ -334,6 +373,9 @@ def test_avx2_and_scalar_builds_give_the_same_results(
     test_quantized_matvec_matches_float64(Q4, 3)
     test_quantized_matvec_matches_float64(Q8, 1)
     test_quantized_dot_within_ggmls_documented_error(Q4)
+    test_products_over_many_tokens_match_float64(None, 15)
+    test_products_over_many_tokens_match_float64(Q4, 40)
+    test_every_neuron_over_a_prompt_is_the_dense_ffn(Q4, "llama")
     test_weighted_rows_match_float64_and_skip_idle_rows(Q4, 3)
 
 
