@@ -109,6 +109,8 @@ def bench_prompt(tokenizer: GGUFTokenizer, tokens: int) -> str:
     while len(tokenizer.encode(text)) < tokens:
         text += " " + PROMPT
     return text
+
+
 GREEDY = SamplingParams(temperature=0.0)
 
 
