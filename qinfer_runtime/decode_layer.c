@@ -215,13 +215,13 @@ int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < count; j++) {
                 int64_t id = s->ids[j], next = s->ids[j + 1 < count ? j + 1 : j];
-                float g = dot_row(w->gate.type, w->gate.data + id * w->gate.stride,
-                                  w->gate.data + next * w->gate.stride, s->x, &a, 0, e);
+                const uint8_t *up_row = w->up.data + id * w->up.stride;
+                /* Read ahead as qinfer_sparse_ffn does: this neuron's up row, then the next one's gate row. */
+                float g = dot_row(w->gate.type, w->gate.data + id * w->gate.stride, up_row, s->x, &a, 0, e);
                 s->g[j] = 0.0f;
                 /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
                 if (g <= 0.0f) continue;
-                float u = dot_row(w->up.type, w->up.data + id * w->up.stride, w->up.data + next * w->up.stride,
-                                  s->x, &a, 0, e);
+                float u = dot_row(w->up.type, up_row, w->gate.data + next * w->gate.stride, s->x, &a, 0, e);
                 s->g[j] = g * (d->form == 1 && u < 0.0f ? 0.0f : u);
             }
             add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, 1, e, s->out);

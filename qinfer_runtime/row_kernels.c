@@ -491,6 +491,10 @@ static void add_weighted_rows(const uint8_t *down, int64_t down_stride, int down
             for (int64_t t = 0; t < tokens && !used; t++) used = act[t * k + j] != 0.0f;
             if (!used) continue;
             group[m++] = j;
+            /* The group's rows are summed only once it is full: start reading this one's slice now. */
+            const uint8_t *start = down + (ids ? ids[j] : j) * down_stride +
+                                   (down_type == F16 ? 2 * c0 : c0 / QK * block_bytes(down_type));
+            for (int line = 0; line < 4; line++) prefetch(start, 64 * line);
             if (m < 4) continue;
         } else if (m == 0) {
             break;
@@ -539,17 +543,21 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
         for (int64_t j = 0; j < k; j++) {
             int64_t next = ids[j + 1 < k ? j + 1 : j];
             const uint8_t *row = first + ids[j] * first_stride, *next_row = first + next * first_stride;
+            const uint8_t *up_row = up + ids[j] * up_stride;
+            /* While the gate's row is summed, its up row is read ahead (a neuron picked to fire mostly does), and
+             * while the up row is summed, the next neuron's gate row. */
+            const uint8_t *ahead = form != 2 ? up_row : next_row;
             /* Without a mask every token needs the first row's product (the gate's, or up's without a gate): one
              * pass over the row serves them all, parked in act until each token's turn. */
             int shared = !mask && tokens > 1;
-            if (shared) row_tokens(first_type, row, next_row, x, &xq, tokens, n, act + j, k);
+            if (shared) row_tokens(first_type, row, ahead, x, &xq, tokens, n, act + j, k);
             for (int64_t t = 0; t < tokens; t++) {
                 float *a = act + t * k + j;
                 if (mask && !mask[t * k + j]) {
                     *a = 0.0f;
                     continue;
                 }
-                float f = shared ? *a : dot_row(first_type, row, next_row, x, &xq, t, n);
+                float f = shared ? *a : dot_row(first_type, row, ahead, x, &xq, t, n);
                 *a = 0.0f;
                 if (form == 2) {
                     *a = f > 0.0f ? f : 0.0f;
@@ -557,7 +565,7 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
                 }
                 /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
                 if (f <= 0.0f) continue;
-                float u = dot_row(up_type, up + ids[j] * up_stride, up + next * up_stride, x, &xq, t, n);
+                float u = dot_row(up_type, up_row, next_row, x, &xq, t, n);
                 *a = f * (form != 0 && u < 0.0f ? 0.0f : u);
             }
         }
