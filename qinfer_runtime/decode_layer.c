@@ -45,7 +45,7 @@ typedef struct {
     float *att;    /* [heads * head_dim] */
     float *scores; /* [heads * ctx] */
     float *pred;   /* [predictor] */
-    float *g, *u;  /* [F] */
+    float *g;      /* [F] */
     float *out;    /* [E] */
     int64_t *ids;  /* [F] */
     uint8_t *fire; /* [F] */
@@ -228,10 +228,15 @@ int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *
         } else {
             quantize_input(ffn_type, s->x, e, s, &a);
             product(&w->gate, s->x, &a, s->g);
-            product(&w->up, s->x, &a, s->u);
+            /* Every neuron, but relu(gate) * up is 0 wherever the gate does not fire, whatever up is: those up
+             * rows are not read. The sum is the dense one exactly; a ReLU model reads a fraction of up. */
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < f; j++) {
-                float g = s->g[j] > 0.0f ? s->g[j] : 0.0f, u = s->u[j];
+                float g = s->g[j];
+                s->g[j] = 0.0f;
+                if (g <= 0.0f) continue;
+                const uint8_t *row = w->up.data + j * w->up.stride;
+                float u = dot_row(w->up.type, row, j + 1 < f ? row + w->up.stride : row, s->x, &a, 0, e);
                 s->g[j] = g * (d->form == 1 && u < 0.0f ? 0.0f : u);
             }
             if (d->down_rows) {

@@ -58,9 +58,8 @@ class Dims(ctypes.Structure):
 # The scratch buffers of decode_layer.c, in its order, with their element type.
 SCRATCH = (
     ("x", torch.float32), ("q", torch.float32), ("k", torch.float32), ("v", torch.float32), ("att", torch.float32),
-    ("scores", torch.float32), ("pred", torch.float32), ("g", torch.float32), ("u", torch.float32),
-    ("out", torch.float32), ("ids", torch.int64), ("fire", torch.uint8), ("xq", torch.int8), ("xd", torch.float32),
-    ("xs", torch.int32),
+    ("scores", torch.float32), ("pred", torch.float32), ("g", torch.float32), ("out", torch.float32),
+    ("ids", torch.int64), ("fire", torch.uint8), ("xq", torch.int8), ("xd", torch.float32), ("xs", torch.int32),
 )  # fmt: skip
 
 
@@ -170,7 +169,7 @@ class DecodeLayers:
         sizes = {
             "x": cfg.hidden, "q": cfg.heads * cfg.head_dim, "k": cfg.kv_dim, "v": cfg.kv_dim,
             "att": cfg.heads * cfg.head_dim, "scores": cfg.heads * ctx, "pred": max(d.predictor, 1), "g": cfg.ffn,
-            "u": cfg.ffn, "out": cfg.hidden, "ids": cfg.ffn, "fire": cfg.ffn, "xq": widest, "xd": widest // 32 + 1,
+            "out": cfg.hidden, "ids": cfg.ffn, "fire": cfg.ffn, "xq": widest, "xd": widest // 32 + 1,
             "xs": widest // 32 + 1,
         }  # fmt: skip
         self._buffers = {name: torch.empty(sizes[name], dtype=dtype) for name, dtype in SCRATCH}
