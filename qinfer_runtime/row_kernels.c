@@ -408,6 +408,52 @@ static void row_tokens(int type, const uint8_t *row, const uint8_t *next, const 
     for (int64_t t = 0; t < tokens; t++) out[t * out_stride] = dot_row(type, row, next, x, xq, t, n);
 }
 
+#if LANES > 1
+/* Two F16 rows against tokens t0..t0+count-1 (count <= 4): each input vector loaded serves both rows, which
+ * halves the input traffic that bounds a prompt's products once the inputs outgrow the first-level cache. */
+static inline __attribute__((always_inline)) void f16_tile2(const uint16_t *w0, const uint16_t *w1, const float *x,
+                                                           int64_t t0, int count, int64_t n, float *out,
+                                                           int64_t out_stride) {
+    vec a0[4], a1[4];
+    for (int t = 0; t < count; t++) a0[t] = a1[t] = vzero();
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vec v0 = vload_half(w0 + i), v1 = vload_half(w1 + i);
+        for (int t = 0; t < count; t++) {
+            vec xv = vload(x + (t0 + t) * n + i);
+            a0[t] = vfma(v0, xv, a0[t]);
+            a1[t] = vfma(v1, xv, a1[t]);
+        }
+    }
+    for (int t = 0; t < count; t++) {
+        float s0 = vsum(a0[t]), s1 = vsum(a1[t]);
+        for (int64_t c = i; c < n; c++) {
+            s0 += half_to_float(w0[c]) * x[(t0 + t) * n + c];
+            s1 += half_to_float(w1[c]) * x[(t0 + t) * n + c];
+        }
+        out[t * out_stride] = s0;
+        out[t * out_stride + 1] = s1;
+    }
+}
+#endif
+
+/* row_tokens for two rows at once, whose products land side by side: out[t * out_stride] and the next float. */
+static void rows2_tokens(int type, const uint8_t *row0, const uint8_t *row1, const float *x, const q8_act *xq,
+                         int64_t tokens, int64_t n, float *out, int64_t out_stride) {
+#if LANES > 1
+    if (type == F16) {
+        const uint16_t *w0 = (const uint16_t *)row0, *w1 = (const uint16_t *)row1;
+        int64_t t0 = 0;
+        for (; t0 + 4 <= tokens; t0 += 4) f16_tile2(w0, w1, x, t0, 4, n, out + t0 * out_stride, out_stride);
+        for (; t0 + 2 <= tokens; t0 += 2) f16_tile2(w0, w1, x, t0, 2, n, out + t0 * out_stride, out_stride);
+        for (; t0 < tokens; t0++) f16_tile2(w0, w1, x, t0, 1, n, out + t0 * out_stride, out_stride);
+        return;
+    }
+#endif
+    row_tokens(type, row0, row1, x, xq, tokens, n, out, out_stride);
+    row_tokens(type, row1, row1, x, xq, tokens, n, out + 1, out_stride);
+}
+
 /* out[0:w] += sum over 4 rows of a[m] * row_m[c0:c0+w] (four rows per pass read and write out a quarter as often).
  * For quantized rows c0 and w are multiples of 32. */
 static void add_rows4(int type, float *out, const uint8_t *const r[4], const float a[4], int64_t c0, int64_t w) {
@@ -537,8 +583,22 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
         q8_free(&xq);
         return -2;
     }
+    /* Without a mask every token needs the first row's product (the gate's, or up's without a gate): rows go in
+     * pairs, one pass over a pair serving all the tokens, and the products wait in act for each token's turn. */
+    int shared = !mask && tokens > 1;
 #pragma omp parallel num_threads(threads)
     {
+        if (shared) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < (k + 1) / 2; p++) {
+                int64_t j = 2 * p;
+                const uint8_t *r0 = first + ids[j] * first_stride;
+                if (j + 1 < k)
+                    rows2_tokens(first_type, r0, first + ids[j + 1] * first_stride, x, &xq, tokens, n, act + j, k);
+                else
+                    row_tokens(first_type, r0, r0, x, &xq, tokens, n, act + j, k);
+            }
+        }
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < k; j++) {
             int64_t next = ids[j + 1 < k ? j + 1 : j];
@@ -547,10 +607,6 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
             /* While the gate's row is summed, its up row is read ahead (a neuron picked to fire mostly does), and
              * while the up row is summed, the next neuron's gate row. */
             const uint8_t *ahead = form != 2 ? up_row : next_row;
-            /* Without a mask every token needs the first row's product (the gate's, or up's without a gate): one
-             * pass over the row serves them all, parked in act until each token's turn. */
-            int shared = !mask && tokens > 1;
-            if (shared) row_tokens(first_type, row, ahead, x, &xq, tokens, n, act + j, k);
             for (int64_t t = 0; t < tokens; t++) {
                 float *a = act + t * k + j;
                 if (mask && !mask[t * k + j]) {
@@ -600,6 +656,19 @@ int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shap
     for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
         int64_t count = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK, nb = n / QK;
         q8_act block = {xq.q ? xq.q + t0 * n : NULL, xq.d ? xq.d + t0 * nb : NULL, xq.sum ? xq.sum + t0 * nb : NULL};
+        if (count > 1) {
+            /* Rows in pairs: each input vector loaded serves both (see rows2_tokens). */
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < (rows + 1) / 2; p++) {
+                int64_t r = 2 * p;
+                const uint8_t *row = w + r * stride;
+                if (r + 1 < rows)
+                    rows2_tokens(type, row, row + stride, x + t0 * n, &block, count, n, out + t0 * rows + r, rows);
+                else
+                    row_tokens(type, row, row, x + t0 * n, &block, count, n, out + t0 * rows + r, rows);
+            }
+            continue;
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const uint8_t *row = w + r * stride, *next = w + (r + 1 < rows ? r + 1 : r) * stride;
