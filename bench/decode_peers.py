@@ -166,11 +166,9 @@ def selected_shares(path: Path, prompt_ids: list[int], n: int, ctx: int) -> list
     if not isinstance(forward, TransformerForward) or not isinstance(forward.ffn, SparseRunner):
         raise RuntimeError(f"{path}: expected the CPU sparse runner")
     shares = _SelectionShares(forward.ffn)
+    # A swapped-in runner takes the torch path (the native layer step keeps to the runner it was built for),
+    # which selects the same neurons.
     forward.ffn = shares
-    # The native layer step runs its own predictor and would pass the recording runner by; torch's path selects
-    # the same neurons.
-    if hasattr(forward, "native"):
-        forward.native = None
     engine.submit(Request(prompt_ids, n + 2, SamplingParams(temperature=0.0), ignore_eos=True))
     for _ in range(n + 1):
         engine.step()

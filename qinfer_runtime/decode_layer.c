@@ -30,7 +30,9 @@ typedef struct {
 } layer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, ffn, ctx, predictor;
+    int64_t hidden, heads, kv_heads, head_dim, ffn, ctx;
+    int64_t predictor; /* the largest predictor rank of any layer (each layer's is its fc1's rows) */
+    int64_t widest;    /* floats the quantized-input scratch holds: max(E, F, predictor) */
     float eps, threshold;
     int32_t form;       /* as qinfer_sparse_ffn: 0 relu(g)*u, 1 relu(g)*relu(u) */
     int32_t sparse;     /* 1: the neurons the predictor selects; 0: every neuron (dense) */
@@ -49,9 +51,9 @@ typedef struct {
     float *out;    /* [E] */
     int64_t *ids;  /* [F] */
     uint8_t *fire; /* [F] */
-    int8_t *xq;    /* [max(E, F)] */
-    float *xd;     /* [max(E, F) / 32] */
-    int32_t *xs;   /* [max(E, F) / 32] */
+    int8_t *xq;    /* [widest] */
+    float *xd;     /* [widest / 32] */
+    int32_t *xs;   /* [widest / 32] */
 } scratch;
 
 static int matrix_fits(const matrix *m, int64_t rows, int64_t cols) {
@@ -150,7 +152,7 @@ static int quantized(int type) { return type != F16; }
 
 /* h [E] += this layer's attention, then += its FFN, for the token at `pos`, whose keys and values land in the
  * cache. cos/sin hold head_dim / 2 values for this position. Returns -1 (nothing read or written) where a matrix
- * does not fit the dimensions, -3 where the position is outside the cache. */
+ * does not fit the dimensions or the scratch, -3 where the position is outside the cache. */
 int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *h, int64_t pos, const float *cos,
                         const float *sin, int threads) {
     int64_t e = d->hidden, f = d->ffn, hd = d->head_dim, kv = d->kv_heads * hd;
@@ -159,9 +161,11 @@ int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *
         !matrix_fits(&w->o, e, d->heads * hd) || !matrix_fits(&w->gate, f, e) || !matrix_fits(&w->up, f, e) ||
         !(d->down_rows ? matrix_fits(&w->down, f, e) : matrix_fits(&w->down, e, f)))
         return -1;
-    if (d->sparse && (!d->down_rows || !matrix_fits(&w->fc1, d->predictor, e) ||
-                      !matrix_fits(&w->fc2, f, d->predictor)))
+    int64_t rank = w->fc1.rows;
+    if (d->sparse && (!d->down_rows || rank < 1 || rank > d->predictor || !matrix_fits(&w->fc1, rank, e) ||
+                      !matrix_fits(&w->fc2, f, rank)))
         return -1;
+    if (e > d->widest || f > d->widest || (d->sparse && rank > d->widest)) return -1;
     if (pos < 0 || pos >= d->ctx) return -3;
     int64_t count = f;
     /* One quantized input serves every quantized matrix that reads it; F16 rows read the float input. */
@@ -198,12 +202,12 @@ int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *
             quantize_input(w->fc1.type, h, e, s, &a);
             product(&w->fc1, h, &a, s->pred);
 #pragma omp single
-            for (int64_t i = 0; i < d->predictor; i++) s->pred[i] = s->pred[i] > 0.0f ? s->pred[i] : 0.0f;
-            quantize_input(w->fc2.type, s->pred, d->predictor, s, &a);
+            for (int64_t i = 0; i < rank; i++) s->pred[i] = s->pred[i] > 0.0f ? s->pred[i] : 0.0f;
+            quantize_input(w->fc2.type, s->pred, rank, s, &a);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < f; r++) {
                 const uint8_t *row = w->fc2.data + r * w->fc2.stride;
-                s->fire[r] = dot_row(w->fc2.type, row, row, s->pred, &a, 0, d->predictor) >= d->threshold;
+                s->fire[r] = dot_row(w->fc2.type, row, row, s->pred, &a, 0, rank) >= d->threshold;
             }
 #pragma omp single
             {

@@ -46,7 +46,7 @@ class Layer(ctypes.Structure):
 
 class Dims(ctypes.Structure):
     _fields_ = [
-        *((name, i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor")),
+        *((name, i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest")),
         ("eps", f32),
         ("threshold", f32),
         ("form", i32),
@@ -96,13 +96,17 @@ def _down(down_t: Weight | TransposedQuantized) -> tuple[Matrix | None, int]:
 
 
 class DecodeLayers:
-    """The kernel's description of every layer, its dimensions and its scratch, made once."""
+    """The kernel's description of every layer, its dimensions and its scratch, made once for one FFN runner.
 
-    def __init__(self, cfg: ModelSpec, layers: list[Layer], dims: Dims, keep: list[object]):
+    One forward call at a time: the scratch, the cache pointers and the dimensions are rewritten by each call (the
+    engine runs one step at a time, on one thread)."""
+
+    def __init__(self, cfg: ModelSpec, runner: FFNRunner, layers: list[Layer], dims: Dims, keep: list[object]):
         self.cfg = cfg
+        self.runner = runner
         self.layers = layers
         self.dims = dims
-        self._keep = keep  # the tensors the structures point into
+        self._keep = keep  # every tensor the structures point into, alive as long as they are
         self._scratch = Scratch()
         self._ctx = 0
 
@@ -129,12 +133,14 @@ class DecodeLayers:
             down_rows.add(layer[1])
         if len(down_rows) != 1:
             return None
+        # Predictor ranks may differ per layer: the scratch holds the largest.
+        rank = max(w.fc1.shape[0] for w in ffn) if sparse else 0  # type: ignore[union-attr]
         dims = Dims(
             hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn, ctx=0,
-            predictor=ffn[0].fc1.shape[0] if sparse else 0, eps=cfg.norm_eps, threshold=threshold,
+            predictor=rank, widest=max(cfg.hidden, cfg.ffn, rank), eps=cfg.norm_eps, threshold=threshold,
             form=int(form.relu_up), sparse=int(sparse), down_rows=down_rows.pop(),
         )  # fmt: skip
-        return cls(cfg, layers, dims, keep)
+        return cls(cfg, runner, layers, dims, keep)
 
     @staticmethod
     def _layer(a: AttentionRows, w: FFNWeights, sparse: bool, keep: list[object]) -> tuple[Layer, int] | None:
@@ -146,18 +152,24 @@ class DecodeLayers:
         if down is None or any(m is None for m in matrices.values()):
             return None
         norms = [n.float().contiguous() for n in (a.attn_norm, a.ffn_norm)]
-        keep.extend(norms)
+        keep.extend([*norms, *weights.values(), w.down_t])
         layer = Layer(**matrices, down=down, attn_norm=norms[0].data_ptr(), ffn_norm=norms[1].data_ptr())
         return layer, down_rows
 
-    def takes(self, h: torch.Tensor, step: Step, cache: Cache) -> bool:
-        """Whether this forward call is one the kernel computes: one token of one sequence, all on the CPU."""
+    def takes(self, h: torch.Tensor, step: Step, cache: Cache, runner: FFNRunner) -> bool:
+        """Whether this forward call is one the kernel computes: one token of one sequence in a slot of the cache,
+        all on the CPU, with the FFN runner the layers were described for (a runner swapped in later, to record or
+        to test, gets the torch path)."""
         return (
-            h.shape[0] == 1
+            runner is self.runner
+            and h.shape[0] == 1
             and h.device.type == "cpu"
+            and h.dtype == torch.float32
+            and h.is_contiguous()
             and isinstance(cache, KVCache)
             and cache.k.device.type == "cpu"
             and cache.k.dtype == torch.float32
+            and 0 <= int(step.batch.slots[0]) < cache.k.shape[1]
             and step.cos is not None
             and row_kernels.enabled()
         )
@@ -165,7 +177,7 @@ class DecodeLayers:
     def _scratch_for(self, ctx: int) -> None:
         """(Re)allocate the scratch for a cache of `ctx` positions (the attention scores grow with it)."""
         cfg, d = self.cfg, self.dims
-        widest = max(cfg.hidden, cfg.ffn)
+        widest = d.widest
         sizes = {
             "x": cfg.hidden, "q": cfg.heads * cfg.head_dim, "k": cfg.kv_dim, "v": cfg.kv_dim,
             "att": cfg.heads * cfg.head_dim, "scores": cfg.heads * ctx, "pred": max(d.predictor, 1), "g": cfg.ffn,
@@ -181,6 +193,8 @@ class DecodeLayers:
         """Layer i for the one token h [1, E] (updated in place and returned), at the step's position and slot."""
         if cache.ctx != self._ctx:
             self._scratch_for(cache.ctx)
+        if isinstance(self.runner, SparseRunner):
+            self.dims.threshold = self.runner.threshold
         assert step.cos is not None and step.sin is not None
         slot, pos = int(step.batch.slots[0]), int(step.batch.positions[0])
         layer = self.layers[i]
@@ -192,6 +206,8 @@ class DecodeLayers:
             ctypes.addressof(layer), ctypes.addressof(self.dims), ctypes.addressof(self._scratch), h.data_ptr(), pos,
             step.cos.data_ptr(), step.sin.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+        if status == -3:
+            raise UserError(f"context of {cache.ctx} tokens exceeded")
         if status != 0:
             raise UserError(
                 "a weight tensor does not match the model's shape (its file is corrupt); re-convert the model"

@@ -70,7 +70,7 @@ class LlamaForward(TransformerForward):
         return linear(cache.attend(q, k, v, i, step), w.o)
 
     def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
-        if self.native is not None and self.native.takes(h, step, cache):
+        if self.native is not None and self.native.takes(h, step, cache, self.ffn):
             return self.native.run(i, h, step, cache)  # type: ignore[arg-type]
         w, eps = self.attn[i], self.cfg.norm_eps
         h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)

@@ -21,6 +21,12 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+/* The integer-product kernels need AVX2 for the products, F16C for the scales and FMA for the sums. */
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define INT_AVX2 1
+#else
+#define INT_AVX2 0
+#endif
 
 enum { F16 = 0, Q4_0 = 1, Q8_0 = 2 };
 #define QK 32 /* weights per quantized block */
@@ -192,14 +198,7 @@ static void q8_free(q8_act *a) {
     free(a->sum);
 }
 
-#if defined(__AVX2__)
-/* The 16 bytes of a Q4_0 block as 32 signed weights in file order: low nibbles (weights 0-15), then high ones. */
-static inline __m256i q4_weights(const uint8_t *p) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
-    return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
-}
-
+#if INT_AVX2
 /* Eight int32 partial sums of u[i] * x[i] over 32 unsigned bytes u and signed bytes x. No pair sum reaches int16's
  * limit while u <= 128 and |x| <= 127 (128 * 127 * 2 < 32767), so the AVX2 form is as exact as VNNI's. */
 static inline __m256i unsigned_dot32(__m256i u, __m256i x) {
@@ -215,9 +214,7 @@ static inline __m256i int_dot32(__m256i w, __m256i x) {
     return unsigned_dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
-static inline __m256i block_weights(int type, const uint8_t *b) {
-    return type == Q4_0 ? q4_weights(b + 2) : _mm256_loadu_si256((const __m256i *)(b + 2));
-}
+static inline __m256i q8_weights(const uint8_t *b) { return _mm256_loadu_si256((const __m256i *)(b + 2)); }
 
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -251,13 +248,14 @@ static float dot_q4_q8(const uint8_t *row, const uint8_t *next, const int8_t *q,
         prefetch(next, b * bb + 64);
         prefetch(next, b * bb + 128);
         __m256i p[8];
-        __m128i h = _mm_setzero_si128();
+        uint16_t halves[8];
         for (int m = 0; m < 8; m++) {
             const uint8_t *bm = blk + m * bb;
             __m256i x = _mm256_loadu_si256((const __m256i *)(q + (b + m) * QK));
             p[m] = unsigned_dot32(q4_nibbles(bm + 2), x);
-            h = _mm_insert_epi16(h, bm[0] | bm[1] << 8, m);
+            halves[m] = (uint16_t)(bm[0] | bm[1] << 8);
         }
+        __m128i h = _mm_loadu_si128((const __m128i *)halves);
         __m256i sums = _mm256_sub_epi32(sum_lanes8(p), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(qsum + b)), 3));
         __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(d + b));
         acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc);
@@ -275,23 +273,23 @@ static float dot_q4_q8(const uint8_t *row, const uint8_t *next, const int8_t *q,
     return hsum256(acc) + s;
 }
 
-/* Inlined once per type, so the block loop carries no type test. */
-static inline __attribute__((always_inline)) float dot_q8_typed(int type, const uint8_t *row, const uint8_t *next,
-                                                                const int8_t *q, const float *d, int64_t n) {
-    int64_t bb = block_bytes(type), nb = n / QK, b = 0;
+/* A Q8_0 row against the quantized input. */
+static float dot_q8_q8(const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d, int64_t n) {
+    const int64_t bb = 2 + QK, nb = n / QK;
+    int64_t b = 0;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     /* Two blocks per pass: two independent sums keep the multiply-add latency hidden. */
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *b0 = row + b * bb, *b1 = b0 + bb;
         prefetch(next, b * bb);
-        __m256i p0 = int_dot32(block_weights(type, b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
-        __m256i p1 = int_dot32(block_weights(type, b1), _mm256_loadu_si256((const __m256i *)(q + b * QK + QK)));
+        __m256i p0 = int_dot32(q8_weights(b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
+        __m256i p1 = int_dot32(q8_weights(b1), _mm256_loadu_si256((const __m256i *)(q + b * QK + QK)));
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b0) * d[b]), _mm256_cvtepi32_ps(p0), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b1) * d[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
     }
     if (b < nb) {
         const uint8_t *b0 = row + b * bb;
-        __m256i p0 = int_dot32(block_weights(type, b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
+        __m256i p0 = int_dot32(q8_weights(b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b0) * d[b]), _mm256_cvtepi32_ps(p0), acc0);
     }
     return hsum256(_mm256_add_ps(acc0, acc1));
@@ -300,7 +298,7 @@ static inline __attribute__((always_inline)) float dot_q8_typed(int type, const 
 static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d,
                     const int32_t *qsum, int64_t n) {
     if (type == Q4_0) return dot_q4_q8(row, next, q, d, qsum, n);
-    return dot_q8_typed(Q8_0, row, next, q, d, n);
+    return dot_q8_q8(row, next, q, d, n);
 }
 
 #define TOKEN_TILE 16
@@ -315,12 +313,12 @@ static void q4_row_tokens(const uint8_t *row, const q8_act *a, int64_t t0, int64
     for (int64_t b = 0; b < whole; b += 8) {
         const uint8_t *blk = row + b * bb;
         __m256i nibbles[8];
-        __m128i h = _mm_setzero_si128();
+        uint16_t halves[8];
         for (int m = 0; m < 8; m++) {
             nibbles[m] = q4_nibbles(blk + m * bb + 2);
-            h = _mm_insert_epi16(h, blk[m * bb] | blk[m * bb + 1] << 8, m);
+            halves[m] = (uint16_t)(blk[m * bb] | blk[m * bb + 1] << 8);
         }
-        __m256 scale = _mm256_cvtph_ps(h);
+        __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)halves));
         for (int64_t t = 0; t < count; t++) {
             const int8_t *q = a->q + (t0 + t) * n + b * QK;
             int64_t at = (t0 + t) * nb + b;
@@ -397,7 +395,7 @@ static void row_tokens(int type, const uint8_t *row, const uint8_t *next, const 
         return;
     }
 #endif
-#if defined(__AVX2__)
+#if INT_AVX2
     if (type == Q4_0) {
         for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_TILE)
             q4_row_tokens(row, xq, t0, tokens - t0 < TOKEN_TILE ? tokens - t0 : TOKEN_TILE, n, out + t0 * out_stride,

@@ -13,13 +13,16 @@ import torch
 
 from qinfer_core.errors import UserError
 from qinfer_core.kv_policy import KVPolicy
+from qinfer_core.predictor_dir import FC1, FC2
+from qinfer_prep.convert import convert
 from qinfer_prep.quantize import quantize_gguf
+from qinfer_prep.synth import SynthReport
 from qinfer_prep.synth_corpus import synth_corpus
 from qinfer_runtime.decode_layer import DecodeLayers
-from qinfer_runtime.ffn_runners import SparseRunner
+from qinfer_runtime.ffn_runners import DenseRunner, SparseRunner
 from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
 from qinfer_runtime.model_file import open_model
-from qinfer_runtime.model_forward import TokenBatch, TransformerForward, make_kv_cache
+from qinfer_runtime.model_forward import KVCache, TokenBatch, TransformerForward, make_kv_cache
 from qinfer_runtime.perplexity import perplexity
 from qinfer_runtime.tokenizer import GGUFTokenizer
 
@@ -31,9 +34,26 @@ IDS = [5, 17, 300, 42, 9, 77, 128, 3, 250, 61, 19, 400]
 
 
 @pytest.fixture(scope="module")
-def q8(gguf_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("q8") / "tiny.q8.powerinfer.gguf"
-    return quantize_gguf(gguf_files["pi-f16"], out, "Q8_0").outfile
+def q8(gguf_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model's PowerInfer and dense files in Q8_0."""
+    out = tmp_path_factory.mktemp("q8")
+    return {
+        "pi": quantize_gguf(gguf_files["pi-f16"], out / "tiny.q8.powerinfer.gguf", "Q8_0").outfile,
+        "dense": quantize_gguf(gguf_files["dense-f16"], out / "tiny.q8.gguf", "Q8_0").outfile,
+    }
+
+
+@pytest.fixture(scope="module")
+def mixed_ranks(tiny: SynthReport, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with layer 1's predictor widened from rank 32 to 64 by zero rows of fc1 and zero columns of
+    fc2: a file whose layers have different ranks, and whose predictions are unchanged."""
+    out = tmp_path_factory.mktemp("ranks")
+    predictor = shutil.copytree(tiny.predictor_dir, out / "predictor")
+    state = torch.load(predictor / "model_1.pt")
+    state[FC1] = torch.cat([state[FC1], torch.zeros_like(state[FC1])])
+    state[FC2] = torch.cat([state[FC2], torch.zeros_like(state[FC2])], dim=1)
+    torch.save(state, predictor / "model_1.pt")
+    return convert(tiny.model_dir, out / "tiny.powerinfer.gguf", predictor, "f16").outfile
 
 
 def forward_for(path: Path, ffn: str) -> TransformerForward:
@@ -42,18 +62,22 @@ def forward_for(path: Path, ffn: str) -> TransformerForward:
     return forward
 
 
-def decode(forward: TransformerForward, native: bool, ids: list[int] = IDS) -> torch.Tensor:
-    """Logits of a 3-token prompt, then one decode step per remaining token, with or without the layer kernel."""
+def decode(forward: TransformerForward, native: bool, slot: int = 0, slots: int = 1) -> torch.Tensor:
+    """Logits of a 3-token prompt, then one decode step per remaining token of IDS, in `slot` of a cache of `slots`,
+    with or without the layer kernel; the other slots must stay untouched."""
     kept = forward.native  # type: ignore[attr-defined]
     forward.native = kept if native else None  # type: ignore[attr-defined]
-    cache = make_kv_cache(forward.cfg, CTX)
+    cache = make_kv_cache(forward.cfg, CTX, slots)
+    assert isinstance(cache, KVCache)
     try:
         with torch.inference_mode():
-            logits = [forward.forward(TokenBatch.prompt(torch.tensor(ids[:3]), 0), cache)[-1:]]
-            for j, t in enumerate(ids[3:], start=3):
-                logits.append(forward.forward(TokenBatch.decode([t], [j], [0]), cache))
+            logits = [forward.forward(TokenBatch.prompt(torch.tensor(IDS[:3]), 0, slot), cache)[-1:]]
+            for j, t in enumerate(IDS[3:], start=3):
+                logits.append(forward.forward(TokenBatch.decode([t], [j], [slot]), cache))
     finally:
         forward.native = kept  # type: ignore[attr-defined]
+    others = [s for s in range(slots) if s != slot]
+    assert not cache.k[:, others].any() and not cache.v[:, others].any()
     return torch.cat(logits)
 
 
@@ -84,10 +108,23 @@ def test_f16_layers_give_the_torch_paths_logits(
     assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
-def test_q8_layers_stay_within_input_rounding_of_the_torch_path(q8: Path) -> None:
-    """Q8_0 rows: both paths quantize each product's input to Q8_0 blocks, but the layer computes its norms and
-    attention in its own order, so an input can round to the neighbouring step: the logits agree to ~1%."""
-    forward = forward_for(q8, "sparse")
+def test_a_later_slot_and_mixed_predictor_ranks(gguf_files: dict[str, Path], mixed_ranks: Path) -> None:
+    """Slot 2 of three (the others untouched), and a file whose layers' predictors have ranks 32 and 64."""
+    forward = forward_for(gguf_files["pi-f16"], "sparse")
+    reference = decode(forward, False, slot=2, slots=3)
+    assert (decode(forward, True, slot=2, slots=3) - reference).abs().max() <= 1e-4 * reference.abs().max()
+    mixed = forward_for(mixed_ranks, "sparse")
+    assert mixed.native is not None and mixed.native.dims.predictor == 64  # type: ignore[attr-defined]
+    assert [w.fc1.shape[0] for w in mixed.ffn.layers] == [32, 64]  # type: ignore[attr-defined]
+    assert (decode(mixed, True) - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+@pytest.mark.parametrize(("file", "ffn"), [("pi", "sparse"), ("dense", "dense")])
+def test_q8_layers_stay_within_input_rounding_of_the_torch_path(q8: dict[str, Path], file: str, ffn: str) -> None:
+    """Q8_0 rows (with the dense file's down as a quantized [E, F] matrix, whose input is the activations): both
+    paths quantize each product's input to Q8_0 blocks, but the layer computes its norms and attention in its own
+    order, so an input can round to the neighbouring step: the logits agree to ~1%."""
+    forward = forward_for(q8[file], ffn)
     assert forward.native is not None  # type: ignore[attr-defined]
     native, reference = decode(forward, True), decode(forward, False)
     assert (native - reference).abs().max() <= 0.02 * reference.abs().max()
@@ -109,7 +146,8 @@ def test_every_neuron_selected_gives_the_dense_perplexity(gguf_files: dict[str, 
 
 
 def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts, a batch of two slots, the window cache, the oracle and QINFER_NATIVE=0 take the torch path."""
+    """Prompts, a batch of two slots, the window cache, QINFER_NATIVE=0, a runner swapped in after the layers were
+    described, the oracle and float32 weights take the torch path."""
     forward = forward_for(gguf_files["pi-f16"], "sparse")
     calls = counting_runs(monkeypatch)
     cache = make_kv_cache(forward.cfg, CTX, slots=2)
@@ -122,6 +160,9 @@ def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatc
         forward.forward(TokenBatch.decode([1], [4], [0]), window)
         monkeypatch.setenv("QINFER_NATIVE", "0")
         forward.forward(TokenBatch.decode([1], [5], [0]), cache)
+        forward.ffn = DenseRunner(forward.ffn.layers)  # type: ignore[attr-defined]
+        monkeypatch.setenv("QINFER_NATIVE", "1")
+        forward.forward(TokenBatch.decode([1], [6], [0]), cache)
     assert calls == []
     assert forward_for(gguf_files["pi-f16"], "oracle").native is None  # type: ignore[attr-defined]
     assert forward_for(gguf_files["pi-f32"], "sparse").native is None  # type: ignore[attr-defined]
