@@ -1,8 +1,9 @@
 """The one place where the runtime reads weights: whole matrices for matmuls, and rows (neurons) by id.
 
 Weights are torch tensors in the file's dtype (F32/F16 views of the mapped GGUF, or device copies of them),
-or quantized FFN matrices whose rows are expanded only when gathered; every product runs in the weight's
-(expanded) dtype and returns float32.
+or quantized matrices whose rows are expanded only when gathered. Every product returns float32: on the CPU, F16
+and quantized rows go through the native kernels (row_kernels: float32 sums, or integer products against the
+input quantized to Q8_0), elsewhere the product runs in the weight's (expanded) dtype.
 """
 
 from __future__ import annotations
