@@ -2,9 +2,10 @@
  * q/k/v products, rope, the KV-cache write, attention over the cached positions, the output product and residual,
  * the FFN norm, the predictor (fc1, relu, fc2, threshold), the sparse or dense FFN, and its residual.
  *
- * A decode step in torch is some thirty small operator calls per layer, each with its own dispatch and allocation;
- * for a 7B model that costs as much time as reading the sparse weights. Here the threads stay in one parallel
- * region for the whole layer and meet at barriers, and every buffer is the caller's scratch, made once.
+ * A decode step in torch is some thirty small operator calls per layer, each with its own dispatch and allocation:
+ * about 1 ms a layer on two cores, a third of the time a 7B layer's sparse Q4_0 rows take to read. Here the
+ * threads stay in one parallel region for the whole layer and meet at barriers, and every buffer is the caller's
+ * scratch, made once.
  *
  * Weights are rows as in row_kernels.c (F16, Q4_0, Q8_0); products over quantized rows take the input quantized
  * to Q8_0 blocks. The float math follows qinfer_runtime's torch path (llama_forward.py, sparse_ffn.py): RMSNorm,
