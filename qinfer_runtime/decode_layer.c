@@ -69,16 +69,7 @@ static void quantize_input(int type, const float *x, int64_t n, const scratch *s
     a->sum = s->xs;
     if (type == F16) return;
 #pragma omp single
-    for (int64_t b = 0; b < n / QK; b++) {
-        const float *xb = x + b * QK;
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < QK; i++) sum += a->q[b * QK + i] = (int8_t)roundf(xb[i] * inv);
-        a->d[b] = d;
-        a->sum[b] = sum;
-    }
+    q8_quantize_blocks(x, n / QK, a);
 }
 
 /* out[r] = row r of m . x, rows shared among the threads (inside the parallel region). */

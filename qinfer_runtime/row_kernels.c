@@ -29,6 +29,15 @@
 #endif
 
 enum { F16 = 0, Q4_0 = 1, Q8_0 = 2 };
+
+#if INT_AVX2
+/* The sum of the eight floats of v (the AVX2 vector sum, and the integer kernels' too under AVX-512). */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 #define QK 32 /* weights per quantized block */
 
 #if defined(__AVX512F__)
@@ -57,11 +66,7 @@ static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vset(float a) { return _mm256_set1_ps(a); }
-static inline float vsum(vec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+static inline float vsum(vec v) { return hsum256(v); }
 static inline vec vload_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline void vload_q4(const uint8_t *p, vec *lo, vec *hi) {
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), eight = _mm256_set1_epi32(8);
@@ -174,12 +179,9 @@ typedef struct {
     int32_t *sum;  /* [tokens, n / 32]: sum of each block's q */
 } q8_act;
 
-static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
-    a->q = malloc((size_t)(tokens * n));
-    a->d = malloc((size_t)(tokens * (n / QK)) * sizeof(float));
-    a->sum = malloc((size_t)(tokens * (n / QK)) * sizeof(int32_t));
-    if (!a->q || !a->d || !a->sum) return -1;
-    for (int64_t b = 0; b < tokens * (n / QK); b++) {
+/* The first `blocks` blocks of 32 of x into a's buffers. */
+static void q8_quantize_blocks(const float *x, int64_t blocks, const q8_act *a) {
+    for (int64_t b = 0; b < blocks; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
@@ -189,6 +191,15 @@ static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
         for (int i = 0; i < QK; i++) sum += a->q[b * QK + i] = (int8_t)roundf(xb[i] * inv);
         a->sum[b] = sum;
     }
+}
+
+/* x [tokens, n] quantized into buffers allocated here (q8_free releases them); -1 where memory runs out. */
+static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
+    a->q = malloc((size_t)(tokens * n));
+    a->d = malloc((size_t)(tokens * (n / QK)) * sizeof(float));
+    a->sum = malloc((size_t)(tokens * (n / QK)) * sizeof(int32_t));
+    if (!a->q || !a->d || !a->sum) return -1;
+    q8_quantize_blocks(x, tokens * (n / QK), a);
     return 0;
 }
 
@@ -215,12 +226,6 @@ static inline __m256i int_dot32(__m256i w, __m256i x) {
 }
 
 static inline __m256i q8_weights(const uint8_t *b) { return _mm256_loadu_si256((const __m256i *)(b + 2)); }
-
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 static inline __m256i q4_nibbles(const uint8_t *p) {
     __m128i r = _mm_loadu_si128((const __m128i *)p);
