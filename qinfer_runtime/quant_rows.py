@@ -17,6 +17,11 @@ QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
 EXPAND_CHUNK_BYTES = 16 << 20
 
 
+def expand_chunk_rows(cols: int, element_size: int) -> int:
+    """Rows of `cols` values of `element_size` bytes that fit one expansion chunk (at least one)."""
+    return max(1, EXPAND_CHUNK_BYTES // (cols * element_size))
+
+
 def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles = blocks[..., 2:]
     q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).to(torch.int8) - 8
@@ -84,7 +89,7 @@ class QuantizedMatrix:
 
     def chunk_rows(self) -> int:
         """Rows per expansion chunk (EXPAND_CHUNK_BYTES of expanded rows)."""
-        return max(1, EXPAND_CHUNK_BYTES // (self.shape[1] * self.element_size()))
+        return expand_chunk_rows(self.shape[1], self.element_size())
 
     @property
     def T(self) -> TransposedQuantized:  # noqa: N802 - mirrors torch.Tensor.T

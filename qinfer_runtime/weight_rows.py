@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer_runtime import row_kernels
-from qinfer_runtime.quant_rows import EXPAND_CHUNK_BYTES, QuantizedMatrix, TransposedQuantized
+from qinfer_runtime.quant_rows import QuantizedMatrix, TransposedQuantized, expand_chunk_rows
 
 # Up to this many tokens a weighted row sum runs as an embedding bag, which reads each selected row once and
 # needs no copy; beyond it a matmul on gathered float32 rows wins.
@@ -31,7 +31,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Ten
         return _expanded_linear(x, weight.row_range, weight.shape[0], weight.chunk_rows())
     if weight.dtype == torch.float16 and weight.device.type == "cpu":
         # CPUs without half-precision arithmetic run torch's f16 matmul at a third of its float32 speed.
-        step = max(1, EXPAND_CHUNK_BYTES // (weight.shape[1] * 4))
+        step = expand_chunk_rows(weight.shape[1], 4)
         return _expanded_linear(x, lambda start, end: weight[start:end].float(), weight.shape[0], step)
     return F.linear(x.to(weight.dtype), weight).float()
 
