@@ -108,7 +108,7 @@ class DecodeLayers:
         self.dims = dims
         self._keep = keep  # every tensor the structures point into, alive as long as they are
         self._scratch = Scratch()
-        self._ctx = 0
+        self._buffers: dict[str, torch.Tensor] = {}  # what the scratch points into
 
     @classmethod
     def build(cls, cfg: ModelSpec, attn: Sequence[AttentionRows], runner: FFNRunner) -> DecodeLayers | None:
@@ -187,11 +187,11 @@ class DecodeLayers:
         self._buffers = {name: torch.empty(sizes[name], dtype=dtype) for name, dtype in SCRATCH}
         for name, buffer in self._buffers.items():
             setattr(self._scratch, name, buffer.data_ptr())
-        d.ctx = self._ctx = ctx
+        d.ctx = ctx
 
     def run(self, i: int, h: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         """Layer i for the one token h [1, E] (updated in place and returned), at the step's position and slot."""
-        if cache.ctx != self._ctx:
+        if cache.ctx != self.dims.ctx:
             self._scratch_for(cache.ctx)
         if isinstance(self.runner, SparseRunner):
             self.dims.threshold = self.runner.threshold
@@ -208,8 +208,5 @@ class DecodeLayers:
         )  # fmt: skip
         if status == -3:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
-        if status != 0:
-            raise UserError(
-                "a weight tensor does not match the model's shape (its file is corrupt); re-convert the model"
-            )
+        row_kernels.check(status)
         return h

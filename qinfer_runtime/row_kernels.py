@@ -131,7 +131,8 @@ def layout(t: object) -> tuple[int, int, int, ctypes.Array[ctypes.c_int64]] | No
     return t.data_ptr(), t.stride(0) * 2, 0, Shape(*t.shape)
 
 
-def _check(status: int) -> None:
+def check(status: int) -> None:
+    """Raise what a kernel's non-zero status means: no memory (-2), or rows that do not fit their shapes."""
     if status == -2:
         raise MemoryError("the row kernels could not allocate scratch for the quantized activations")
     if status != 0:
@@ -164,7 +165,7 @@ def sparse_ffn(
     keep = None if mask is None else mask.to("cpu", torch.uint8).contiguous()
     act = torch.empty(tokens, ids64.numel())
     out = torch.empty(tokens, down_t.shape[1])
-    _check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
+    check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
         g, gs, gt, gshape, u, us, ut, ushape, d, ds, dt, dshape, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(),
         ids64.numel(), None if keep is None else keep.data_ptr(), FORM_CODES[form.gated, form.relu_up], act.data_ptr(),
         out.data_ptr(), torch.get_num_threads(),
@@ -185,7 +186,7 @@ def weighted_rows(act: torch.Tensor, weight: Weight, ids: torch.Tensor | None = 
     a = act.float().contiguous()
     picked = None if ids is None else ids.to(torch.int64).contiguous()
     out = torch.empty(tokens, weight.shape[1])
-    _check(kernel().qinfer_weighted_rows(  # type: ignore[union-attr]
+    check(kernel().qinfer_weighted_rows(  # type: ignore[union-attr]
         address, stride, code, shape, None if picked is None else picked.data_ptr(), a.shape[1], a.data_ptr(), tokens,
         weight.shape[1], out.data_ptr(), torch.get_num_threads(),
     ))  # fmt: skip
@@ -203,7 +204,7 @@ def matvec(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
     address, stride, code, shape = described
     xf = x.float().contiguous()
     out = torch.empty(x.shape[0], weight.shape[0])
-    _check(kernel().qinfer_matvec(  # type: ignore[union-attr]
+    check(kernel().qinfer_matvec(  # type: ignore[union-attr]
         address, stride, code, shape, xf.data_ptr(), x.shape[1], x.shape[0], out.data_ptr(), torch.get_num_threads()
     ))  # fmt: skip
     return out
