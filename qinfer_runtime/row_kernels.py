@@ -5,9 +5,13 @@ blocks, as ggml does. The whole-layer decode step (decode_layer.c, driven by dec
 same library.
 
 The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and OpenMP into the user
-cache (`$XDG_CACHE_HOME/qinfer/kernels`, named by a hash of the source and the compiler) and loaded with ctypes.
-Where it cannot be built the runtime keeps its torch path (gather, or expand then matmul), so the kernels are an
-accelerator, never a requirement; QINFER_NATIVE=0 turns them off (for side-by-side benchmarks and debugging).
+cache (`$XDG_CACHE_HOME/qinfer/kernels`) and loaded with ctypes. A library is named by the instruction set it was
+built for, as the compiler resolves it, and by a hash of the source and the compiler: a home directory shared by
+an AVX-512 machine and an AVX2 one holds a library for each, and neither loads the other's. The build targets the
+CPU it runs on; `QINFER_KERNEL_TARGET=avx2` or `scalar` builds the AVX2 or the plain C path instead (the tests run
+all three). Where it cannot be built the runtime keeps its torch path (gather, or expand then matmul), so the
+kernels are an accelerator, never a requirement; QINFER_NATIVE=0 turns them off (for side-by-side benchmarks and
+debugging).
 """
 
 from __future__ import annotations
@@ -35,8 +39,13 @@ SOURCES = (SOURCE, Path(__file__).with_name("row_kernels.c"))
 # The kernel's FFN forms: relu(gate) * up, relu(gate) * relu(up), relu(up).
 FORM_CODES = {(True, False): 0, (True, True): 1, (False, True): 2}
 TYPE_CODES = {GGMLQuantizationType.Q4_0: 1, GGMLQuantizationType.Q8_0: 2}
-# Tuned flags first; the portable build is for compilers that do not know -march=native.
-FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
+# The instruction sets a build may target. The native build falls back to portable flags for compilers that do not
+# know -march=native; the others exist to run (and test) the AVX2 and plain C paths on a wider CPU.
+TARGETS: dict[str, tuple[list[str], ...]] = {
+    "native": (["-O3", "-march=native"], ["-O3"]),
+    "avx2": (["-O3", "-march=haswell"],),
+    "scalar": (["-O3", "-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["-O3"],),
+}
 # The sparse kernels take up to this many tokens at once (a longer prompt goes in chunks). Products over
 # quantized rows take any number, a block of tokens at a time: their integer products outrun torch's float32
 # matmul at every count (about 110 GFLOP/s on two AVX2 cores against 80). Over F16 rows the kernel wins up to
@@ -50,46 +59,98 @@ def cache_dir() -> Path:
     return Path(base) / "qinfer" / "kernels"
 
 
-def _build(compiler: str, target: Path) -> str | None:
-    """Compile SOURCE into `target` (atomically); the compiler's last error line when no flag set works."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    error = ""
-    for flags in FLAG_SETS:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-        os.close(fd)
-        cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            Path(tmp).unlink(missing_ok=True)
-            return str(exc)
-        if done.returncode == 0:
-            os.replace(tmp, target)
-            # Builds of older sources are never loaded again.
-            for stale in target.parent.glob("row_kernels_*.so"):
-                if stale != target:
-                    stale.unlink(missing_ok=True)
-            return None
+def target() -> str:
+    name = os.environ.get("QINFER_KERNEL_TARGET", "native")
+    if name not in TARGETS:
+        raise UserError(f"QINFER_KERNEL_TARGET={name!r} is not a kernel target; use one of {', '.join(TARGETS)}")
+    return name
+
+
+def instruction_set(compiler: str, flags: list[str]) -> str:
+    """The machine options `flags` resolve to (-march=native becomes the CPU's model and every feature it has or
+    lacks), as the compiler driver passes them on; empty where the compiler cannot say."""
+    try:
+        done = subprocess.run(
+            [compiler, *flags, "-###", "-x", "c", "-c", "-o", os.devnull, os.devnull],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if done.returncode != 0:
+        return ""
+    found = []
+    for line in done.stderr.splitlines():
+        words = [w.strip('"') for w in line.split()]
+        # gcc passes -m options to cc1; clang passes -target-cpu and -target-feature pairs to cc1.
+        found += [w for w in words if w.startswith("-m")]
+        found += [b for a, b in zip(words, words[1:], strict=False) if a in ("-target-cpu", "-target-feature")]
+    return " ".join(sorted(set(found)))
+
+
+def library_name(compiler: str, flags: list[str]) -> str:
+    """row_kernels_<instruction set>_<source and compiler>.so: one library per CPU feature set and source."""
+    isa = hashlib.sha256(f"{platform.machine()}|{instruction_set(compiler, flags)}".encode()).hexdigest()[:12]
+    code = b"".join(path.read_bytes() for path in SOURCES)
+    source = hashlib.sha256(code + f"{compiler}|{' '.join(flags)}".encode()).hexdigest()[:12]
+    return f"row_kernels_{isa}_{source}.so"
+
+
+def _build(compiler: str, flags: list[str], out: Path) -> str | None:
+    """Compile SOURCE with `flags` into `out` (atomically); the compiler's last error line where it fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
         Path(tmp).unlink(missing_ok=True)
-        error = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return str(exc)
+    if done.returncode != 0:
+        Path(tmp).unlink(missing_ok=True)
+        return (done.stderr.strip().splitlines() or ["failed"])[-1]
+    os.replace(tmp, out)
+    # Builds of older sources for this instruction set are never loaded again; other sets' builds stay.
+    isa_prefix = out.name.rsplit("_", 1)[0] + "_"
+    for stale in out.parent.glob(f"{isa_prefix}*.so"):
+        if stale != out:
+            stale.unlink(missing_ok=True)
+    return None
+
+
+def _load_or_build(compiler: str, name: str) -> Path | str:
+    """The library for target `name`, built where missing; the build error where no flag set works."""
+    error = ""
+    for flags in TARGETS[name]:
+        path = cache_dir() / library_name(compiler, flags)
+        if path.exists():
+            return path
+        failed = _build(compiler, flags, path)
+        if failed is None:
+            return path
+        error = failed
     return error
 
 
-@functools.cache
 def kernel() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where no compiler with OpenMP builds them (one line on stderr says so)."""
+    """The loaded kernels for the target in force, or None where no compiler with OpenMP builds them (one line on
+    stderr says so)."""
+    return load(target())
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The kernels built for target `name` (a key of TARGETS), or None where they cannot be built or loaded."""
     compiler = os.environ.get("CC", "cc")
-    code = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(code + f"{compiler}|{platform.machine()}".encode()).hexdigest()[:16]
-    target = cache_dir() / f"row_kernels_{key}.so"
     try:
-        if not target.exists() and (error := _build(compiler, target)) is not None:
+        built = _load_or_build(compiler, name)
+        if isinstance(built, str):
             print(
-                f"qinfer: native row kernels not built ({compiler}: {error}); using torch's slower path",
+                f"qinfer: native row kernels not built ({compiler}: {built}); using torch's slower path",
                 file=sys.stderr,
             )
             return None
-        lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(built))
     except OSError as exc:
         print(f"qinfer: native row kernels not loaded ({exc}); using torch's slower path", file=sys.stderr)
         return None

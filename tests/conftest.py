@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
 
 from qinfer_prep.convert import convert
 from qinfer_prep.synth import SynthReport, SynthShape, build_synth
+from qinfer_runtime import row_kernels
 
 TINY = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=256, predictor_rank=32)
 TINY_STEPS = 60
@@ -29,3 +31,27 @@ def gguf_files(tiny: SynthReport, tmp_path_factory: pytest.TempPathFactory) -> d
         ).outfile
         files[f"dense-{outtype}"] = convert(tiny.model_dir, out / f"tiny-{outtype}.gguf", None, outtype).outfile
     return files
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
+
+
+@pytest.fixture(params=list(row_kernels.TARGETS))
+def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on each kernel build: the CPU's own (native), the AVX2 path and the plain C path, so that a
+    path this CPU would not pick is still checked here. A target the CPU cannot run is skipped."""
+    target = str(request.param)
+    if target != "native":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("x86 instruction-set variants")
+        if target == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+            pytest.skip("this CPU does not run AVX2 with FMA and F16C")
+    monkeypatch.setenv("QINFER_KERNEL_TARGET", target)
+    if target != "native" and row_kernels.kernel() is None:
+        pytest.skip("no C compiler builds the kernel")
+    return target

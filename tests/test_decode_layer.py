@@ -26,9 +26,11 @@ from qinfer_runtime.model_forward import KVCache, TokenBatch, TransformerForward
 from qinfer_runtime.perplexity import perplexity
 from qinfer_runtime.tokenizer import GGUFTokenizer
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler to build the kernel"
-)
+# Every test here runs on each kernel build: native, AVX2 and plain C (tests/conftest.py).
+pytestmark = [
+    pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler to build the kernel"),
+    pytest.mark.usefixtures("kernel_build"),
+]
 CTX = 64
 IDS = [5, 17, 300, 42, 9, 77, 128, 3, 250, 61, 19, 400]
 

@@ -5,10 +5,7 @@ float product), the dispatch from the runtime's products, the build, and the fal
 from __future__ import annotations
 
 import os
-import platform
 import shutil
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +15,6 @@ from gguf import GGMLQuantizationType, quants
 from qinfer_core.architectures import ARCHITECTURES
 from qinfer_core.errors import UserError
 from qinfer_runtime import quant_rows, row_kernels
-from qinfer_runtime.engine import Engine
 from qinfer_runtime.quant_rows import QuantizedMatrix
 from qinfer_runtime.sparse_ffn import FFNWeights, dense_ffn, sparse_rows
 from qinfer_runtime.weight_rows import linear
@@ -26,15 +22,8 @@ from qinfer_runtime.weight_rows import linear
 needs_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler to build the kernel"
 )
-
-
-@pytest.fixture
-def fresh_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """An empty kernel cache, so the kernel is built (or fails to build) inside the test."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    row_kernels.kernel.cache_clear()
-    yield tmp_path / "qinfer" / "kernels"
-    row_kernels.kernel.cache_clear()
+# Every test here runs on each kernel build: native, AVX2 and plain C (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("kernel_build")
 
 
 def _half_rows(rows: int, cols: int, stride: int, seed: int) -> torch.Tensor:
@@ -330,65 +319,6 @@ def test_sparse_rows_takes_the_kernel_for_f16_tokens(monkeypatch: pytest.MonkeyP
     assert taken == [True, True, False, False, False]
     assert torch.allclose(one, torch_one, rtol=2e-3, atol=5e-3)  # the torch path rounds to f16
     assert torch.allclose(batch, torch_batch, rtol=2e-3, atol=5e-3)
-
-
-@needs_compiler
-def test_kernel_builds_into_an_empty_cache(fresh_kernel: Path) -> None:
-    assert row_kernels.kernel() is not None
-    built = sorted(p.name for p in fresh_kernel.iterdir())
-    assert len(built) == 1 and built[0].startswith("row_kernels_") and built[0].endswith(".so")
-
-
-def test_without_a_compiler_the_torch_path_runs(
-    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
-    assert row_kernels.kernel() is None
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "native row kernels not built" in err and "torch" in err
-    gate, up, down_t = (_half_rows(40, 64, 64, s) for s in range(3))
-    x, ids = torch.randn(1, 64), torch.arange(0, 40, 2)
-    assert row_kernels.sparse_ffn(ARCHITECTURES["llama"].ffn, x, gate, up, down_t, ids) is None
-    out = sparse_rows(ARCHITECTURES["llama"].ffn, x, gate, up, down_t, ids, None)
-    ref = _reference("llama", x, gate, up, down_t, ids)
-    assert (out.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
-    assert not list(fresh_kernel.glob("*.tmp"))
-
-
-@needs_compiler
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
-@pytest.mark.parametrize("narrower", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-f16c", "-mno-fma"]])
-def test_avx2_and_scalar_builds_give_the_same_results(
-    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, narrower: list[str]
-) -> None:
-    """The AVX2 and the plain C paths, which machines without AVX-512 run, built here by turning features off."""
-    monkeypatch.setattr(row_kernels, "FLAG_SETS", ([*row_kernels.FLAG_SETS[0], *narrower],))
-    assert row_kernels.kernel() is not None
-    test_kernel_matches_float64("bamboo", 100)
-    test_subnormal_halves_convert_exactly()
-    test_quantized_rows_match_float64(None, Q4, Q8, "llama")
-    test_quantized_rows_match_float64(Q4, Q4, Q4, "llama")
-    test_quantized_rows_match_float64(Q8, Q8, Q8, "falcon")
-    test_several_tokens_each_with_their_own_neurons(Q4, "bamboo")
-    test_quantized_matvec_matches_float64(Q4, 3)
-    test_quantized_matvec_matches_float64(Q8, 1)
-    test_quantized_dot_within_ggmls_documented_error(Q4)
-    test_products_over_many_tokens_match_float64(None, 15)
-    test_products_over_many_tokens_match_float64(Q4, 40)
-    test_every_neuron_over_a_prompt_is_the_dense_ffn(Q4, "llama")
-    test_weighted_rows_match_float64_and_skip_idle_rows(Q4, 3)
-
-
-def test_a_failed_build_is_reported_when_the_model_opens(
-    gguf_files: dict[str, Path],
-    fresh_kernel: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """Not at the first decode step, where the line would land inside the generated text."""
-    monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
-    Engine.open(gguf_files["pi-f16"], ctx_size=32)
-    assert "native row kernels not built" in capsys.readouterr().err
 
 
 @needs_compiler
