@@ -50,13 +50,13 @@ from rich.console import Console
 from rich.table import Table
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from qinfer_prep.convert import convert
-from qinfer_prep.quantize import quantize_gguf
-from qinfer_prep.synth import SynthShape, build_synth
-from qinfer_runtime.engine import Engine, Request
-from qinfer_runtime.model_file import open_model
-from qinfer_runtime.sampling import SamplingParams
-from qinfer_runtime.tokenizer import GGUFTokenizer
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.convert.quantize import quantize_gguf
+from qinfer.prep.synth.build import SynthShape, build_synth
+from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.model.model_file import open_model
 
 SHAPES = {
     "synth": SynthShape(),

@@ -3,7 +3,7 @@
 llama.cpp runs in this process through llama-cpp-python (the optional `peers` extra, `pip install -e '.[peers]'`);
 the PowerInfer engine's `main` runs as a subprocess from a build the user points at, and its speeds are read from
 the timing lines it prints on stderr. The limit is the bytes one decode step must read (the planner's accounting,
-planner/model_layout.py) over the read bandwidth measured on this machine.
+qinfer/planner/model_layout.py) over the read bandwidth measured on this machine.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from planner.model_layout import read_model_layout
-from qinfer_runtime.engine import Engine, Request
-from qinfer_runtime.ffn_runners import SparseRunner, active_ids, select
-from qinfer_runtime.model_forward import TransformerForward
-from qinfer_runtime.sampling import SamplingParams
+from qinfer.planner.model_layout import read_model_layout
+from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.ffn.runners import SparseRunner, active_ids, select
+from qinfer.runtime.model.forward import TransformerForward
 
 GIB = 1 << 30
 LLAMA_CPP_MISSING = (

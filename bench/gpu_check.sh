@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from planner.budget import GIB
-from planner.make_plan import PlanOptions, dry_run_account
-from qinfer_prep.activation_profile import profile_activations
-from qinfer_prep.synth_corpus import synth_corpus
-from qinfer_runtime.engine import Engine, Request
-from qinfer_runtime.hybrid_ffn import HybridRunner
-from qinfer_runtime.sampling import SamplingParams
+from qinfer.planner.budget import GIB
+from qinfer.planner.make_plan import PlanOptions, dry_run_account
+from qinfer.prep.profile.activation_profile import profile_activations
+from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.ffn.hybrid import HybridRunner
+from qinfer.runtime.engine.sampling import SamplingParams
 
 shape, tokens, work = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 sys.path.insert(0, "bench")

@@ -21,14 +21,14 @@ from plan_bench import shape_inputs
 from rich.console import Console
 from rich.table import Table
 
-from planner.baselines import greedy_placement
-from planner.budget import GIB, BudgetOptions, account
-from planner.device_profiles import DeviceProfile, load_profile
-from planner.model_layout import ModelLayout
-from planner.neuron_groups import NeuronGroups, group_neurons
-from planner.placement_ilp import solve_placement
-from planner.time_model import build_time_model
-from qinfer_core.kv_policy import KVPolicy, parse_kv_budget
+from qinfer.core.kv_policy import KVPolicy, parse_kv_budget
+from qinfer.planner.baselines import greedy_placement
+from qinfer.planner.budget import GIB, BudgetOptions, account
+from qinfer.planner.device_profiles import DeviceProfile, load_profile
+from qinfer.planner.model_layout import ModelLayout
+from qinfer.planner.neuron_groups import NeuronGroups, group_neurons
+from qinfer.planner.placement_ilp import solve_placement
+from qinfer.planner.time_model import build_time_model
 
 
 def plan(

@@ -26,16 +26,18 @@ from pathlib import Path
 
 import torch
 
-from qinfer_core.kv_policy import KVPolicy
-from qinfer_core.model_spec import ModelSpec
-from qinfer_prep.convert import convert
-from qinfer_prep.synth import SynthShape, build_synth
-from qinfer_prep.synth_corpus import synth_corpus
-from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
-from qinfer_runtime.model_file import open_model
-from qinfer_runtime.model_forward import Cache, TokenBatch, TransformerForward, make_kv_cache
-from qinfer_runtime.tokenizer import GGUFTokenizer
-from qinfer_runtime.window_kv import WindowKVCache
+from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.model_spec import ModelSpec
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.synth.build import SynthShape, build_synth
+from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.cache import Cache, make_kv_cache
+from qinfer.runtime.kv.window import WindowKVCache
+from qinfer.runtime.model.forward import TransformerForward
+from qinfer.runtime.model.loader import RuntimeOptions, load_forward
+from qinfer.runtime.model.model_file import open_model
 
 # Fewer steps leave the model's attention nearly uniform over the whole context, where no policy can matter.
 TRAIN_STEPS = 1000

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/plan_bench.py [--shapes 7B,13B,40B,70B] [--gpu rtx4090] [--weight-type F16]
 
-Synthetic power-law activation statistics (planner.activation_stats.power_law_firing); for each shape and budget
+Synthetic power-law activation statistics (qinfer.planner.activation_stats.power_law_firing); for each shape and budget
 prints, from one run: solve time and gap to the LP bound of ours, and modelled tokens/s and VRAM used of ours,
 greedy (all dense on GPU, then groups by firing per byte into the true budget) and the reference (equal weights,
 256-neuron groups, capacity floor(vram / (F * elt * 4.5)) * 4 after the dense weights, KV cache and scratch ignored).
@@ -19,18 +19,18 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from planner.activation_stats import power_law_firing
-from planner.baselines import greedy_placement, reference_placement
-from planner.budget import GIB, BudgetOptions, VramAccount, account, vram_used
-from planner.device_profiles import load_profile
-from planner.model_layout import ModelLayout, layout_for_spec
-from planner.neuron_groups import group_neurons
-from planner.placement import Placement
-from planner.placement_ilp import solve_placement
-from planner.time_model import build_time_model
-from qinfer_prep.model_profiles import load_model_profile
+from qinfer.planner.activation_stats import power_law_firing
+from qinfer.planner.baselines import greedy_placement, reference_placement
+from qinfer.planner.budget import GIB, BudgetOptions, VramAccount, account, vram_used
+from qinfer.planner.device_profiles import load_profile
+from qinfer.planner.model_layout import ModelLayout, layout_for_spec
+from qinfer.planner.neuron_groups import group_neurons
+from qinfer.planner.placement import Placement
+from qinfer.planner.placement_ilp import solve_placement
+from qinfer.planner.time_model import build_time_model
+from qinfer.prep.hub.model_profiles import load_model_profile
 
-# Each shape is a supported model's profile (profiles/models), with the budgets to try.
+# Each shape is a supported model's profile (qinfer/profiles/models), with the budgets to try.
 SHAPES = {
     "7B": ("ReluLLaMA-7B", (4, 6, 8, 11, 16)),
     "13B": ("ReluLLaMA-13B", (8, 11, 16, 24)),

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from qinfer_core.predictor_dir import FC1, FC2, load_layer
-from qinfer_prep.activation_profile import profile_activations
-from qinfer_prep.corpus_reader import corpus_files, token_windows
-from qinfer_prep.predictor_quality import layer_quality, mean_nll, predictor_logits, predictor_sparse_ffn
-from qinfer_prep.predictor_training import TrainSettings, train_predictors
-from qinfer_prep.relu_model import load_relu_model
-from qinfer_prep.residual_sample import collect_residuals
-from qinfer_prep.synth import SynthShape, build_synth
-from qinfer_prep.synth_corpus import synth_corpus
+from qinfer.core.predictor_dir import FC1, FC2, load_layer
+from qinfer.prep.predictor.quality import layer_quality, mean_nll, predictor_logits, predictor_sparse_ffn
+from qinfer.prep.predictor.residual_sample import collect_residuals
+from qinfer.prep.predictor.training import TrainSettings, train_predictors
+from qinfer.prep.profile.activation_profile import profile_activations
+from qinfer.prep.profile.corpus_reader import corpus_files, token_windows
+from qinfer.prep.profile.relu_model import load_relu_model
+from qinfer.prep.synth.build import SynthShape, build_synth
+from qinfer.prep.synth.corpus import synth_corpus
 
 SEQ_LEN = 128
 HELDOUT_TOKENS = 8192

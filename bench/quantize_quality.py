@@ -16,15 +16,16 @@ from pathlib import Path
 
 import torch
 
-from qinfer_prep.convert import convert
-from qinfer_prep.quantize import quantize_gguf
-from qinfer_prep.synth import SynthShape, build_synth
-from qinfer_prep.synth_corpus import synth_corpus
-from qinfer_runtime.forward_loader import RuntimeOptions, load_forward
-from qinfer_runtime.model_file import open_model
-from qinfer_runtime.model_forward import KVCache, TokenBatch
-from qinfer_runtime.perplexity import perplexity
-from qinfer_runtime.tokenizer import GGUFTokenizer
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.convert.quantize import quantize_gguf
+from qinfer.prep.synth.build import SynthShape, build_synth
+from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.runtime.engine.perplexity import perplexity
+from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.cache import KVCache
+from qinfer.runtime.model.loader import RuntimeOptions, load_forward
+from qinfer.runtime.model.model_file import open_model
 
 SHAPE = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=256, predictor_rank=32)
 

@@ -21,11 +21,11 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
-from qinfer_core.architectures import ARCHITECTURES
-from qinfer_core.gguf_writer import TensorPlan, write_gguf
-from qinfer_core.model_spec import ModelSpec
-from qinfer_core.names import PREDICTOR, split_tensor_name
-from qinfer_prep.quantize import TARGETS, tensor_type
+from qinfer.core.architectures import ARCHITECTURES
+from qinfer.core.gguf_writer import TensorPlan, write_gguf
+from qinfer.core.model_spec import ModelSpec
+from qinfer.core.names import PREDICTOR, split_tensor_name
+from qinfer.prep.convert.quantize import TARGETS, tensor_type
 
 E, F, V = 4096, 11008, 32000
 
@@ -89,7 +89,7 @@ def peak_rss() -> int:
 def child(mode: str, src: Path, dst: Path, target: str) -> None:
     started = time.perf_counter()
     if mode == "ours":
-        from qinfer_prep.quantize import quantize_gguf
+        from qinfer.prep.convert.quantize import quantize_gguf
 
         quantize_gguf(src, dst, target)
     else:

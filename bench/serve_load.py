@@ -18,17 +18,17 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from qinfer_runtime.engine import Engine
-from qinfer_runtime.engine_worker import EngineWorker
-from qinfer_runtime.server import create_app
-from qinfer_runtime.server_thread import serve_in_thread
+from qinfer.runtime.engine.engine import Engine
+from qinfer.runtime.engine.worker import EngineWorker
+from qinfer.runtime.server.app import create_app
+from qinfer.runtime.server.thread import serve_in_thread
 
 PROMPTS = ["Once upon a time", "Lily found a red ball", "One day, a little fox", "Mia had 5 apples"]
 
 
 def build_model(out: Path) -> Path:
-    from qinfer_prep.convert import convert
-    from qinfer_prep.synth import SynthShape, build_synth
+    from qinfer.prep.convert.convert import convert
+    from qinfer.prep.synth.build import SynthShape, build_synth
 
     report = build_synth(out / "synth", SynthShape(), seed=0, train_steps=0)
     return convert(report.model_dir, out / "tiny.powerinfer.gguf", report.predictor_dir, "f16").outfile

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from qinfer_prep.convert import convert
-from qinfer_prep.synth import SynthReport, SynthShape, build_synth
-from qinfer_runtime import row_kernels
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth
+from qinfer.runtime.kernels import row_kernels
 
 TINY = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=256, predictor_rank=32)
 TINY_STEPS = 60

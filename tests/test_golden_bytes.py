@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
-from qinfer_core.gpuidx import gpuidx_path_for
-from qinfer_prep.convert import convert
-from qinfer_prep.quantize import quantize_gguf
-from qinfer_prep.synth import SynthReport
-from qinfer_prep.synth_falcon import FalconShape, build_synth_falcon
-from qinfer_prep.synth_opt import OPTShape, build_synth_opt
-from tests.seeded_checkpoint import reseed, write_integer_power_law_activation
+from qinfer.core.gpuidx import gpuidx_path_for
+from qinfer.planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.convert.quantize import quantize_gguf
+from qinfer.prep.synth.build import SynthReport
+from qinfer.prep.synth.falcon import FalconShape, build_synth_falcon
+from qinfer.prep.synth.opt import OPTShape, build_synth_opt
+from tests.support.seeded_checkpoint import reseed, write_integer_power_law_activation
 
 GOLDEN = Path(__file__).with_name("golden_sha256.json")
 RECORD = os.environ.get("QINFER_RECORD_GOLDEN") == "1"

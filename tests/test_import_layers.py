@@ -1,4 +1,5 @@
-"""The packages import only downward: core <- prep <- planner <- runtime <- the `qinfer` CLI."""
+"""The packages import only downward: core <- prep, profiles <- planner <- runtime <- cli, and inside the runtime
+kernels <- ffn, kv <- model <- engine <- server. Deferred imports (inside functions) count too."""
 
 from __future__ import annotations
 
@@ -7,26 +8,49 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lower rank = lower layer; `profiles` is data that any layer above the core may read.
-RANKS = {"qinfer_core": 0, "profiles": 1, "qinfer_prep": 1, "planner": 2, "qinfer_runtime": 3, "qinfer": 4}
+RANKS = {
+    "qinfer.core": 0,
+    "qinfer.profiles": 1,
+    "qinfer.prep": 1,
+    "qinfer.planner": 2,
+    "qinfer.runtime.kernels": 3.0,
+    "qinfer.runtime.ffn": 3.1,
+    "qinfer.runtime.kv": 3.1,
+    "qinfer.runtime.model": 3.2,
+    "qinfer.runtime.engine": 3.3,
+    "qinfer.runtime.server": 3.4,
+    "qinfer.cli": 4,
+}
 
 
-def imported_packages(path: Path) -> set[str]:
+def layer_of(module: str) -> str | None:
+    """The layer a dotted module belongs to (the longest RANKS prefix), None outside the project."""
+    found = [name for name in RANKS if module == name or module.startswith(name + ".")]
+    return max(found, key=len) if found else None
+
+
+def imported_modules(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return found & set(RANKS)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
 
 
 def upward_imports(root: Path = ROOT) -> list[str]:
     bad = []
-    for package, rank in RANKS.items():
-        for path in sorted((root / package).rglob("*.py")):
-            for target in imported_packages(path):
-                if RANKS[target] > rank or (package == "qinfer_core" and target != package):
-                    bad.append(f"{path.relative_to(root)} imports {target}")
+    for path in sorted((root / "qinfer").rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        own = layer_of(module)
+        if own is None:
+            continue
+        for target in sorted({t for t in map(layer_of, imported_modules(path)) if t is not None}):
+            if RANKS[target] > RANKS[own] or (own == "qinfer.core" and target != own) or (
+                RANKS[target] == RANKS[own] and target != own and own.startswith("qinfer.runtime")
+            ):
+                bad.append(f"{path.relative_to(root)} imports {target}")
     return bad
 
 
@@ -36,10 +60,17 @@ def test_every_import_goes_downward() -> None:
 
 def test_the_check_sees_upward_imports(tmp_path: Path) -> None:
     for package, source in {
-        "qinfer_core": "import torch\nfrom qinfer_prep.convert import convert\n",
-        "planner": "from qinfer_core import names\nfrom qinfer_runtime import engine\n",
-        "qinfer_runtime": "import planner.budget\nfrom qinfer_core.names import Key\n",
+        "qinfer/core": "import torch\nfrom qinfer.prep.convert.convert import convert\n",
+        "qinfer/planner": "from qinfer.core import names\nfrom qinfer.runtime.engine import engine\n",
+        "qinfer/runtime/kernels": "from qinfer.planner import budget\nfrom qinfer.runtime.kv.cache import KVCache\n",
+        "qinfer/runtime/ffn": "from qinfer.runtime.kv import window\nfrom qinfer.runtime.kernels import row_kernels\n",
+        "qinfer/runtime/model": "from qinfer.core.names import Key\nfrom qinfer.runtime.ffn.sparse import FFNWeights\n",
     }.items():
-        (tmp_path / package).mkdir()
+        (tmp_path / package).mkdir(parents=True)
         (tmp_path / package / "m.py").write_text(source)
-    assert upward_imports(tmp_path) == ["qinfer_core/m.py imports qinfer_prep", "planner/m.py imports qinfer_runtime"]
+    assert upward_imports(tmp_path) == [
+        "qinfer/core/m.py imports qinfer.prep",
+        "qinfer/planner/m.py imports qinfer.runtime.engine",
+        "qinfer/runtime/ffn/m.py imports qinfer.runtime.kv",
+        "qinfer/runtime/kernels/m.py imports qinfer.runtime.kv",
+    ]

@@ -1,0 +1,1 @@
+"""The `qinfer` command line: one module per command group, wiring prep, planner and runtime into commands."""

@@ -1,0 +1,51 @@
+"""The `qinfer` command line: wires prep, planner and runtime into commands.
+
+Each command group lives in its own module; importing them registers their commands on the app.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+import typer
+
+from qinfer.cli import (  # noqa: F401 - they register commands
+    download_command,
+    perplexity_command,
+    plan_command,
+    prep_commands,
+    profile_commands,
+    profiles_command,
+    run_command,
+    serve_command,
+)
+from qinfer.cli.app import app
+from qinfer.core.errors import UserError
+
+
+def main() -> None:
+    """Entry point: user-caused errors, a bad option value among them, end as one line on stderr and exit code 2,
+    never a traceback or typer's boxed usage message."""
+    try:
+        code = app(standalone_mode=False)
+    except UserError as exc:
+        _fail(str(exc), 2)
+    except typer.TyperException as exc:  # click's usage errors: a bad value, a missing option, an unknown command
+        # A missing subcommand has already printed the help, and its message is empty.
+        message = exc.format_message()
+        if not message:
+            sys.exit(exc.exit_code)
+        ctx = getattr(exc, "ctx", None)
+        _fail(message if ctx is None else f"{message} (see {ctx.command_path} --help)", exc.exit_code)
+    except typer.Abort:
+        _fail("aborted", 1)
+    # Without standalone mode, --help and typer.Exit come back as their exit code; a finished command as None.
+    if isinstance(code, int):
+        sys.exit(code)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    # Plain write, on one line: rich would wrap a long path onto a second one.
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(code)

@@ -1,0 +1,184 @@
+"""`qinfer prep ...`: synth, convert, convert-dense and quantize."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from qinfer.cli.app import err, prep, progress_bar
+from qinfer.cli.options import SEED_MAX, Real
+
+if TYPE_CHECKING:
+    from qinfer.core.gguf_writer import TensorPlan
+
+SPARSITY = Real(0.5, 1.0, high_open=True)
+
+
+@prep.command("synth")
+def synth_cmd(
+    out: Annotated[Path, typer.Option(help="Directory to create; gets model/ (HF checkpoint) and predictor/.")],
+    seed: Annotated[
+        int, typer.Option(min=0, max=SEED_MAX, help="Random seed; the same seed gives the same model.")
+    ] = 0,
+    layers: Annotated[int, typer.Option(min=1, help="Number of transformer layers.")] = 4,
+    hidden: Annotated[int, typer.Option(min=2, help="Hidden (embedding) size E.")] = 128,
+    ffn: Annotated[int, typer.Option(min=5, help="FFN size F (neurons per layer).")] = 512,
+    heads: Annotated[int, typer.Option(min=1, help="Attention heads.")] = 4,
+    kv_heads: Annotated[
+        int, typer.Option(min=1, help="Key/value heads (fewer than heads = grouped-query attention).")
+    ] = 2,
+    vocab: Annotated[int, typer.Option(min=384, help="Tokenizer vocabulary size.")] = 1024,
+    predictor_rank: Annotated[int, typer.Option(min=32, help="Predictor hidden width P (a multiple of 32).")] = 64,
+    context: Annotated[int, typer.Option(min=1, help="Context length (max positions) of the model.")] = 256,
+    train_seq_len: Annotated[
+        int | None,
+        typer.Option(min=1, help="Tokens per training window, up to --context (default 128; long-context models)."),
+    ] = None,
+    train_steps: Annotated[
+        int | None, typer.Option(min=0, help="Training steps; 0 builds the model without training.")
+    ] = None,
+    sparsity: Annotated[
+        float,
+        typer.Option(
+            parser=SPARSITY, help=f"Target FFN activation sparsity, the fraction of idle neurons ({SPARSITY})."
+        ),
+    ] = 0.9,
+    force: Annotated[
+        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier build.")
+    ] = False,
+) -> None:
+    """Build a tiny ReLU-LLaMA (HF format, real tokenizer) and its predictors, for trying the pipeline offline."""
+    from qinfer.prep.synth.build import SynthShape, build_synth
+    from qinfer.prep.synth.tokenizer import SEQ_LEN
+
+    shape = SynthShape(
+        layers=layers,
+        hidden=hidden,
+        ffn=ffn,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        predictor_rank=predictor_rank,
+        context=context,
+    )
+    with progress_bar() as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        report = build_synth(
+            out,
+            shape,
+            seed=seed,
+            train_steps=train_steps,
+            target_sparsity=sparsity,
+            progress=progress,
+            force=force,
+            train_seq_len=train_seq_len or SEQ_LEN,
+        )
+    err.print(
+        f"model: {report.model_dir}\npredictor: {report.predictor_dir}\n"
+        f"FFN sparsity {report.sparsity:.1%}, hottest 20% of neurons hold {report.top20_share:.1%} of activations"
+    )
+
+
+@contextmanager
+def tensor_progress(stage: str) -> Iterator[tuple[Callable[[list[TensorPlan]], None], Callable[[TensorPlan], None]]]:
+    """Callbacks for a tensor-by-tensor writer: (on_plan, on_tensor) driving one progress bar."""
+    bar = progress_bar()
+    task = bar.add_task(stage, total=None)
+
+    def planned(plans: list[TensorPlan]) -> None:
+        # The bar appears only once every input has been checked, so an error is the only output.
+        bar.update(task, total=len(plans))
+        bar.start()
+
+    try:
+        yield planned, lambda plan: bar.update(task, advance=1, description=plan.name)
+        bar.update(task, description=stage)
+    finally:
+        bar.stop()
+
+
+def _convert(model_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str) -> None:
+    from qinfer.core.atomic_file import check_output_file
+    from qinfer.prep.convert.convert import convert
+
+    # Checked before the progress bar starts, so that the error is the only output.
+    check_output_file(outfile)
+    with tensor_progress("convert") as (planned, done):
+        result = convert(model_dir, outfile, predictor_dir, outtype, on_plan=planned, on_tensor=done)
+    err.print(f"wrote {result.outfile} ({result.arch}, {result.tensor_count} tensors, {result.nbytes / 2**20:.1f} MiB)")
+
+
+OutType = Annotated[str, typer.Option(help="Type of 2-D weights: f16 or f32 (norms are always f32).")]
+
+
+@prep.command("convert")
+def convert_cmd(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, safetensors or .bin).")],
+    predictor_dir: Annotated[Path, typer.Argument(help="Predictor directory with model_{i}.pt per layer.")],
+    outfile: Annotated[Path, typer.Option(help="Output file, by convention NAME.powerinfer.gguf.")],
+    outtype: OutType = "f16",
+) -> None:
+    """Write a PowerInfer GGUF (sparse: transposed down weights plus the activation predictors)."""
+    _convert(model_dir, predictor_dir, outfile, outtype)
+
+
+@prep.command("convert-dense")
+def convert_dense_cmd(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, safetensors or .bin).")],
+    outfile: Annotated[Path, typer.Option(help="Output file, for example NAME.gguf.")],
+    outtype: OutType = "f16",
+) -> None:
+    """Write a plain GGUF that any llama.cpp-style engine can run (no predictors)."""
+    _convert(model_dir, None, outfile, outtype)
+
+
+@prep.command("corpus")
+def corpus_cmd(
+    out: Annotated[Path, typer.Option(help="Text file to write (stories separated by blank lines).")],
+    chars: Annotated[int, typer.Option(min=1, help="Write at least this many characters.")] = 200_000,
+    split: Annotated[str, typer.Option(help="train, calibrate or heldout: each is its own text.")] = "calibrate",
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Random seed; the same seed gives the same text.")] = 0,
+) -> None:
+    """Write the synth model's TinyStories-like corpus, for profiling or training predictors offline."""
+    from qinfer.core.atomic_file import atomic_output, check_output_file
+    from qinfer.core.errors import UserError
+    from qinfer.prep.synth.corpus import SPLITS, synth_corpus
+
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    check_output_file(out)  # before the text, which takes a while to make when it is long
+    text = synth_corpus(seed, chars, split)
+    with atomic_output(out) as tmp:
+        tmp.write_text(text)
+    err.print(f"wrote {out} ({len(text)} characters, {split} split)")
+
+
+@prep.command("quantize")
+def quantize_cmd(
+    infile: Annotated[Path, typer.Argument(help="F32 or F16 model file (GGUF or PowerInfer GGUF).")],
+    outfile: Annotated[Path, typer.Argument(help="Output file, by convention NAME.q4.powerinfer.gguf.")],
+    qtype: Annotated[str, typer.Argument(help="Q4_0 or Q8_0.")] = "Q4_0",
+) -> None:
+    """Quantize 2-D weights to Q4_0 or Q8_0 (output.weight to Q8_0, norms stay F32), keeping the file's magic."""
+    from qinfer.core.atomic_file import check_output_file
+    from qinfer.prep.convert.quantize import quantize_gguf
+
+    check_output_file(outfile)  # before the progress bar starts, so that the error is the only output
+    with tensor_progress("quantize") as (planned, done):
+        result = quantize_gguf(infile, outfile, qtype, on_plan=planned, on_tensor=done)
+    if result.kept_f16:
+        err.print(f"kept F16 (rows not a multiple of 32): {', '.join(result.kept_f16)}")
+    err.print(
+        f"wrote {result.outfile} ({result.target}, {result.tensor_count} tensors, "
+        f"{result.in_bytes / 2**20:.1f} -> {result.out_bytes / 2**20:.1f} MiB)"
+    )

@@ -1,0 +1,196 @@
+"""`qinfer prep profile` and `qinfer prep train-predictor`: activation statistics and predictors for any ReLU model."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from qinfer.cli.app import err, prep, progress_bar
+from qinfer.cli.options import SEED_MAX, Real
+
+ModelDir = Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, weights, tokenizer).")]
+Data = Annotated[Path, typer.Option(help="Corpus: a .txt or .jsonl file (field 'text'), or a directory of them.")]
+DType = Annotated[str | None, typer.Option(help="bf16, f16 or f32; default f32 on the CPU, bf16 on CUDA.")]
+Device = Annotated[str, typer.Option(help="cpu, cuda or auto (CUDA when available, else the CPU).")]
+SeqLen = Annotated[int, typer.Option(min=1, help="Tokens per window the model sees at once.")]
+RECALL = Real(0.0, 1.0, low_open=True, high_open=True)
+
+
+class TokensPerSecond(ProgressColumn):
+    """Tokens/s of this run since its first report: rich's own speed needs several updates within a short window,
+    which a large model's slow batches do not give, and a resumed run starts with tokens it did not count."""
+
+    def render(self, task: Task) -> Text:
+        rate = task.fields.get("rate")
+        return Text(f"{rate:,.0f} tok/s" if rate else "- tok/s")
+
+
+@prep.command("profile")
+def profile_cmd(
+    model_dir: ModelDir,
+    data: Data,
+    out: Annotated[Path | None, typer.Option(help="Output directory; default MODEL_DIR/activation.")] = None,
+    tokens: Annotated[
+        int | None, typer.Option(min=1, help="Stop after this many tokens; default the whole corpus.")
+    ] = None,
+    seq_len: SeqLen = 512,
+    batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 4,
+    dtype: DType = None,
+    device: Device = "auto",
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Save resumable state every this many windows.")] = 32,
+    restart: Annotated[bool, typer.Option(help="Discard the state of an interrupted run and start over.")] = False,
+    distributed: Annotated[
+        bool,
+        typer.Option(help="Run as one of torchrun's processes: each profiles its share, rank 0 writes the sum."),
+    ] = False,
+) -> None:
+    """Count how often each FFN neuron fires over a corpus: writes activation_{i}.pt per layer and summary.json.
+
+    An interrupted run continues from its last checkpoint when started again with the same arguments (under
+    torchrun: with the same number of processes, each from its own checkpoint).
+    """
+    from qinfer.prep.profile.activation_profile import profile_activations, torchrun_shard
+
+    shard = torchrun_shard(os.environ) if distributed else None
+    lead = shard is None or shard.rank == 0  # the one process that reports; the others stay silent
+    out = out if out is not None else model_dir / "activation"
+    if model_dir.is_dir():  # else the model's own error comes first, and no stray directory is made
+        _make_output_directory(out)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f} tokens"),
+        TokensPerSecond(),
+        TimeElapsedColumn(),
+        console=err,
+    )
+    task = bar.add_task("profile", total=tokens, rate=None)
+    first: list[tuple[int, float]] = []
+
+    def progress(done: int, total: int | None, _windows: int) -> None:
+        # Started on the first report, once model and corpus have loaded, so an input error is the only output.
+        bar.start()
+        if not first:
+            first.append((done, time.monotonic()))
+        start_tokens, started = first[0]
+        elapsed = time.monotonic() - started
+        rate = (done - start_tokens) / elapsed if elapsed > 0 else None
+        bar.update(task, completed=done, total=total, rate=rate)
+
+    try:
+        result = profile_activations(
+            model_dir,
+            data,
+            out,
+            tokens=tokens,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            dtype=dtype,
+            device=device,
+            checkpoint_every=checkpoint_every,
+            restart=restart,
+            on_progress=progress if lead else None,
+            shard=shard,
+        )
+    finally:
+        if bar.live.is_started:  # a bar never started would still end its line: a blank one, on every other rank
+            bar.stop()
+    if not lead:
+        return
+    if result.fell_back_to_cpu:
+        err.print("CUDA is not available: profiled on the CPU")
+    if result.resumed_from:
+        err.print(f"resumed after {result.resumed_from} windows")
+    err.print(f"wrote {result.out} ({result.tokens} tokens, {result.dtype} on {result.device})")
+    for layer in result.layers:
+        err.print(
+            f"layer {layer.layer}: sparsity {layer.sparsity:.1%}, hottest 10/20/50% hold "
+            + "/".join(f"{share:.0%}" for share in layer.top_share.values())
+        )
+
+
+def _make_output_directory(out: Path) -> None:
+    """The activation directory is the command's own output, so it is made (as `mkdir -p` would): the profiler
+    saves its checkpoint there before anything else, and a file output is never given a missing directory."""
+    from qinfer.core.errors import UserError
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; --out names the directory for the activation files")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+@prep.command("train-predictor")
+def train_predictor_cmd(
+    model_dir: ModelDir,
+    data: Data,
+    out: Annotated[Path, typer.Option(help="Predictor directory to write (model_{i}.pt, config.json).")],
+    rank: Annotated[
+        int | None, typer.Option(min=32, help="Predictor width P for every layer (a multiple of 32).")
+    ] = None,
+    auto_rank: Annotated[
+        bool, typer.Option(help="Size each layer by its sparsity and skew within 10% of FFN parameters (default).")
+    ] = False,
+    recall: Annotated[
+        float, typer.Option(parser=RECALL, help=f"Share of firing neurons to catch on held-out tokens ({RECALL}).")
+    ] = 0.95,
+    train_tokens: Annotated[int, typer.Option(min=1, help="Tokens whose residuals the predictors train on.")] = 20_000,
+    heldout_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens for the threshold and recall.")] = 4_000,
+    seq_len: SeqLen = 256,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the training tokens per layer.")] = 12,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Seed for initialisation and shuffling.")] = 0,
+    dtype: DType = None,
+    device: Device = "auto",
+    force: Annotated[
+        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier predictor directory.")
+    ] = False,
+) -> None:
+    """Train the low-rank predictor fc2(relu(fc1(h))) per layer and pick sparse_threshold for the recall target."""
+    from qinfer.core.errors import UserError
+    from qinfer.prep.predictor.training import TrainSettings, train_predictors
+
+    if rank is not None and auto_rank:
+        raise UserError("pass either --rank or --auto-rank, not both")
+    settings = TrainSettings(
+        rank=rank,
+        recall=recall,
+        train_tokens=train_tokens,
+        heldout_tokens=heldout_tokens,
+        seq_len=seq_len,
+        epochs=epochs,
+        seed=seed,
+        dtype=dtype,
+        device=device,
+    )
+    bar = progress_bar()
+    tasks: dict[str, int] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar.start()
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        bar.update(tasks[stage], completed=done, total=total)
+
+    try:
+        report = train_predictors(model_dir, data, out, settings, progress, force=force)
+    finally:
+        bar.stop()
+    if report.fell_back_to_cpu:
+        err.print("CUDA is not available: trained on the CPU")
+    err.print(
+        f"wrote {report.out}: sparse_threshold {report.sparse_threshold:.4f} "
+        f"({report.train_tokens} training, {report.heldout_tokens} held-out tokens)"
+    )
+    for q in report.layers:
+        err.print(
+            f"layer {q.layer}: rank {q.rank}, recall {q.recall:.3f}, precision {q.precision:.3f}, "
+            f"predicted sparsity {q.predicted_sparsity:.1%} (true {q.true_sparsity:.1%})"
+        )
+    share = report.params / (report.budget / 0.1)
+    note = "" if report.within_budget else " - over the 10% budget: rank 32 per layer is the minimum"
+    err.print(f"predictors: {report.params} parameters, {share:.1%} of the FFN's{note}")

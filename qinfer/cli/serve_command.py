@@ -1,0 +1,81 @@
+"""`qinfer serve`: an OpenAI-compatible HTTP server for a GGUF model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qinfer.cli.app import app, err
+from qinfer.cli.options import VRAM_BUDGET, KvBudgetOption, KvPolicyOption, Real, Threads, kv_policy, use_threads
+
+
+@app.command("serve")
+def serve_cmd(
+    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF or PowerInfer GGUF model file.")],
+    vram_budget: Annotated[
+        float | None,
+        typer.Option(
+            parser=VRAM_BUDGET,
+            help=f"GiB of GPU memory the model may use; plans (or reuses) the .gpuidx ({VRAM_BUDGET}).",
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 exposes the server to the network.")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8080,
+    slots: Annotated[int, typer.Option(min=1, help="Requests decoded together; more wait for a free slot.")] = 4,
+    ctx_size: Annotated[
+        int, typer.Option("-c", "--ctx-size", min=0, help="Context length per slot (0 = the model's).")
+    ] = 512,
+    kv_policy_kind: KvPolicyOption = "full",
+    kv_budget: KvBudgetOption = None,
+    threads: Threads = 0,
+    schedule: Annotated[str, typer.Option(help="GPU/CPU schedule of the runtime (see `qinfer run --help`).")] = "auto",
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="QINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*; /health stays open."),
+    ] = None,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="Largest request body; a larger one gets a 413.")] = (
+        8 * 1024 * 1024
+    ),
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            parser=Real(0.1, 3600.0),
+            help="Seconds a client may take to send a request's head, or pause while sending its body.",
+        ),
+    ] = 10.0,
+    idle_timeout: Annotated[
+        int, typer.Option(min=1, help="Seconds a kept-alive connection may wait for its next request.")
+    ] = 5,
+    max_connections: Annotated[int, typer.Option(min=1, help="Open connections served at once; more get a 503.")] = 256,
+) -> None:
+    """Serve /v1/completions, /v1/chat/completions (streaming with server-sent events), /v1/models and /health.
+
+    Chat messages are rendered as a plain "System: / User: / Assistant:" transcript, since the supported base models
+    have no chat template; generation stops before the next "User:" line.
+    """
+    from qinfer.runtime.engine.engine import Engine
+    from qinfer.runtime.engine.worker import EngineWorker
+    from qinfer.runtime.server.app import ServerOptions, create_app
+    from qinfer.runtime.server.thread import uvicorn_server
+
+    use_threads(threads)
+    policy = kv_policy(kv_policy_kind, kv_budget)
+    engine = Engine.open(
+        model, slots=slots, ctx_size=ctx_size, vram_budget_gib=vram_budget, schedule=schedule, kv_policy=policy
+    )
+    options = ServerOptions(
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        read_timeout_s=read_timeout,
+        idle_timeout_s=idle_timeout,
+        max_connections=max_connections,
+    )
+    server = uvicorn_server(create_app(EngineWorker(engine), model.name, options), options, host, port)
+    guarded = ", API key required" if api_key else ""
+    err.print(f"serving {model.name} on http://{host}:{port}/v1 ({slots} slots, context {engine.ctx_size}{guarded})")
+    # uvicorn logs a failed start (a port in use) and exits with its own code.
+    server.run()

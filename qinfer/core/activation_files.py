@@ -1,0 +1,93 @@
+"""Read and write activation statistics: `activation_{i}.pt` per layer and `summary.json`
+(docs/formats.md#activation-directories)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from qinfer.core.atomic_file import atomic_output
+from qinfer.core.errors import UserError
+from qinfer.core.torch_files import load_torch_file
+
+LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
+TOP_SHARES = (0.1, 0.2, 0.5)
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    layer: int
+    sparsity: float  # share of (token, neuron) pairs on which the neuron stayed silent
+    top_share: dict[str, float]  # "10%" -> share of all firings held by the hottest 10% of neurons, ...
+
+
+def summarise(counts: torch.Tensor, tokens: int) -> list[LayerSummary]:
+    """Per layer of counts [L, F] over `tokens` tokens."""
+    out = []
+    for i, row in enumerate(counts.to(torch.float64)):
+        total = float(row.sum())
+        hottest = row.sort(descending=True).values.cumsum(0)
+        shares = {
+            f"{round(q * 100)}%": (float(hottest[math.ceil(q * len(row)) - 1]) / total if total else 0.0)
+            for q in TOP_SHARES
+        }
+        sparsity = 1.0 - total / (tokens * len(row)) if tokens else 0.0
+        out.append(LayerSummary(i, sparsity, shares))
+    return out
+
+
+def write_activations(out: Path, counts: torch.Tensor, tokens: int, meta: dict[str, object]) -> list[LayerSummary]:
+    """`activation_{i}.pt` (1-D int64 counts, length F) for each layer and `summary.json`, each written atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i, row in enumerate(counts):
+        # Saved through a file object, the archive inside is named "archive" rather than after the temporary file,
+        # so equal counts give equal bytes: a re-profiled model keeps its activation digest, and processes agree.
+        with atomic_output(out / f"activation_{i}.pt") as tmp, tmp.open("wb") as file:
+            torch.save(row.detach().to("cpu", torch.int64).clone(), file)
+    layers = summarise(counts, tokens)
+    summary = {"tokens": tokens, **meta, "layers": [asdict(layer) for layer in layers]}
+    with atomic_output(out / "summary.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return layers
+
+
+def activation_paths(directory: Path, n_layers: int | None = None) -> list[Path]:
+    """The layer files sorted by integer index (2 before 10); with `n_layers`, exactly those of layers 0 to
+    n_layers - 1, else a contiguous run from 0. A missing or extra layer is a user error."""
+    if not directory.is_dir():
+        raise UserError(f"activation directory {directory} not found; profile the model with `qinfer prep profile`")
+    found = {int(m.group(1)): p for p in directory.iterdir() if (m := LAYER_FILE.fullmatch(p.name))}
+    if not found:
+        raise UserError(f"{directory} holds no activation_{{i}}.pt files; profile the model with `qinfer prep profile`")
+    layers = n_layers if n_layers is not None else max(found) + 1
+    missing = sorted(set(range(layers)) - set(found))
+    extra = sorted(set(found) - set(range(layers)))
+    if missing or extra:
+        detail = f"missing layers {missing[:5]}" if missing else f"extra layers {extra[:5]}"
+        raise UserError(
+            f"{directory} must hold activation_0.pt..activation_{layers - 1}.pt for this {layers}-layer model "
+            f"({detail}); re-profile the model or point --activation at its own directory"
+        )
+    return [found[i] for i in range(layers)]
+
+
+def load_counts(path: Path, neurons: int | None = None) -> torch.Tensor:
+    """One layer's counts: a 1-D tensor (of `neurons` entries, when given) of finite, non-negative values."""
+    tensor = load_torch_file(path, "activation counts", "re-profile the model")
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or (neurons is not None and tensor.numel() != neurons):
+        shape = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        want = "a 1-D tensor of counts" if neurons is None else f"a 1-D tensor of {neurons} counts"
+        raise UserError(f"{path} holds {shape}, expected {want}; re-profile the model")
+    if tensor.is_complex() or not bool(torch.isfinite(tensor).all()) or bool((tensor < 0).any()):
+        raise UserError(f"{path} has negative or non-finite counts; re-profile the model")
+    return tensor
+
+
+def read_activations(path: Path) -> list[torch.Tensor]:
+    """The per-layer count vectors of an activation directory, ordered by integer layer index."""
+    return [load_counts(p) for p in activation_paths(path)]

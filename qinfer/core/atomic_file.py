@@ -1,0 +1,159 @@
+"""Write outputs beside their final name and rename them into place only once complete.
+
+A temporary output is named `.{name}.{pid}-{random}.partial`: the writer's pid lets a later write of the same target
+remove what a killed writer left behind while keeping the file of a writer that is still running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from qinfer.core.errors import UserError
+
+_PARTIAL_SUFFIX = ".partial"
+# What sits between `.{name}.` and the suffix: the writer's pid and a dash (absent in older versions' names),
+# then the eight random characters of mkstemp or mkdtemp.
+_PARTIAL_MIDDLE = re.compile(r"(?:(\d+)-)?[a-z0-9_]{8}")
+_STARTED = time.time()  # the import, early in the run, stands for the process's start
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """A kind of output directory: its name in messages and how to recognise one written earlier, which alone
+    (besides an empty directory) may be replaced without `force`."""
+
+    name: str
+    recognise: Callable[[Path], bool]
+
+
+def check_output_file(path: Path) -> None:
+    """Refuse a file output whose directory is missing (creating it would hide a typo) or that names a directory."""
+    parent = path.parent
+    if not parent.is_dir():
+        problem = "is not a directory" if parent.exists() else "does not exist"
+        raise UserError(f"cannot write {path}: {parent} {problem}; create the directory first or pick another path")
+    if path.is_dir() and not path.is_symlink():
+        raise UserError(f"cannot write {path}: it is a directory; name the output file")
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """Yield a temporary path in the target's directory; on success it replaces `path`, on error it is removed.
+
+    Renaming within one directory is atomic, so an interrupted run leaves either the old file or none,
+    never a truncated file under the real name.
+    """
+    check_output_file(path)
+    _remove_stale_partials(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        # mkstemp makes the file private (0600); the output gets the mode any new file of the user's would.
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_replaceable(path: Path, kind: OutputKind | None, force: bool) -> None:
+    """Refuse to replace `path` unless it is missing, an empty directory, an earlier output of `kind`, or `force`
+    is given; never replace the working directory or one above it, whose removal would pull the ground from under
+    the run. Commands that work long before writing call this first, so that a refusal costs nothing."""
+    if not path.exists() and not path.is_symlink():
+        return
+    is_dir = path.is_dir() and not path.is_symlink()
+    if is_dir and _holds_working_directory(path):
+        raise UserError(f"refusing to replace {path}: it holds the working directory; pick a new output directory")
+    if is_dir and (not any(path.iterdir()) or (kind is not None and kind.recognise(path))):
+        return
+    if force:
+        return
+    expected = f"an earlier {kind.name}" if kind is not None else "an empty directory"
+    raise UserError(
+        f"{path} exists and is not {expected}; pick a new or empty directory, or pass --force to replace it"
+    )
+
+
+@contextlib.contextmanager
+def atomic_directory(path: Path, kind: OutputKind | None = None, force: bool = False) -> Iterator[Path]:
+    """Like `atomic_output` for a directory: fill the yielded one, and it replaces `path` when complete, provided
+    `check_replaceable` allows it. Unlike a file's, a missing parent is created, as `mkdir -p` would."""
+    check_replaceable(path, kind, force)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(path)
+    tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700, as for files above
+        _remove(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove_stale_partials(path: Path) -> None:
+    """Remove the temporary outputs of `path` whose writer has died (killed mid-write); a live writer's stay."""
+    prefix = f".{path.name}."
+    for entry in path.parent.iterdir():
+        name = entry.name
+        if name.startswith(prefix) and name.endswith(_PARTIAL_SUFFIX):
+            # Best effort: a leftover may vanish meanwhile or be another user's, and the write goes on regardless.
+            with contextlib.suppress(OSError):
+                if _is_stale(entry, name[len(prefix) : -len(_PARTIAL_SUFFIX)]):
+                    _remove(entry)
+
+
+def _is_stale(entry: Path, middle: str) -> bool:
+    match = _PARTIAL_MIDDLE.fullmatch(middle)
+    if match is None:
+        return False
+    if match.group(1) is not None:
+        return not _pid_alive(int(match.group(1)))
+    # Named before writers put their pid in, so no writer of this version made it: stale once older than us.
+    return entry.lstat().st_mtime < _STARTED
+
+
+def _partial_prefix(path: Path) -> str:
+    return f".{path.name}.{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # signal 0 probes only on POSIX; elsewhere os.kill would terminate the process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or no pid at all: not provably a dead writer of ours
+    return True
+
+
+def _holds_working_directory(path: Path) -> bool:
+    resolved, cwd = path.resolve(), Path.cwd().resolve()
+    return resolved == cwd or resolved in cwd.parents
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()

@@ -1,0 +1,205 @@
+"""Check a GGUF's whole layout before anything reads it: files come from the internet, so every length, type and
+offset in the header is checked against the bytes that are really there, as ggml's own reader does
+(docs/formats.md#gguf-and-powerinfer-gguf).
+
+gguf-py's reader trusts the header: a changed value type makes it loop on zero-length reads, a lowered tensor
+count shifts the data section, an offset near 2**64 wraps around. This scan refuses all of those in one line.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from qinfer.core.names import KEY_TYPES, Key
+
+MAGICS = (b"GGUF", b"PWRI")
+VERSIONS = (2, 3)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NAME = 64  # GGML_MAX_NAME, terminator included in ggml
+DEFAULT_ALIGNMENT = 32
+_SCALARS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<B",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+class LayoutError(ValueError):
+    """What is wrong with the bytes; the caller names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    ne: tuple[int, ...]  # ggml order, innermost first
+    qtype: GGMLQuantizationType
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Value:
+    kind: GGUFValueType
+    item: GGUFValueType | None  # an array's item type
+    value: object  # a scalar or string; an array's length
+
+
+@dataclass(frozen=True)
+class Layout:
+    magic: bytes
+    keys: dict[str, Value]
+    tensors: tuple[TensorEntry, ...]
+    data_start: int
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview):
+        self.buf, self.pos = buf, 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or n > len(self.buf) - self.pos:
+            raise LayoutError(
+                f"{what} needs {n} bytes at offset {self.pos}, but the file has {len(self.buf) - self.pos}"
+            )
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str, what: str) -> int | float:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        length = int(self.scalar("<Q", what))
+        try:
+            return str(self.take(length, what), "utf-8")
+        except UnicodeDecodeError as exc:
+            raise LayoutError(f"{what} is not valid UTF-8 ({exc.reason})") from None
+
+
+def _value_type(raw: int, what: str) -> GGUFValueType:
+    try:
+        return GGUFValueType(raw)
+    except ValueError:
+        raise LayoutError(f"{what} has unknown value type {raw}") from None
+
+
+def _value(cur: _Cursor, kind: GGUFValueType, key: str) -> Value:
+    if kind == GGUFValueType.STRING:
+        return Value(kind, None, cur.string(f"the value of {key}"))
+    if kind != GGUFValueType.ARRAY:
+        value = cur.scalar(_SCALARS[kind], f"the value of {key}")
+        return Value(kind, None, bool(value) if kind == GGUFValueType.BOOL else value)
+    item = _value_type(int(cur.scalar("<I", f"the array type of {key}")), f"an item of {key}")
+    count = int(cur.scalar("<Q", f"the array length of {key}"))
+    if item == GGUFValueType.ARRAY:
+        raise LayoutError(f"{key} is an array of arrays, which GGUF readers do not take")
+    if item == GGUFValueType.STRING:
+        # Each string is at least its 8-byte length: a count the rest of the file cannot hold is refused at once.
+        if count > (len(cur.buf) - cur.pos) // 8:
+            raise LayoutError(f"{key} claims {count} strings, more than the file can hold")
+        for i in range(count):
+            cur.string(f"item {i} of {key}")
+    else:
+        cur.take(count * struct.calcsize(_SCALARS[item]), f"the {count} items of {key}")
+    return Value(kind, item, count)
+
+
+def _tensor(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+    name = cur.string(f"the name of tensor {index}")
+    if not name or len(name.encode()) >= MAX_NAME:
+        raise LayoutError(f"tensor {index} has a name of {len(name.encode())} bytes (1 to {MAX_NAME - 1} allowed)")
+    dims = int(cur.scalar("<I", f"the dimension count of {name}"))
+    if not 1 <= dims <= MAX_DIMS:
+        raise LayoutError(f"{name} has {dims} dimensions (1 to {MAX_DIMS} allowed)")
+    ne = tuple(int(cur.scalar("<Q", f"a dimension of {name}")) for _ in range(dims))
+    raw_type = int(cur.scalar("<I", f"the type of {name}"))
+    try:
+        qtype = GGMLQuantizationType(raw_type)
+    except ValueError:
+        raise LayoutError(f"{name} has unknown tensor type {raw_type}") from None
+    if qtype not in GGML_QUANT_SIZES:
+        raise LayoutError(f"{name} has tensor type {qtype.name}, which has no known size")
+    return name, ne, qtype, int(cur.scalar("<Q", f"the offset of {name}"))
+
+
+def _nbytes(name: str, ne: tuple[int, ...], qtype: GGMLQuantizationType, limit: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    if ne[0] % block:
+        raise LayoutError(f"{name} has shape {list(ne)}, which {qtype.name} blocks of {block} cannot hold")
+    count = 1
+    for n in ne:
+        count *= n
+        if count > limit:  # Python ints do not overflow, but a shape this large cannot be in the file
+            raise LayoutError(f"{name} claims shape {list(ne)}, larger than the file")
+    return count // block * size
+
+
+def check_key_types(keys: dict[str, Value]) -> None:
+    """Known keys must have the type the format gives them (docs/formats.md#metadata-keys), as llama.cpp's loader
+    insists; a bool turned into a byte, or a count into a string, is a damaged file, not another model."""
+    arch = keys.get(Key.ARCHITECTURE)
+    name = arch.value if arch is not None and arch.kind == GGUFValueType.STRING else None
+    for template, want in KEY_TYPES.items():
+        key = template.format(arch=name) if "{arch}" in template else template
+        found = keys.get(key)
+        if found is not None and (found.kind, found.item) != want:
+            kind = found.kind.name if found.item is None else f"{found.kind.name} of {found.item.name}"
+            expected = want[0].name if want[1] is None else f"{want[0].name} of {want[1].name}"
+            raise LayoutError(f"{key} is {kind}, not {expected}")
+
+
+def scan_layout(buf: memoryview) -> Layout:
+    """Every header field checked against the bytes left; tensors at the running aligned offsets; data in the file."""
+    cur = _Cursor(buf)
+    magic = bytes(cur.take(4, "the magic"))
+    if magic not in MAGICS:
+        raise LayoutError(f"the magic is {magic!r}, not GGUF or PWRI")
+    version = int(cur.scalar("<I", "the version"))
+    if version not in VERSIONS:
+        raise LayoutError(f"GGUF version {version} is not supported (2 or 3 are)")
+    n_tensors = int(cur.scalar("<Q", "the tensor count"))
+    n_kv = int(cur.scalar("<Q", "the key count"))
+    # A key is at least 8 + 4 bytes and a tensor entry at least 8 + 4 + 8 + 4 + 8: counts beyond that are lies.
+    if n_kv > len(buf) // 12 or n_tensors > len(buf) // 32:
+        raise LayoutError(f"the header claims {n_tensors} tensors and {n_kv} keys, more than the file can hold")
+    keys: dict[str, Value] = {}
+    for i in range(n_kv):
+        key = cur.string(f"key {i}")
+        if key in keys:
+            raise LayoutError(f"the key {key} appears twice")
+        keys[key] = _value(cur, _value_type(int(cur.scalar("<I", f"the type of {key}")), key), key)
+    check_key_types(keys)
+    alignment = keys[Key.ALIGNMENT].value if Key.ALIGNMENT in keys else DEFAULT_ALIGNMENT
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise LayoutError(f"{Key.ALIGNMENT} is {alignment!r}, not a power of two")
+    raw = [_tensor(cur, i) for i in range(n_tensors)]
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors, names, running = [], set(), 0
+    for name, ne, qtype, offset in raw:
+        if name in names:
+            raise LayoutError(f"the tensor {name} appears twice")
+        names.add(name)
+        nbytes = _nbytes(name, ne, qtype, len(buf))
+        if offset != running:
+            raise LayoutError(f"{name} is at data offset {offset}, but the tensors before it end at {running}")
+        if data_start + offset + nbytes > len(buf):
+            raise LayoutError(f"{name} ends at byte {data_start + offset + nbytes}, past the end of the file")
+        tensors.append(TensorEntry(name, ne, qtype, offset, nbytes))
+        running = -(-(offset + nbytes) // alignment) * alignment
+    # Writers end the file with the last tensor (and at most its padding): more bytes after it mean a header that
+    # no longer describes the data, such as a last tensor given a smaller type.
+    end = data_start + (tensors[-1].offset + tensors[-1].nbytes if tensors else 0)
+    if len(buf) - end >= alignment:
+        raise LayoutError(f"{len(buf) - end} bytes follow the last tensor's data, which the header does not describe")
+    return Layout(magic, keys, tuple(tensors), data_start)

@@ -1,0 +1,73 @@
+"""Stream tensors into a GGUF or PowerInfer GGUF with the gguf package's writer, one tensor in memory at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from qinfer.core.atomic_file import atomic_output
+
+PWRI_BYTES = b"PWRI"
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One output tensor: its header entry is known up front, its data is produced only when written.
+
+    `shape` is the numpy shape (outermost first; the file stores it reversed, as ggml's ne).
+    For quantized types `shape` is the byte shape and `raw_type` the ggml type, as `GGUFWriter` expects.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    load: Callable[[], np.ndarray]
+    raw_type: GGMLQuantizationType | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    add_metadata: Callable[[GGUFWriter], None],
+    tensors: Sequence[TensorPlan],
+    *,
+    powerinfer: bool,
+    on_tensor: Callable[[TensorPlan], None] | None = None,
+) -> None:
+    """Write `tensors` in order after the metadata that `add_metadata` adds; PWRI magic when `powerinfer`.
+
+    The header and tensor table go first, then each tensor is loaded, checked against its plan,
+    written and dropped, so peak memory is one tensor however large the model is.
+    """
+    with atomic_output(path) as tmp:
+        writer = GGUFWriter(tmp, arch)
+        try:
+            add_metadata(writer)
+            for plan in tensors:
+                writer.add_tensor_info(plan.name, plan.shape, plan.dtype, plan.nbytes, raw_dtype=plan.raw_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for plan in tensors:
+                data = np.ascontiguousarray(plan.load())
+                if data.shape != plan.shape or data.dtype != plan.dtype:
+                    raise ValueError(
+                        f"{plan.name}: produced {data.dtype}{list(data.shape)}, planned {plan.dtype}{list(plan.shape)}"
+                    )
+                writer.write_tensor_data(data)
+                del data
+                if on_tensor is not None:
+                    on_tensor(plan)
+        finally:
+            writer.close()
+        if powerinfer:
+            with open(tmp, "r+b") as fh:
+                fh.write(PWRI_BYTES)

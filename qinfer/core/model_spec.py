@@ -1,0 +1,36 @@
+"""A model's hyper-parameters, one vocabulary for every stage: convert, profile, planner, runtime and profiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_ROPE_BASE = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str  # general.architecture: a key of qinfer.core.architectures.ARCHITECTURES
+    name: str
+    vocab_size: int
+    context_length: int  # tokens of context (OPT's position table has a few rows more; see its Architecture)
+    hidden: int  # E
+    layers: int
+    ffn: int  # F, neurons per FFN
+    heads: int
+    kv_heads: int
+    norm_eps: float  # RMSNorm's epsilon for llama and bamboo, LayerNorm's for falcon and opt
+    rope_dim: int = 0  # rotated dimensions per head; 0 where the model has no rope (opt)
+    rope_theta: float | None = None  # None: not given, the default base applies
+    tie_word_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.head_dim * self.kv_heads
+
+    @property
+    def rope_base(self) -> float:
+        return DEFAULT_ROPE_BASE if self.rope_theta is None else self.rope_theta

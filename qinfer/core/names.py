@@ -1,0 +1,169 @@
+"""One table of the GGUF tensor names and metadata keys we read and write (docs/formats.md#tensors and
+#metadata-keys), in the manner of gguf-py's constants module: every other module names tensors and keys from here.
+
+gguf-py's table has llama.cpp's names; PowerInfer adds `ffn_down_t`, the predictor's `fc1`/`fc2`, the sparse
+threshold and the GPU index, which gguf-py does not know.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+from gguf import GGUFValueType, Keys
+
+
+class Tensor(StrEnum):
+    """The part of a tensor name that says what it is: `blk.{layer}.{part}.{weight|bias}`, or `{part}.{...}`."""
+
+    TOKEN_EMBD = "token_embd"
+    POSITION_EMBD = "position_embd"
+    OUTPUT_NORM = "output_norm"
+    OUTPUT = "output"
+    ATTN_NORM = "attn_norm"
+    ATTN_NORM_2 = "attn_norm_2"
+    ATTN_Q = "attn_q"
+    ATTN_K = "attn_k"
+    ATTN_V = "attn_v"
+    ATTN_QKV = "attn_qkv"
+    ATTN_OUT = "attn_output"
+    FFN_NORM = "ffn_norm"
+    FFN_GATE = "ffn_gate"
+    FFN_UP = "ffn_up"
+    FFN_DOWN = "ffn_down"  # dense GGUF: [E, F] as ggml ne
+    FFN_DOWN_T = "ffn_down_t"  # PowerInfer GGUF: down transposed, so that row i of every FFN matrix is neuron i
+    FC1 = "fc1"  # the layer's predictor, fc2(relu(fc1(h)))
+    FC2 = "fc2"
+    GPU_IDX = "gpu_idx"  # .gpuidx: 0/1 per neuron (no .weight suffix)
+    GPU_BUCKET = "gpu_bucket"  # .gpuidx: ascending ids of the GPU neurons (no .weight suffix)
+
+
+WEIGHT = "weight"
+BIAS = "bias"
+# The FFN matrices whose rows are neurons; the planner counts their bytes per neuron.
+FFN_ROWS = (Tensor.FFN_GATE, Tensor.FFN_UP, Tensor.FFN_DOWN_T, Tensor.FFN_DOWN)
+PREDICTOR = (Tensor.FC1, Tensor.FC2)
+
+_NAME = re.compile(r"(?:blk\.(\d+)\.)?([a-z0-9_]+)\.([a-z]+)")
+
+
+def tensor_name(part: Tensor, layer: int | None = None, kind: str = WEIGHT) -> str:
+    """`blk.3.ffn_up.weight` for (FFN_UP, 3), `output.weight` for (OUTPUT, None); kind "" for the GPU index's
+    tensors, which have no suffix."""
+    base = part if layer is None else f"blk.{layer}.{part}"
+    return f"{base}.{kind}" if kind else str(base)
+
+
+def split_tensor_name(name: str) -> tuple[int | None, str, str] | None:
+    """(layer or None, part, kind) of a tensor name, or None when it does not have that form."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    layer, part, kind = match.groups()
+    return (None if layer is None else int(layer)), part, kind
+
+
+class Key:
+    """Metadata keys. `{arch}` is filled with `general.architecture`'s value, as in gguf-py's `Keys.LLM`."""
+
+    ARCHITECTURE = Keys.General.ARCHITECTURE
+    NAME = Keys.General.NAME
+    FILE_TYPE = Keys.General.FILE_TYPE
+    QUANTIZATION_VERSION = Keys.General.QUANTIZATION_VERSION
+    ALIGNMENT = Keys.General.ALIGNMENT
+
+    CONTEXT_LENGTH = Keys.LLM.CONTEXT_LENGTH
+    EMBEDDING_LENGTH = Keys.LLM.EMBEDDING_LENGTH
+    BLOCK_COUNT = Keys.LLM.BLOCK_COUNT
+    FEED_FORWARD_LENGTH = Keys.LLM.FEED_FORWARD_LENGTH
+    HEAD_COUNT = Keys.Attention.HEAD_COUNT
+    HEAD_COUNT_KV = Keys.Attention.HEAD_COUNT_KV
+    LAYERNORM_EPS = Keys.Attention.LAYERNORM_EPS
+    LAYERNORM_RMS_EPS = Keys.Attention.LAYERNORM_RMS_EPS
+    ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
+    ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
+
+    TOKENIZER_PREFIX = "tokenizer."
+    TOKENS = Keys.Tokenizer.LIST
+    BOS_ID = Keys.Tokenizer.BOS_ID
+    EOS_ID = Keys.Tokenizer.EOS_ID
+    ADD_BOS = Keys.Tokenizer.ADD_BOS
+    MERGES = Keys.Tokenizer.MERGES
+
+    # PowerInfer's own keys.
+    SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
+    GPU_INDEX_ARCH = "generic.gpu_index"  # general.architecture of a .gpuidx
+    GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"
+    VRAM_CAPACITY = "split.vram_capacity"
+    # Ours: a .gpuidx's provenance, after the engine's keys so that its reader is unaffected.
+    PLAN_PREFIX = "qinfer.plan."
+
+
+# Special token ids, each naming a token of the vocabulary.
+TOKEN_ID_KEYS = (
+    Keys.Tokenizer.BOS_ID,
+    Keys.Tokenizer.EOS_ID,
+    Keys.Tokenizer.UNK_ID,
+    Keys.Tokenizer.SEP_ID,
+    Keys.Tokenizer.PAD_ID,
+)
+
+_S, _U32, _F32 = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32
+_U64, _BOOL, _ARRAY = GGUFValueType.UINT64, GGUFValueType.BOOL, GGUFValueType.ARRAY
+# A `.gpuidx`'s provenance keys (after Key.PLAN_PREFIX), in the order they are written (qinfer.core.gpuidx's
+# Provenance has a field of each name): the value type, and the words that tell a user which of them went stale.
+# attention_on_gpu and output_on_gpu record what the plan chose, the others what it was made from.
+PLAN_KEYS: dict[str, tuple[GGUFValueType, str]] = {
+    "model_size": (_U64, "model size"),
+    "model_mtime_ns": (_U64, "model mtime"),
+    "vram_budget": (_U64, "vram budget"),
+    "activation_sha256": (_S, "activation files"),
+    "group_size": (_U32, "group size"),
+    "objective": (_S, "objective"),
+    "ctx_size": (_U32, "ctx size"),
+    "batch": (_U32, "batch"),
+    "gpu": (_S, "gpu profile"),
+    "cpu": (_S, "cpu profile"),
+    "dense": (_S, "dense placement"),
+    "attention_on_gpu": (_S, "attention placement"),
+    "output_on_gpu": (_BOOL, "output placement"),
+    "kv_policy": (_S, "kv policy"),
+    "kv_rows": (_U32, "kv window rows"),
+}
+# The value type (and an array's item type) of every key we read, as the format gives them; a file whose key has
+# another type is refused (qinfer.core.gguf_layout).
+KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
+    Key.ARCHITECTURE: (_S, None),
+    Key.NAME: (_S, None),
+    Key.FILE_TYPE: (_U32, None),
+    Key.QUANTIZATION_VERSION: (_U32, None),
+    Key.ALIGNMENT: (_U32, None),
+    Key.CONTEXT_LENGTH: (_U32, None),
+    Key.EMBEDDING_LENGTH: (_U32, None),
+    Key.BLOCK_COUNT: (_U32, None),
+    Key.FEED_FORWARD_LENGTH: (_U32, None),
+    Key.HEAD_COUNT: (_U32, None),
+    Key.HEAD_COUNT_KV: (_U32, None),
+    Key.LAYERNORM_EPS: (_F32, None),
+    Key.LAYERNORM_RMS_EPS: (_F32, None),
+    Key.ROPE_DIMENSION_COUNT: (_U32, None),
+    Key.ROPE_FREQ_BASE: (_F32, None),
+    Key.TOKENS: (_ARRAY, _S),
+    Key.MERGES: (_ARRAY, _S),
+    Keys.Tokenizer.SCORES: (_ARRAY, _F32),
+    Keys.Tokenizer.TOKEN_TYPE: (_ARRAY, GGUFValueType.INT32),
+    **{key: (_U32, None) for key in TOKEN_ID_KEYS},
+    **{
+        key: (_BOOL, None)
+        for key in (Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.ADD_EOS, Keys.Tokenizer.ADD_SEP, Keys.Tokenizer.ADD_PREFIX)
+    },
+    Keys.Tokenizer.MODEL: (_S, None),
+    Key.SPARSE_THRESHOLD: (_F32, None),
+    Key.GPU_INDEX_BLOCK_COUNT: (_U32, None),
+    Key.VRAM_CAPACITY: (_U64, None),
+    **{Key.PLAN_PREFIX + name: (kind, None) for name, (kind, _) in PLAN_KEYS.items()},
+}
+
+
+def arch_key(template: str, arch: str) -> str:
+    return template.format(arch=arch)

@@ -1,0 +1,94 @@
+"""A `ModelSpec` from a Hugging Face `config.json` or from GGUF metadata: the two places a model's shape is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qinfer.core.architectures import architecture, architecture_for_hf
+from qinfer.core.errors import UserError
+from qinfer.core.model_spec import ModelSpec
+from qinfer.core.names import Key, arch_key
+
+
+def spec_from_hf_dir(model_dir: Path) -> ModelSpec:
+    """The spec of the checkpoint in `model_dir`, for the families of qinfer.core.architectures."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise UserError(f"no config.json in {model_dir}: pass a Hugging Face model directory")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc})") from exc
+    arch = architecture_for_hf(cfg.get("architectures") or [cfg.get("model_type")], path)
+    try:
+        return arch.read_config(cfg, path)
+    except KeyError as exc:
+        raise UserError(f"{path} lacks the key {exc.args[0]!r}") from exc
+
+
+def _count(value: Any, key: str, path: Path) -> int:
+    # bool is an int to Python, and a float 4.5 would truncate silently: both are refused.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 31:
+        raise UserError(f"{path}: {key} is {value!r}, not a positive whole number; the file is corrupt, re-convert it")
+    return value
+
+
+def _real(value: Any, key: str, path: Path, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= float(value) <= high:
+        raise UserError(f"{path}: {key} is {value!r}, outside [{low}, {high}]; the file is corrupt, re-convert it")
+    return float(value)
+
+
+def _check_shape(spec: ModelSpec, path: Path) -> None:
+    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+        raise UserError(
+            f"{path}: {spec.hidden} embedding dimensions, {spec.heads} heads and {spec.kv_heads} kv heads do not "
+            "divide evenly; the file is corrupt, re-convert it"
+        )
+    if spec.rope_dim and (spec.rope_dim > spec.head_dim or spec.rope_dim % 2):
+        raise UserError(f"{path}: rope dimension {spec.rope_dim} does not fit heads of {spec.head_dim}; re-convert it")
+
+
+def spec_from_metadata(meta: dict[str, Any], path: Path) -> ModelSpec:
+    """The spec a GGUF's metadata declares, every value checked for its type and range; the vocabulary size is the
+    token list's length (0 when absent)."""
+    arch = architecture(meta.get(Key.ARCHITECTURE), path)
+
+    def key(template: str, default: Any = None) -> Any:
+        name = arch_key(template, arch.name)
+        value = meta.get(name, default)
+        if value is None:
+            raise UserError(f"{path} lacks the metadata key {name}; re-convert it")
+        return value
+
+    def count(template: str, default: Any = None) -> int:
+        return _count(key(template, default), arch_key(template, arch.name), path)
+
+    heads = count(Key.HEAD_COUNT)
+    hidden = count(Key.EMBEDDING_LENGTH)
+    tokens = meta.get(Key.TOKENS)
+    theta = meta.get(arch_key(Key.ROPE_FREQ_BASE, arch.name))
+    eps = arch.default_norm_eps
+    if arch.norm_eps_key is not None:
+        eps = _real(key(arch.norm_eps_key), arch_key(arch.norm_eps_key, arch.name), path, 1e-12, 1.0)
+    spec = ModelSpec(
+        arch=arch.name,
+        name=str(meta.get(Key.NAME, path.stem)),
+        vocab_size=len(tokens) if isinstance(tokens, list) else 0,
+        context_length=count(Key.CONTEXT_LENGTH) - arch.position_offset,
+        hidden=hidden,
+        layers=count(Key.BLOCK_COUNT),
+        ffn=count(Key.FEED_FORWARD_LENGTH),
+        heads=heads,
+        kv_heads=count(Key.HEAD_COUNT_KV, heads),
+        norm_eps=eps,
+        rope_dim=0 if arch.rope == "none" else count(Key.ROPE_DIMENSION_COUNT, arch.default_rope_dim(hidden, heads)),
+        rope_theta=None if theta is None else _real(theta, arch_key(Key.ROPE_FREQ_BASE, arch.name), path, 1e-6, 1e12),
+        tie_word_embeddings=arch.output_is_embedding,
+    )
+    if spec.context_length <= 0:
+        raise UserError(f"{path}: the context length leaves no position; the file is corrupt, re-convert it")
+    _check_shape(spec, path)
+    return spec

@@ -1,0 +1,279 @@
+"""The planner's Python API: account, solve, write or reuse `<model>.generated.gpuidx`. Plain dataclasses in and out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from qinfer.core.errors import UserError
+from qinfer.core.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
+from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.names import PLAN_KEYS
+from qinfer.planner.activation_stats import ActivationStats, load_activation
+from qinfer.planner.baselines import greedy_placement
+from qinfer.planner.budget import BudgetOptions, VramAccount, account, minimum_budget, require_budget, vram_used
+from qinfer.planner.device_profiles import load_profile
+from qinfer.planner.model_layout import ModelLayout, read_model_layout
+from qinfer.planner.neuron_groups import group_neurons
+from qinfer.planner.placement import Placement
+from qinfer.planner.placement_ilp import Objective, SolveResult, solve_placement
+from qinfer.planner.time_model import TimeModel, build_time_model
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    ctx_size: int = 512
+    batch: int = 1
+    group_size: int = 64
+    gpu: str = "rtx4090"
+    cpu: str = "generic-desktop"
+    objective: Objective = "time"
+    time_limit: float = 10.0
+    dense: Literal["gpu", "auto"] = "gpu"
+    gpu_embeddings: bool = False
+    solver: str = "auto"
+    kv_policy: KVPolicy = KVPolicy()
+
+    def budget_options(self) -> BudgetOptions:
+        return BudgetOptions(
+            ctx_size=self.ctx_size, batch=self.batch, gpu_embeddings=self.gpu_embeddings, kv_policy=self.kv_policy
+        )
+
+    @property
+    def window_rows(self) -> int:
+        """What a plan records of its KV policy beside the policy's name: the rows a window keeps, 0 under `full`
+        (whose rows are the ctx size, recorded already)."""
+        return self.kv_policy.rows(self.ctx_size) if self.kv_policy.windowed else 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_path: Path
+    vram_budget: int
+    options: PlanOptions
+    layout: ModelLayout
+    account: VramAccount
+    placement: Placement
+    vram: dict[str, float]
+    tokens_per_second: float
+    gpu_activation_share: float
+    layer_activation_share: tuple[float, ...]
+    solve: SolveResult | None
+    gpuidx_path: Path | None = None
+    reused: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def vram_total(self) -> float:
+        return float(sum(self.vram.values()))
+
+    def gpu_index(self, activation_sha256: str) -> GpuIndex:
+        p = self.placement
+        return GpuIndex(
+            vram_capacity=int(round(self.vram["ffn neurons"] + self.vram["predictors"])),
+            gpu_idx=tuple(m.astype(np.int32) for m in p.gpu_neurons),
+            provenance=provenance(self.model_path, self.vram_budget, activation_sha256, self.options, p),
+        )
+
+
+def provenance(
+    model_path: Path, budget: int, activation_sha256: str, options: PlanOptions, placed: Placement
+) -> Provenance:
+    """What a plan of these inputs records: the model file, budget, activation and settings it was made from, and
+    where it put attention and the output."""
+    stat = model_path.stat()
+    return Provenance(
+        model_size=stat.st_size,
+        model_mtime_ns=stat.st_mtime_ns,
+        vram_budget=budget,
+        activation_sha256=activation_sha256,
+        group_size=options.group_size,
+        objective=options.objective,
+        ctx_size=options.ctx_size,
+        batch=options.batch,
+        gpu=options.gpu,
+        cpu=options.cpu,
+        dense=options.dense,
+        attention_on_gpu=placed.attention_on_gpu,
+        output_on_gpu=placed.output_on_gpu,
+        kv_policy=options.kv_policy.kind,
+        kv_rows=options.window_rows,
+    )
+
+
+def _fit_context(options: PlanOptions, layout: ModelLayout) -> PlanOptions:
+    """`options` with the context capped at the model's own, as the runtime caps it, so that a plan made with the
+    default --ctx-size is the plan a run of the same model asks for."""
+    if 0 < layout.spec.context_length < options.ctx_size:
+        return replace(options, ctx_size=layout.spec.context_length)
+    return options
+
+
+def _account(
+    model_path: Path, vram_budget_bytes: int, options: PlanOptions
+) -> tuple[PlanOptions, ModelLayout, VramAccount]:
+    layout = read_model_layout(model_path)
+    options = _fit_context(options, layout)
+    acct = account(layout, options.budget_options())
+    require_budget(acct, vram_budget_bytes, options.dense == "gpu")
+    return options, layout, acct
+
+
+def dry_run_account(model_path: Path, vram_budget_bytes: int, options: PlanOptions) -> tuple[ModelLayout, VramAccount]:
+    """The VRAM account alone (no activation files needed); raises if the budget cannot hold the dense parts."""
+    _, layout, acct = _account(model_path, vram_budget_bytes, options)
+    return layout, acct
+
+
+def _inputs(
+    model_path: Path, vram_budget_bytes: int, activation_dir: Path | None, options: PlanOptions
+) -> tuple[PlanOptions, ModelLayout, VramAccount, ActivationStats, TimeModel]:
+    options, layout, acct = _account(model_path, vram_budget_bytes, options)
+    stats = load_activation(activation_dir or model_path.parent / "activation", acct.ffn_neurons)
+    gpu = load_profile(options.gpu, "gpu")
+    cpu = load_profile(options.cpu, "cpu")
+    times = build_time_model(layout, stats.firing, gpu, cpu, options.budget_options())
+    return options, layout, acct, stats, times
+
+
+def _plan(
+    model_path: Path,
+    budget: int,
+    options: PlanOptions,
+    layout: ModelLayout,
+    acct: VramAccount,
+    stats: ActivationStats,
+    times: TimeModel,
+    placement: Placement,
+    solve: SolveResult | None,
+) -> Plan:
+    held = [float(p[m].sum()) for p, m in zip(stats.firing, placement.gpu_neurons, strict=True)]
+    totals = [float(p.sum()) for p in stats.firing]
+    return Plan(
+        model_path=model_path,
+        vram_budget=budget,
+        options=options,
+        layout=layout,
+        account=acct,
+        placement=placement,
+        vram=vram_used(acct, placement),
+        tokens_per_second=times.tokens_per_second(placement),
+        gpu_activation_share=sum(held) / sum(totals) if sum(totals) else 0.0,
+        layer_activation_share=tuple(h / t if t else 0.0 for h, t in zip(held, totals, strict=True)),
+        solve=solve,
+    )
+
+
+def make_plan(
+    model_path: Path, vram_budget_bytes: int, activation_dir: Path | None = None, options: PlanOptions | None = None
+) -> Plan:
+    """Solve the placement for `model_path` under `vram_budget_bytes`; writes nothing."""
+    return _make(model_path, vram_budget_bytes, activation_dir, options or PlanOptions())[0]
+
+
+def _make(
+    model_path: Path, budget: int, activation_dir: Path | None, options: PlanOptions
+) -> tuple[Plan, ActivationStats]:
+    options, layout, acct, stats, times = _inputs(model_path, budget, activation_dir, options)
+    groups = group_neurons(stats.firing, options.group_size)
+    start = greedy_placement(acct, stats.firing, groups, budget) if options.dense == "gpu" else None
+    result = solve_placement(
+        acct,
+        times,
+        stats.firing,
+        groups,
+        budget,
+        objective=options.objective,
+        dense_on_gpu=options.dense == "gpu",
+        time_limit=options.time_limit,
+        solver=options.solver,
+        warm_start=start,
+    )
+    plan = _plan(model_path, budget, options, layout, acct, stats, times, result.placement, result)
+    return plan, stats
+
+
+@dataclass(frozen=True)
+class FullKVComparison:
+    """What a window buys: the same context, batch and budget with a `full` KV cache."""
+
+    account: VramAccount
+    plan: Plan | None  # None when the budget cannot hold `full`'s dense parts
+
+
+def full_kv_account(layout: ModelLayout, options: PlanOptions) -> VramAccount:
+    """The account `options` would have with a `full` KV cache."""
+    return account(layout, replace(_fit_context(options, layout), kv_policy=KVPolicy()).budget_options())
+
+
+def compare_with_full_kv(plan: Plan, activation_dir: Path | None = None) -> FullKVComparison:
+    """Plan `plan`'s budget again, by the same solver and settings, with a `full` KV cache."""
+    options = replace(plan.options, kv_policy=KVPolicy())
+    full = full_kv_account(plan.layout, options)
+    if plan.vram_budget < minimum_budget(full, options.dense == "gpu"):
+        return FullKVComparison(full, None)
+    return FullKVComparison(full, _make(plan.model_path, plan.vram_budget, activation_dir, options)[0])
+
+
+def load_or_make_gpuidx(
+    model_path: Path,
+    vram_budget_bytes: int,
+    activation_dir: Path | None = None,
+    options: PlanOptions | None = None,
+    *,
+    reset: bool = False,
+) -> Plan:
+    """Reuse `<model>.generated.gpuidx` when it still matches the model, activation and settings, else refuse;
+    make and write it when absent or when `reset`."""
+    options = options or PlanOptions()
+    path = gpuidx_path_for(model_path)
+    if reset or not path.exists():
+        plan, stats = _make(model_path, vram_budget_bytes, activation_dir, options)
+        write_gpuidx(path, plan.gpu_index(stats.digest))
+        return replace(plan, gpuidx_path=path)
+    options, layout, acct, stats, times = _inputs(model_path, vram_budget_bytes, activation_dir, options)
+    index = read_gpuidx(path)
+    shapes = tuple(len(m) for m in index.gpu_idx)
+    if shapes != acct.ffn_neurons:
+        raise UserError(
+            f"{path} was made for a model with FFN sizes {_short(shapes)}, this one has {_short(acct.ffn_neurons)}; "
+            "rerun with --reset-gpu-index"
+        )
+    masks = tuple(m.astype(bool) for m in index.gpu_idx)
+    notes: tuple[str, ...] = ()
+    if index.provenance is None:
+        placement = Placement(masks, (True,) * len(masks), True)
+        room = vram_budget_bytes - acct.dense
+        if index.vram_capacity > room:
+            raise UserError(
+                f"{path} (made by another tool) needs {index.vram_capacity} bytes for the FFN split but this budget "
+                f"leaves {room}; rerun with --reset-gpu-index"
+            )
+        notes = ("unknown provenance (no qinfer.plan.* keys): reused because it fits the budget and the shapes",)
+    else:
+        placement = Placement(masks, index.provenance.attention_on_gpu, index.provenance.output_on_gpu)
+        now = provenance(model_path, vram_budget_bytes, stats.digest, options, placement)
+        _require_fresh(path, index.provenance, now)
+    plan = _plan(model_path, vram_budget_bytes, options, layout, acct, stats, times, placement, None)
+    if index.provenance is not None and index.vram_capacity != plan.gpu_index(stats.digest).vram_capacity:
+        raise UserError(
+            f"{path} records an FFN split size its neurons do not have (damaged); rerun with --reset-gpu-index"
+        )
+    if plan.vram_total > vram_budget_bytes:
+        raise UserError(f"{path} would use {plan.vram_total:.0f} bytes, over the budget; rerun with --reset-gpu-index")
+    return replace(plan, gpuidx_path=path, reused=True, notes=notes)
+
+
+def _short(values: tuple[int, ...]) -> str:
+    return str(list(values)) if len(set(values)) > 1 else f"{len(values)} x {values[0] if values else 0}"
+
+
+def _require_fresh(path: Path, made: Provenance, now: Provenance) -> None:
+    changed = [label for name, (_, label) in PLAN_KEYS.items() if getattr(made, name) != getattr(now, name)]
+    if changed:
+        raise UserError(
+            f"{path} is stale: {', '.join(changed)} changed since it was made; rebuild it with --reset-gpu-index"
+        )

@@ -1,0 +1,155 @@
+"""What the planner needs to know about a model: bytes and weights of each part, from a GGUF or from a shape."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from qinfer.core.architectures import architecture
+from qinfer.core.errors import UserError
+from qinfer.core.gguf_reader import metadata, open_gguf
+from qinfer.core.model_check import check_model, tensor_entries
+from qinfer.core.model_spec import ModelSpec
+from qinfer.core.names import FFN_ROWS, PREDICTOR, WEIGHT, Tensor, split_tensor_name, tensor_name
+from qinfer.core.spec_readers import spec_from_metadata
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One transformer block; a neuron is one row of each FFN matrix."""
+
+    ffn_neurons: int
+    neuron_bytes: float
+    neuron_weights: int
+    predictor_bytes: int
+    predictor_weights: int
+    attention_bytes: int
+    attention_weights: int
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    spec: ModelSpec
+    layers: tuple[LayerLayout, ...]
+    output_bytes: int
+    output_weights: int
+    embedding_bytes: int
+    ffn_type: str
+    ffn_element_bytes: float
+
+    @property
+    def has_gate(self) -> bool:
+        return architecture(self.spec.arch).ffn.gated
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+
+def _classify(name: str) -> tuple[int, str] | None:
+    """(layer, "ffn" | "predictor" | "attention") of a block tensor; None for the embedding, output and norms
+    outside the blocks. Only per-neuron FFN tensors count as "ffn": down's bias (a vector of E) is dense."""
+    parts = split_tensor_name(name)
+    if parts is None or parts[0] is None:
+        return None
+    layer, part, kind = parts
+    if part in PREDICTOR:
+        return layer, "predictor"
+    if part in FFN_ROWS and (kind == WEIGHT or part == Tensor.FFN_UP):
+        return layer, "ffn"
+    return layer, "attention"
+
+
+def _layer_layout(path: Path, index: int, parts: dict[str, list[tuple[int, int]]], ffn: int) -> LayerLayout:
+    if not parts["ffn"] or not parts["predictor"]:
+        raise UserError(f"{path}: layer {index} lacks FFN or predictor tensors; re-convert it with a predictor dir")
+    if any(w % ffn for _, w in parts["ffn"]):
+        raise UserError(f"{path}: layer {index} has FFN tensors that are not {ffn} neurons; re-convert it")
+    return LayerLayout(
+        ffn_neurons=ffn,
+        neuron_bytes=sum(b for b, _ in parts["ffn"]) / ffn,
+        neuron_weights=sum(w for _, w in parts["ffn"]) // ffn,
+        predictor_bytes=sum(b for b, _ in parts["predictor"]),
+        predictor_weights=sum(w for _, w in parts["predictor"]),
+        attention_bytes=sum(b for b, _ in parts["attention"]),
+        attention_weights=sum(w for _, w in parts["attention"]),
+    )
+
+
+def read_model_layout(path: Path) -> ModelLayout:
+    """Sizes of a PowerInfer GGUF's tensors, grouped into FFN neurons, predictors, attention, output, embeddings."""
+    reader = open_gguf(path)
+    if not reader.is_powerinfer:
+        raise UserError(f"{path} is a dense GGUF; plan a PowerInfer one (`qinfer prep convert` with a predictor dir)")
+    meta = metadata(reader)
+    spec = spec_from_metadata(meta, path)
+    check_model(spec, True, tensor_entries(reader), meta, path)
+    per_layer: dict[int, dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
+    output_bytes = output_weights = embedding_bytes = 0
+    ffn_type = ""
+    ffn_element_bytes = 0.0
+    for tensor in reader.tensors:
+        n_bytes, n_weights = int(tensor.n_bytes), int(tensor.n_elements)
+        where = _classify(tensor.name)
+        if where is not None:
+            per_layer[where[0]][where[1]].append((n_bytes, n_weights))
+            if tensor.name == tensor_name(Tensor.FFN_UP, where[0]):
+                ffn_type = GGMLQuantizationType(tensor.tensor_type).name
+                ffn_element_bytes = n_bytes / n_weights
+        elif tensor.name.startswith((Tensor.TOKEN_EMBD, Tensor.POSITION_EMBD)):
+            embedding_bytes += n_bytes
+            if tensor.name.startswith(Tensor.TOKEN_EMBD) and architecture(spec.arch).output_is_embedding:
+                # The head multiplies by the token embedding, so wherever the head runs it needs a copy.
+                output_bytes += n_bytes
+                output_weights += n_weights
+        else:
+            output_bytes += n_bytes
+            output_weights += n_weights
+    if not per_layer or sorted(per_layer) != list(range(len(per_layer))):
+        raise UserError(f"{path} has no complete run of blk.N tensors; re-convert it with `qinfer prep convert`")
+    return ModelLayout(
+        spec=spec,
+        layers=tuple(_layer_layout(path, i, per_layer[i], spec.ffn) for i in range(len(per_layer))),
+        output_bytes=output_bytes,
+        output_weights=output_weights,
+        embedding_bytes=embedding_bytes,
+        ffn_type=ffn_type,
+        ffn_element_bytes=ffn_element_bytes,
+    )
+
+
+def weight_bytes(n_weights: int, type_name: str) -> float:
+    """Bytes of `n_weights` weights stored as ggml type `type_name` (Q4_0: 18 bytes per 32)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    return n_weights * size / block
+
+
+def layout_for_spec(spec: ModelSpec, predictor_rank: int, weight_type: str = "F16") -> ModelLayout:
+    """The layout a converted model of this shape would have: 2-D tensors of `weight_type`, norms F32."""
+    embedding, ffn, kv, vocab = spec.hidden, spec.ffn, spec.kv_dim, spec.vocab_size
+    form = architecture(spec.arch).ffn
+    matrices = form.matrices * embedding
+    attention_weights = embedding * embedding * 2 + 2 * embedding * kv
+    norms = 2 * embedding * 4
+    predictor_weights = embedding * predictor_rank + predictor_rank * ffn
+    layer = LayerLayout(
+        ffn_neurons=ffn,
+        neuron_bytes=weight_bytes(matrices, weight_type),
+        neuron_weights=matrices,
+        predictor_bytes=round(weight_bytes(predictor_weights, weight_type)),
+        predictor_weights=predictor_weights,
+        attention_bytes=round(weight_bytes(attention_weights, weight_type)) + norms,
+        attention_weights=attention_weights + 2 * embedding,
+    )
+    return ModelLayout(
+        spec=spec,
+        layers=(layer,) * spec.layers,
+        output_bytes=round(weight_bytes(embedding * vocab, weight_type)) + embedding * 4,
+        output_weights=embedding * vocab + embedding,
+        embedding_bytes=round(weight_bytes(embedding * vocab, weight_type)),
+        ffn_type=weight_type,
+        ffn_element_bytes=weight_bytes(1 << 10, weight_type) / (1 << 10),
+    )

@@ -1,0 +1,168 @@
+"""Convert a Hugging Face ReLU checkpoint (any family of qinfer.core.architectures) to a PowerInfer or dense GGUF."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFWriter
+
+from qinfer.core.architectures import Architecture, Shapes, architecture
+from qinfer.core.errors import UserError
+from qinfer.core.gguf_writer import TensorPlan, write_gguf
+from qinfer.core.model_spec import ModelSpec
+from qinfer.core.names import PREDICTOR, Key, Tensor, split_tensor_name, tensor_name
+from qinfer.core.predictor_dir import FC1, FC2, PredictorDir, load_layer, open_predictors
+from qinfer.core.spec_readers import spec_from_hf_dir
+from qinfer.prep.convert.hf_checkpoint import TensorRef, index_checkpoint, load_tensor
+from qinfer.prep.convert.tokenizer_vocab import add_vocab
+
+OUTTYPES = {"f32": (np.dtype(np.float32), 0), "f16": (np.dtype(np.float16), 1)}
+TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    outfile: Path
+    arch: str
+    tensor_count: int
+    nbytes: int
+
+
+def _map_sources(arch: Architecture, spec: ModelSpec, refs: dict[str, TensorRef], expected: Shapes) -> dict[str, str]:
+    """GGUF name -> HF name for the checkpoint's tensors; refuses tensors this architecture does not have."""
+    gguf_name = arch.hf_names(spec)
+    # A dense file's down and a PowerInfer file's down_t come from the same HF tensor.
+    known = {name.replace(f".{Tensor.FFN_DOWN_T}.", f".{Tensor.FFN_DOWN}.") for name in expected}
+    sources: dict[str, str] = {}
+    for hf_name in refs:
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        name = gguf_name(hf_name)
+        if name == tensor_name(Tensor.OUTPUT) and name not in known:
+            continue  # a tied head saved anyway: this family's file has no output tensor
+        if name is None or name not in known:
+            raise UserError(
+                f"unexpected tensor {hf_name!r} for a {spec.arch} model; is config.json from this checkpoint?"
+            )
+        sources[name] = hf_name
+    output, embedding = tensor_name(Tensor.OUTPUT), tensor_name(Tensor.TOKEN_EMBD)
+    if output in known and output not in sources and spec.tie_word_embeddings and embedding in sources:
+        sources[output] = sources[embedding]
+    return sources
+
+
+def _load_weight(
+    hf_name: str,
+    ref: TensorRef,
+    dtype: np.dtype,
+    regroup: Callable[[torch.Tensor], torch.Tensor] | None,
+    transpose: bool,
+) -> np.ndarray:
+    # Cast in torch, which knows bf16, straight to the output type: no float32 copy of a large tensor.
+    tensor = load_tensor(hf_name, ref).to(TORCH_DTYPES[dtype])
+    if regroup is not None:
+        tensor = regroup(tensor)
+    if transpose:
+        tensor = tensor.T
+    return tensor.numpy()
+
+
+def _load_predictor(path: Path, key: str, dtype: np.dtype) -> np.ndarray:
+    return load_layer(path)[key].to(TORCH_DTYPES[dtype]).numpy()
+
+
+def _dtype_for(shape: tuple[int, ...], outtype: np.dtype) -> np.dtype:
+    # Norms stay f32 in every GGUF: the engine reads 1-D tensors only as f32.
+    return np.dtype(np.float32) if len(shape) == 1 else outtype
+
+
+def plan_tensors(
+    arch: Architecture,
+    spec: ModelSpec,
+    refs: dict[str, TensorRef],
+    predictors: PredictorDir | None,
+    outtype: np.dtype,
+) -> list[TensorPlan]:
+    shapes = arch.tensors(spec, None if predictors is None else predictors.ranks)
+    sources = _map_sources(arch, spec, refs, shapes)
+    plans: list[TensorPlan] = []
+    for name, shape in shapes.items():
+        dtype = _dtype_for(shape, outtype)
+        layer, part, kind = split_tensor_name(name) or (None, "", "")
+        if part in PREDICTOR:
+            assert predictors is not None and layer is not None
+            key = FC1 if part == Tensor.FC1 else FC2
+            plans.append(
+                TensorPlan(name, shape, dtype, partial(_load_predictor, predictors.layer_file(layer), key, dtype))
+            )
+            continue
+        # down_t is down transposed (its bias, a vector, stays as it is).
+        transpose = part == Tensor.FFN_DOWN_T and len(shape) == 2
+        source_name = tensor_name(Tensor.FFN_DOWN, layer, kind) if part == Tensor.FFN_DOWN_T else name
+        hf_name = sources.get(source_name)
+        if hf_name is None:
+            raise UserError(f"the checkpoint has no tensor for {source_name}; is the download complete?")
+        source_shape = refs[hf_name].shape
+        want = shape[::-1] if transpose else shape
+        if source_shape != want:
+            raise UserError(f"{hf_name} has shape {list(source_shape)} but config.json implies {list(want)}")
+        load = partial(_load_weight, hf_name, refs[hf_name], dtype, arch.transforms(spec, name), transpose)
+        plans.append(TensorPlan(name, shape, dtype, load))
+    return plans
+
+
+def _metadata_writer(
+    arch: Architecture, spec: ModelSpec, model_dir: Path, file_type: int, threshold: float | None
+) -> Callable[[GGUFWriter], None]:
+    def add(writer: GGUFWriter) -> None:
+        writer.add_name(spec.name)
+        writer.add_context_length(spec.context_length + arch.position_offset)
+        writer.add_embedding_length(spec.hidden)
+        writer.add_block_count(spec.layers)
+        writer.add_feed_forward_length(spec.ffn)
+        arch.add_metadata(writer, spec)
+        writer.add_file_type(file_type)
+        add_vocab(writer, model_dir, spec.vocab_size)
+        if threshold is not None:
+            writer.add_float32(Key.SPARSE_THRESHOLD, threshold)
+
+    return add
+
+
+def convert(
+    model_dir: Path,
+    outfile: Path,
+    predictor_dir: Path | None = None,
+    outtype: str = "f16",
+    on_plan: Callable[[list[TensorPlan]], None] | None = None,
+    on_tensor: Callable[[TensorPlan], None] | None = None,
+) -> ConvertResult:
+    """Write a PowerInfer GGUF when `predictor_dir` is given, else a dense GGUF.
+
+    Everything that can be checked (config, tensor names and shapes, predictors, vocabulary) is
+    checked before the first byte is written; tensors are then streamed one at a time.
+    """
+    if outtype not in OUTTYPES:
+        raise UserError(f"unknown --outtype {outtype!r}; use one of {', '.join(OUTTYPES)}")
+    if not model_dir.is_dir():
+        raise UserError(f"model directory not found: {model_dir}")
+    dtype, file_type = OUTTYPES[outtype]
+    spec = spec_from_hf_dir(model_dir)
+    arch = architecture(spec.arch)
+    if spec.hidden % spec.heads or (spec.rope_dim and spec.head_dim % 2):
+        raise UserError(f"hidden_size {spec.hidden} does not split into {spec.heads} heads of even size")
+    predictors = None
+    if predictor_dir is not None:
+        predictors = open_predictors(predictor_dir, spec.layers, spec.hidden, spec.ffn)
+    plans = plan_tensors(arch, spec, index_checkpoint(model_dir), predictors, dtype)
+    if on_plan is not None:
+        on_plan(plans)
+    threshold = predictors.sparse_threshold if predictors is not None else None
+    add_metadata = _metadata_writer(arch, spec, model_dir, file_type, threshold)
+    write_gguf(outfile, spec.arch, add_metadata, plans, powerinfer=predictors is not None, on_tensor=on_tensor)
+    return ConvertResult(outfile, spec.arch, len(plans), sum(plan.nbytes for plan in plans))

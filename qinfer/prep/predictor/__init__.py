@@ -1,0 +1,1 @@
+"""Activation predictors: their training sample, ranks, training and measured quality."""

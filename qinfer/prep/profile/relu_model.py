@@ -1,0 +1,107 @@
+"""Load a ReLU checkpoint of any family in qinfer.core.architectures with transformers, for profiling and predictor
+training, on CPU or CUDA."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from qinfer.core.architectures import Architecture, architecture
+from qinfer.core.errors import UserError
+from qinfer.core.model_spec import ModelSpec
+from qinfer.core.spec_readers import spec_from_hf_dir
+from qinfer.prep.profile.ffn_taps import submodule
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ReluModel:
+    model: PreTrainedModel
+    spec: ModelSpec
+    arch: Architecture
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    fell_back: bool  # CUDA was asked for but is not available, so the model runs on the CPU
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(submodule(self.model, self.arch.hf.layers))
+
+
+def resolve_device(device: str) -> tuple[torch.device, bool]:
+    if device not in DEVICES:
+        raise UserError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+    cuda = torch.cuda.is_available()
+    if device == "cpu" or not cuda:
+        return torch.device("cpu"), device == "cuda"
+    return torch.device("cuda"), False
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _llama_config(model_dir: Path) -> LlamaConfig:
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    # A Bamboo config names a model_type transformers does not know; its keys are LLaMA's.
+    cfg.pop("model_type", None)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    return LlamaConfig(**cfg)
+
+
+def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "auto") -> ReluModel:
+    """The model in eval mode, without gradients. A family whose transformers class lacks its ReLU on up (Bamboo,
+    loaded as LLaMA) gets a hook that adds it."""
+    spec = spec_from_hf_dir(model_dir)
+    arch = architecture(spec.arch)
+    where, fell_back = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, where)
+    model_class: type[PreTrainedModel] = getattr(transformers, arch.hf.model_class)
+    config = _llama_config(model_dir) if arch.hf.llama_config else None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # unused-weight notices for tied or extra tensors are not the user's concern
+    hf_logging.disable_progress_bar()  # the commands draw their own progress
+    try:
+        model = model_class.from_pretrained(
+            model_dir, config=config, dtype=torch_dtype, local_files_only=True, low_cpu_mem_usage=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load the model in {model_dir} ({exc})") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    # Documents are tokenised whole and then cut into windows, so their length is no concern of the tokenizer's.
+    tokenizer.model_max_length = 1 << 60
+    model.to(where).eval().requires_grad_(False)
+    loaded = ReluModel(model, spec, arch, tokenizer, where, torch_dtype, fell_back)
+    if arch.hf.relu_up_hook:
+        for layer in loaded.layers:
+            submodule(layer, arch.hf.up).register_forward_hook(lambda _m, _a, out: torch.relu(out))
+    return loaded
+
+
+def fires(layer: nn.Module, residual: torch.Tensor, arch: Architecture) -> torch.Tensor:
+    """Which FFN neurons of `layer` fire for the predictor's input (the input of the norm before the FFN):
+    [..., E] -> bool [..., F]."""
+    x = submodule(layer, arch.hf.ffn_norm)(residual)
+    if arch.hf.gate is None:
+        return submodule(layer, arch.hf.up)(x) > 0
+    active = submodule(layer, arch.hf.gate)(x) > 0
+    if arch.ffn.relu_up:
+        active &= submodule(layer, arch.hf.up)(x) != 0  # up carries the ReLU hook, so "fires" means positive
+    return active

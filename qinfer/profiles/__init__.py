@@ -1,0 +1,1 @@
+"""Data: device profiles (devices/*.json) and supported models (models/*.json)."""

@@ -1,0 +1,1 @@
+"""Generation: slots stepped together, sampling, the tokenizer, streamed text and perplexity."""

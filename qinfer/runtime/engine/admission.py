@@ -1,0 +1,97 @@
+"""The loop that keeps the engine's slots busy, shared by `qinfer run` (generate.py) and the server (worker.py):
+waiting sequences join free slots between steps, each step advances every running sequence by one token, and each
+token is turned into the text it adds."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from qinfer.runtime.engine.engine import Engine, Request, StepOutput
+from qinfer.runtime.engine.token_text import TokenText
+
+
+@dataclass
+class Sequence:
+    """One request on its way through the engine, and the text it has produced."""
+
+    request: Request
+    output: TokenText
+    cancelled: bool = False
+    prompt_seconds: float = 0.0  # the time its prompt took to enter the cache
+
+
+S = TypeVar("S", bound=Sequence)
+
+
+@dataclass(frozen=True)
+class Delivery(Generic[S]):
+    """What a step gave one sequence: its new text and the engine's output, or the error that refused it a slot."""
+
+    sequence: S
+    piece: str
+    out: StepOutput | None
+    refused: Exception | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.refused is not None or (self.out is not None and self.out.finished)
+
+
+class Admission(Generic[S]):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.waiting: deque[S] = deque()
+        self.running: dict[int, S] = {}  # slot -> sequence
+        self.step_seconds = 0.0  # time spent in the engine's decode steps
+
+    def add(self, sequence: S) -> None:
+        self.waiting.append(sequence)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Delivery[S]]:
+        """Free the slots of cancelled sequences, admit waiting ones into free slots (a request the engine refuses
+        fails alone), then one decode step for all running ones. An exception from the step itself propagates, the
+        sequences still running (see `fail_running`)."""
+        for slot, sequence in list(self.running.items()):
+            if sequence.cancelled:
+                self.engine.cancel(slot)
+                del self.running[slot]
+        done: list[Delivery[S]] = []
+        while self.waiting and self.engine.free_slots() > 0:
+            sequence = self.waiting.popleft()
+            if sequence.cancelled:
+                continue
+            started = time.perf_counter()
+            try:
+                slot = self.engine.submit(sequence.request)
+            except Exception as exc:  # noqa: BLE001 - a request the engine refuses must fail only itself
+                done.append(Delivery(sequence, "", None, exc))
+                continue
+            sequence.prompt_seconds = time.perf_counter() - started
+            self.running[slot] = sequence
+        if not self.running:
+            return done
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.step_seconds += time.perf_counter() - started
+        for out in outputs:
+            sequence = self.running[out.slot]
+            piece = sequence.output.add(out.token, out.finished)
+            if out.finished:
+                del self.running[out.slot]
+            done.append(Delivery(sequence, piece, out))
+        return done
+
+    def fail_running(self) -> list[S]:
+        """Free every running sequence's slot (after a failed step); the sequences, to be told."""
+        failed = list(self.running.values())
+        for slot in self.running:
+            self.engine.cancel(slot)
+        self.running.clear()
+        return failed

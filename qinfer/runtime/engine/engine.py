@@ -1,0 +1,165 @@
+"""The serving engine: fixed slots, each one sequence with its own KV-cache rows, decoded together step by step.
+
+`submit` runs a prompt (dense prefill) into a free slot; `step` samples the next token of every active
+sequence and, for those that go on, runs one batched decode forward over all of them at their own positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qinfer.core.errors import UserError
+from qinfer.core.kv_policy import KVPolicy
+from qinfer.runtime.engine.sampling import SamplingParams, sample_next
+from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.cache import make_kv_cache
+from qinfer.runtime.model.forward import ModelForward
+from qinfer.runtime.model.loader import LoadedRuntime, RuntimeOptions, load_forward
+from qinfer.runtime.model.model_file import open_model
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass
+class StepOutput:
+    slot: int
+    token: int | None  # None when the sequence ended on EOS
+    finished: bool
+    reason: str | None  # "stop" (EOS), "length" (max_tokens or a full context) or "error"
+    error: str | None = None  # why this sequence failed; the others in the batch go on
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    position: int  # tokens already in the KV cache
+    generated: int
+    logits: torch.Tensor  # for the next token, on the CPU
+    generator: torch.Generator
+
+
+class Engine:
+    def __init__(
+        self,
+        forward: ModelForward,
+        tokenizer: GGUFTokenizer,
+        slots: int = 1,
+        ctx_size: int = 512,
+        cache_device: torch.device | str = "cpu",
+        kv_policy: KVPolicy | None = None,
+    ):
+        if slots < 1 or ctx_size < 2:
+            raise UserError("an engine needs at least one slot and a context of at least 2 tokens")
+        self.forward = forward
+        self.tokenizer = tokenizer
+        self.slots = slots
+        self.ctx_size = ctx_size
+        self.cache = make_kv_cache(forward.cfg, ctx_size, slots, cache_device, kv_policy)
+        self._active: dict[int, _Sequence] = {}
+        self.runtime: LoadedRuntime | None = None  # how `open` set the model up (FFN mode, plan, schedule)
+
+    @classmethod
+    def open(
+        cls,
+        model_path: Path,
+        *,
+        slots: int = 1,
+        ctx_size: int = 512,
+        vram_budget_gib: float | None = None,
+        schedule: str = "auto",
+        ffn: str = "auto",
+        reset_gpu_index: bool = False,
+        disable_gpu_index: bool = False,
+        device: str | None = None,
+        kv_policy: KVPolicy | None = None,
+    ) -> Engine:
+        """Load a GGUF and set up its runtime (see forward_loader.RuntimeOptions for the FFN, GPU and KV settings);
+        `ctx_size` 0 means the model's own context length."""
+        model = open_model(model_path)
+        ctx = model.config.context_length if ctx_size <= 0 else min(ctx_size, model.config.context_length)
+        options = RuntimeOptions(
+            ffn=ffn,
+            vram_budget_gib=vram_budget_gib,
+            schedule=schedule,
+            reset_gpu_index=reset_gpu_index,
+            disable_gpu_index=disable_gpu_index,
+            device=device,
+            kv_policy=kv_policy or KVPolicy(),
+        )
+        loaded = load_forward(model, options, slots=slots, ctx_size=ctx)
+        tokenizer = GGUFTokenizer(model.metadata)
+        engine = cls(loaded.forward, tokenizer, slots, ctx, loaded.forward.device, options.kv_policy)
+        engine.runtime = loaded
+        return engine
+
+    def free_slots(self) -> int:
+        return self.slots - len(self._active)
+
+    def active_slots(self) -> list[int]:
+        return sorted(self._active)
+
+    def submit(self, request: Request) -> int:
+        if not request.prompt_ids:
+            raise UserError("the prompt is empty")
+        if len(request.prompt_ids) >= self.ctx_size:
+            raise UserError(
+                f"the prompt is {len(request.prompt_ids)} tokens but the context holds {self.ctx_size}; "
+                "raise --ctx-size"
+            )
+        free = [s for s in range(self.slots) if s not in self._active]
+        if not free:
+            raise UserError(f"all {self.slots} slots are busy")
+        slot = free[0]
+        with torch.inference_mode():
+            logits = self.forward.forward(TokenBatch.prompt(torch.tensor(request.prompt_ids), 0, slot), self.cache)
+        generator = torch.Generator().manual_seed(request.seed)
+        self._active[slot] = _Sequence(request, len(request.prompt_ids), 0, logits[-1].cpu(), generator)
+        return slot
+
+    def cancel(self, slot: int) -> None:
+        self._active.pop(slot, None)
+
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        going: list[int] = []
+        for slot in self.active_slots():
+            seq = self._active[slot]
+            try:
+                token = sample_next(seq.logits, seq.request.sampling, seq.generator)
+            except Exception as exc:  # noqa: BLE001 - one sequence's bad logits or settings must not end the batch
+                outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}"))
+                del self._active[slot]
+                continue
+            if token == self.tokenizer.eos_id and not seq.request.ignore_eos:
+                outputs.append(StepOutput(slot, None, True, "stop"))
+                del self._active[slot]
+                continue
+            seq.generated += 1
+            if seq.generated >= seq.request.max_tokens or seq.position >= self.ctx_size:
+                outputs.append(StepOutput(slot, token, True, "length"))
+                del self._active[slot]
+                continue
+            outputs.append(StepOutput(slot, token, False, None))
+            tokens.append(token)
+            positions.append(seq.position)
+            going.append(slot)
+            seq.position += 1
+        if going:
+            with torch.inference_mode():
+                logits = self.forward.forward(TokenBatch.decode(tokens, positions, going), self.cache).cpu()
+            for row, slot in enumerate(going):
+                self._active[slot].logits = logits[row]
+        return outputs

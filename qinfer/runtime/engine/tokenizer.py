@@ -1,0 +1,68 @@
+"""Rebuild the model's tokenizer from GGUF metadata with transformers' own GGUF tokenizer converter."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from tokenizers import Tokenizer
+from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+from qinfer.core.errors import UserError
+from qinfer.core.names import Key
+
+SUPPORTED = ("llama", "gpt2")
+_PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
+
+
+def _drop_foreign_added_tokens(backend: Tokenizer, n_vocab: int) -> Tokenizer:
+    """The backend without added tokens the model's own tokenizer does not match in text.
+
+    transformers' GPT2Tokenizer always registers `<|endoftext|>` as its default unk/bos/eos, so a vocabulary
+    without it (OPT's) gets it appended at id n_vocab, past the embedding. And the converter adds the `[PAD{i}]`
+    fillers as user-defined tokens, which Hugging Face's tokenizer never has, so text naming one would encode to
+    an id the model never saw. Added tokens cannot be removed in place, hence the JSON round trip.
+    """
+    state = json.loads(backend.to_str())
+
+    def foreign(token: dict[str, Any]) -> bool:
+        placeholder = _PLACEHOLDER.fullmatch(token["content"])
+        return token["id"] >= n_vocab or (placeholder is not None and int(placeholder[1]) == token["id"])
+
+    kept = [token for token in state["added_tokens"] if not foreign(token)]
+    if len(kept) == len(state["added_tokens"]):
+        return backend
+    state["added_tokens"] = kept
+    return Tokenizer.from_str(json.dumps(state))
+
+
+class GGUFTokenizer:
+    def __init__(self, meta: dict[str, Any]):
+        renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
+        # transformers names the keys without their "tokenizer." prefix.
+        keys = {name: Key.TOKENIZER_PREFIX + key for key, name in renames.items()}
+        spec = {name: meta[key] for name, key in keys.items() if key in meta}
+        kind = spec.get("tokenizer_type")
+        if kind not in SUPPORTED:
+            raise UserError(f"tokenizer type {kind!r} is not supported; expected one of {', '.join(SUPPORTED)}")
+        if kind == "gpt2" and not spec.get("merges"):
+            raise UserError(f"the GGUF's gpt2 vocabulary has no {Key.MERGES}; re-create it with qinfer prep")
+        backend = convert_gguf_tokenizer(meta[Key.ARCHITECTURE], spec)[0]
+        # Only transformers' GPT-2 builder adds tokens of its own; a SentencePiece backend is used as it is built.
+        self.backend: Tokenizer = (
+            _drop_foreign_added_tokens(backend, len(spec["tokens"])) if kind == "gpt2" else backend
+        )
+        self.bos_id: int | None = meta.get(Key.BOS_ID)
+        self.eos_id: int | None = meta.get(Key.EOS_ID)
+        # llama.cpp's rule for a file that does not say: SentencePiece vocabularies add BOS, BPE ones do not.
+        self.add_bos: bool = bool(meta.get(Key.ADD_BOS, kind == "llama"))
+
+    def encode(self, text: str) -> list[int]:
+        # encode_batch releases the GIL while it works (encode does not), so a server's event loop keeps answering
+        # while a long prompt is tokenized in a worker thread.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)

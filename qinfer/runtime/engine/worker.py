@@ -1,0 +1,95 @@
+"""One thread owns the Engine: it takes submitted requests into the admission loop (admission.py), which admits
+them into free slots and steps all running ones together, and feeds each request's text to its asyncio queue. HTTP
+handlers only submit jobs, read events and cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from qinfer.runtime.engine.admission import Admission, Sequence
+from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.engine.token_text import TokenText
+
+
+@dataclass(frozen=True)
+class Event:
+    text: str  # new text since the previous event of this job
+    finished: bool
+    reason: str | None  # "stop", "length" or "error"
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass(kw_only=True)
+class Job(Sequence):
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+
+    def emit(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, idle_poll_s: float = 0.2):
+        self.engine = engine
+        self._idle_poll_s = idle_poll_s
+        self._incoming: queue.Queue[Job] = queue.Queue()
+        self._admission: Admission[Job] = Admission(engine)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qinfer-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def submit(self, request: Request) -> Job:
+        """Queue `request`; call from the event loop that reads the job's events."""
+        output = TokenText(self.engine.tokenizer.decode, request.prompt_ids)
+        job = Job(request, output, loop=asyncio.get_running_loop())
+        self._incoming.put(job)
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Free the job's slot (or its place in the queue) at the engine's next step; harmless once it finished."""
+        job.cancelled = True
+
+    def stats(self) -> dict[str, int]:
+        busy = len(self._admission.running)
+        waiting = len(self._admission.waiting) + self._incoming.qsize()
+        return {
+            "slots": self.engine.slots,
+            "busy_slots": busy,
+            "free_slots": self.engine.slots - busy,
+            "waiting": waiting,
+        }
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take(block=not self._admission.busy)
+            try:
+                delivered = self._admission.step()
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive a failed step and tell its clients
+                for job in self._admission.fail_running():
+                    job.emit(Event("", True, "error", len(job.output.tokens), f"the engine failed: {exc}"))
+                continue
+            for done in delivered:
+                job, out = done.sequence, done.out
+                if out is None:
+                    job.emit(Event("", True, "error", 0, str(done.refused)))
+                elif done.piece or out.finished:
+                    job.emit(Event(done.piece, out.finished, out.reason, len(job.output.tokens), out.error))
+
+    def _take(self, block: bool) -> None:
+        try:
+            if block:
+                self._admission.add(self._incoming.get(timeout=self._idle_poll_s))
+            while True:
+                self._admission.add(self._incoming.get_nowait())
+        except queue.Empty:
+            pass

@@ -1,0 +1,217 @@
+"""GPU/CPU split FFN: resident neurons' rows live in fixed device slots, the rest are read from the mapped file.
+
+Per decode step and layer: the predictor (on the device) selects neurons; selected resident ones are computed
+on the device while a CPU thread computes the others, and the two disjoint partial sums are added. With the
+dynamic schedule the split moves per step (split_cost.balance) and a neuron cache (neuron_cache.NeuronCache)
+promotes neurons hot for this prompt into device slots. The device may be "cpu": a second tensor set that
+simulates the GPU side, for tests and for machines without one.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from qinfer.core.architectures import FfnForm
+from qinfer.core.errors import UserError
+from qinfer.runtime.ffn.neuron_cache import CachePolicy, NeuronCache
+from qinfer.runtime.ffn.runners import active_ids
+from qinfer.runtime.ffn.sparse import FFNWeights, activations, predicted_mask, sparse_rows
+from qinfer.runtime.ffn.split_cost import SplitCosts, balance
+from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
+from qinfer.runtime.kernels.weight_rows import rows_to, weighted_row_sum
+
+
+def empty_rows(t: Weight, capacity: int, device: torch.device) -> Weight:
+    """Zeroed rows for `capacity` neurons: zero blocks (scale 0) expand to zeros, so empty slots add nothing."""
+    if isinstance(t, QuantizedMatrix):
+        return t.like(torch.zeros(capacity, t.blocks.shape[1], dtype=torch.uint8, device=device))
+    return torch.zeros(capacity, t.shape[1], dtype=t.dtype, device=device)
+
+
+def rows_on(t: Weight, ids: torch.Tensor, device: torch.device) -> Weight:
+    """Rows `ids` on `device`; quantized rows travel as their blocks and are expanded only where they are used."""
+    return t.raw_rows(ids, device) if isinstance(t, QuantizedMatrix) else rows_to(t, ids, device)
+
+
+def weight_bytes(t: Weight | None) -> int:
+    """Bytes a weight really occupies: raw blocks for a quantized one."""
+    if t is None:
+        return 0
+    return t.nbytes if isinstance(t, QuantizedMatrix) else t.numel() * t.element_size()
+
+
+@dataclass
+class DeviceSlots:
+    """One layer's device-resident rows: [capacity, E] per matrix (raw blocks when the file is quantized)."""
+
+    up: Weight
+    down_t: Weight
+    gate: Weight | None
+    fc1: Weight | None
+    fc2: Weight | None
+
+    @classmethod
+    def allocate(cls, w: FFNWeights, capacity: int, device: torch.device, predictors: bool) -> DeviceSlots:
+        """`predictors`: whether fc1/fc2 go to the device too (the planner budgets them where a layer has neurons)."""
+
+        def empty(t: Weight | None) -> Weight | None:
+            return None if t is None else empty_rows(t, capacity, device)
+
+        def whole(t: Weight | None) -> Weight | None:
+            return None if t is None else t.to(device)
+
+        up, down_t = empty_rows(w.up, capacity, device), empty_rows(w.down_t, capacity, device)
+        # On the device the predictors stay whole and still quantized, as the planner budgets them.
+        fc1, fc2 = (whole(w.fc1), whole(w.fc2)) if predictors else (None, None)
+        return cls(up, down_t, empty(w.gate), fc1, fc2)
+
+    def load(self, w: FFNWeights, slots: torch.Tensor, neurons: torch.Tensor) -> None:
+        """Copy neurons' rows from the mapped weights into `slots`."""
+        if slots.numel() == 0:
+            return
+        device_slots = slots.to(self.up.device)
+        for mine, source in ((self.up, w.up), (self.down_t, w.down_t), (self.gate, w.gate)):
+            if mine is None or source is None:
+                continue
+            rows = rows_on(source, neurons, mine.device)
+            if isinstance(mine, QuantizedMatrix) and isinstance(rows, QuantizedMatrix):
+                mine.blocks[device_slots] = rows.blocks
+            else:
+                mine[device_slots] = rows
+
+    def dense(self, form: FfnForm, x: torch.Tensor) -> torch.Tensor:
+        """The FFN over every slot (prefill); quantized slots are expanded a chunk of rows at a time."""
+        if not isinstance(self.up, QuantizedMatrix):
+            return weighted_row_sum(activations(form, x, self.gate, self.up), self.down_t)
+        # Chunks of rows, so the expanded transient stays inside the planner's scratch reserve.
+        capacity, step = self.up.shape[0], self.up.chunk_rows()
+        out = torch.zeros(x.shape[0], self.down_t.shape[1], device=x.device)
+        for start in range(0, capacity, step):
+            ids = torch.arange(start, min(start + step, capacity), device=x.device)
+            out += sparse_rows(form, x, self.gate, self.up, self.down_t, ids, None)
+        return out
+
+
+@dataclass
+class LayerSplit:
+    """What one layer did in its last decode step: neurons computed on each side and moved between them."""
+
+    device: int = 0
+    cpu: int = 0
+    moved: int = 0
+
+
+def require_split_support(form: FfnForm) -> None:
+    """Device slots hold FFN rows only, not per-neuron biases: such a model is refused before anything is planned."""
+    if form.biased:
+        raise UserError("the GPU/CPU split does not take FFNs with biases (opt) yet; run without --vram-budget")
+
+
+class HybridRunner:
+    def __init__(
+        self,
+        layers: list[FFNWeights],
+        threshold: float,
+        device: torch.device,
+        resident: list[torch.Tensor],
+        capacity: list[int],
+        costs: SplitCosts,
+        dynamic: bool,
+        policy: CachePolicy | None = None,
+    ):
+        require_split_support(layers[0].form)
+        self.layers = layers
+        self.threshold = threshold
+        self.device = device
+        self.dynamic = dynamic
+        self.costs = costs
+        # Static placement keeps exactly the planned neurons; only the dynamic schedule fills spare slots.
+        caps = capacity if dynamic else [int(r.numel()) for r in resident]
+        policy = policy or CachePolicy()
+        self.caches = [NeuronCache(w.neurons, c, r, policy) for w, c, r in zip(layers, caps, resident, strict=True)]
+        self.slots = []
+        for w, cache, r in zip(layers, self.caches, resident, strict=True):
+            slots = DeviceSlots.allocate(w, cache.capacity, device, predictors=r.numel() > 0)
+            used = torch.nonzero(cache.slot_neuron >= 0).flatten()
+            slots.load(w, used, cache.slot_neuron[used])
+            self.slots.append(slots)
+        self.last = [LayerSplit() for _ in layers]
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qinfer-cpu-ffn")
+
+    def device_bytes(self) -> int:
+        """Bytes of neuron rows held on the device (slots, empty ones included)."""
+        return sum(weight_bytes(s.up) + weight_bytes(s.down_t) + weight_bytes(s.gate) for s in self.slots)
+
+    def predictor_bytes(self) -> int:
+        """Bytes of the predictors held on the device."""
+        return sum(weight_bytes(s.fc1) + weight_bytes(s.fc2) for s in self.slots)
+
+    def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """x and h may live on the CPU (dense parts there) or on the device; the result goes where x is."""
+        x_dev, h_dev = x.to(self.device), h.to(self.device)
+        out = self._prefill(layer, x_dev) if prefill else self._decode(layer, x_dev, h_dev)
+        return out.to(x.device)
+
+    def _prefill(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Dense on both sides: the device over its slots, the CPU over all rows with resident neurons zeroed."""
+        w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
+        x_cpu = x.cpu()
+
+        def cpu_part() -> torch.Tensor:
+            act = activations(w.form, x_cpu, w.gate, w.up)
+            act[:, cache.slot_neuron[cache.slot_neuron >= 0]] = 0
+            return weighted_row_sum(act, w.down_t)
+
+        future = self.pool.submit(cpu_part)
+        return s.dense(w.form, x) + future.result().to(self.device)
+
+    def _decode(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
+        batch = x.shape[0]
+        if s.fc1 is None:
+            # The plan gave this layer no GPU neuron, so it budgeted no room for its predictor there either.
+            mask = predicted_mask(w, h.cpu(), self.threshold)
+        else:
+            mask = predicted_mask(FFNWeights(w.form, w.up, w.down_t, w.gate, s.fc1, s.fc2), h, self.threshold).cpu()
+        ids = active_ids(mask)
+        slot_of = cache.neuron_slot[ids]
+        on_device = slot_of >= 0
+        dev_pos, cpu_pos = torch.nonzero(on_device).flatten(), torch.nonzero(~on_device).flatten()
+        move = balance(self.costs, dev_pos.numel(), cpu_pos.numel(), batch) if self.dynamic else 0
+        shipped = cpu_pos[:move] if move > 0 else cpu_pos[:0]
+        if move > 0:
+            cpu_pos = cpu_pos[move:]
+        elif move < 0:
+            cpu_pos, dev_pos = torch.cat((cpu_pos, dev_pos[move:])), dev_pos[:move]
+
+        def token_mask(pos: torch.Tensor) -> torch.Tensor | None:
+            # One token: every selected neuron is selected for it.
+            return mask[:, ids[pos]] if batch > 1 else None
+
+        x_cpu = x.cpu()
+
+        def cpu_part() -> torch.Tensor:
+            started = time.perf_counter()
+            out = sparse_rows(w.form, x_cpu, w.gate, w.up, w.down_t, ids[cpu_pos], token_mask(cpu_pos))
+            self.costs.calibrate(cpu_pos.numel(), batch, time.perf_counter() - started)
+            return out
+
+        future = self.pool.submit(cpu_part)
+        out = sparse_rows(w.form, x, s.gate, s.up, s.down_t, slot_of[dev_pos], token_mask(dev_pos))
+        if shipped.numel():
+            ship_ids = ids[shipped]
+            gate = None if w.gate is None else rows_on(w.gate, ship_ids, self.device)
+            up, down_t = rows_on(w.up, ship_ids, self.device), rows_on(w.down_t, ship_ids, self.device)
+            all_rows = torch.arange(ship_ids.numel(), device=self.device)
+            out = out + sparse_rows(w.form, x, gate, up, down_t, all_rows, token_mask(shipped))
+        out = out + future.result().to(self.device)
+        self.last[layer] = LayerSplit(int(dev_pos.numel()) + int(shipped.numel()), int(cpu_pos.numel()), move)
+        if self.dynamic:
+            cache.observe(ids)
+            if cache.due():
+                s.load(w, *cache.rebalance())
+        return out

@@ -1,0 +1,57 @@
+"""FFN runners for one device: dense, and predictor-sparse (or oracle-sparse, for testing)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, predicted_mask, sparse_rows, true_mask
+
+Selector = Literal["predictor", "oracle"]
+
+
+class DenseRunner:
+    def __init__(self, layers: list[FFNWeights]):
+        self.layers = layers
+
+    def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
+        return dense_ffn(self.layers[layer], x)
+
+    def native_rows(self) -> tuple[Sequence[FFNWeights], float | None]:
+        """For the native layer step (kernels/decode_layer.py): every neuron of every layer."""
+        return self.layers, None
+
+
+def select(w: FFNWeights, x: torch.Tensor, h: torch.Tensor, threshold: float, selector: Selector) -> torch.Tensor:
+    """Per-token neuron selection [T, F]: the predictor's, or the true active set (oracle)."""
+    return true_mask(w, x) if selector == "oracle" else predicted_mask(w, h, threshold)
+
+
+def active_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Neurons selected for any token of the batch, ascending."""
+    return torch.nonzero(mask.any(0)).flatten()
+
+
+class SparseRunner:
+    """Decode computes only the selected neurons' rows; prefill stays dense."""
+
+    def __init__(self, layers: list[FFNWeights], threshold: float, selector: Selector = "predictor"):
+        self.layers = layers
+        self.threshold = threshold
+        self.selector = selector
+
+    def native_rows(self) -> tuple[Sequence[FFNWeights], float | None] | None:
+        """For the native layer step (kernels/decode_layer.py): the predictor's neurons; not the oracle's."""
+        return (self.layers, self.threshold) if self.selector == "predictor" else None
+
+    def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
+        w = self.layers[layer]
+        if prefill:
+            return dense_ffn(w, x)
+        mask = select(w, x, h, self.threshold, self.selector)
+        ids = active_ids(mask)
+        # With one token every selected neuron is selected for it: no per-token mask needed.
+        token_mask = mask[:, ids] if x.shape[0] > 1 else None
+        return sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, token_mask, w.up_bias)

@@ -1,0 +1,105 @@
+"""ReLU FFN of one layer, dense or over a subset of neurons, for each FFN form of qinfer.core.architectures.
+
+Neuron i is row i of gate, up and down_t. Forms: relu(gate) * up, relu(gate) * relu(up), relu(up + up_bias) (no
+gate). A neuron contributes only where it is selected for that token (`mask`), so a selection from the predictor
+gives the predictor's output and the true active set gives the dense output. down's bias, where there is one, is
+the block's to add: it belongs to no neuron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qinfer.core.architectures import FfnForm
+from qinfer.core.errors import UserError
+from qinfer.runtime.kernels import row_kernels
+from qinfer.runtime.kernels.weight_rows import gather_rows, linear, weighted_row_sum
+
+
+@dataclass
+class FFNWeights:
+    """One layer's FFN and predictor; fc1 [P, E] and fc2 [F, P] are absent in a dense GGUF."""
+
+    form: FfnForm
+    up: torch.Tensor
+    down_t: torch.Tensor
+    gate: torch.Tensor | None = None
+    fc1: torch.Tensor | None = None
+    fc2: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+
+    @property
+    def neurons(self) -> int:
+        return self.up.shape[0]
+
+    @property
+    def has_predictor(self) -> bool:
+        return self.fc1 is not None and self.fc2 is not None
+
+
+def activations(
+    form: FfnForm, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, up_bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-neuron activation [T, k] for input x [T, E] and the (gathered) gate/up rows and up biases."""
+    u = linear(x, up)
+    if up_bias is not None:
+        u = u + up_bias.float()
+    if not form.gated:
+        return F.relu(u)
+    if gate is None:
+        raise UserError("this FFN form needs ffn_gate, which the model file lacks; re-convert it")
+    g = F.relu(linear(x, gate))
+    return g * (F.relu(u) if form.relu_up else u)
+
+
+def dense_ffn(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
+    """Every neuron's output for x [T, E]. Where the row kernel takes the rows (a PowerInfer file's, on the CPU),
+    tokens go through it a chunk at a time with every neuron: the same sum, but a neuron whose gate does not fire
+    for a token costs that token no up or down row, which makes a ReLU model's prompt several times cheaper."""
+    every = torch.arange(w.neurons)
+    chunks = x.split(row_kernels.TOKEN_BLOCK)
+    first = None if w.up_bias is not None else row_kernels.sparse_ffn(w.form, chunks[0], w.gate, w.up, w.down_t, every)
+    if first is None:
+        return weighted_row_sum(activations(w.form, x, w.gate, w.up, w.up_bias), w.down_t)
+    rest = [row_kernels.sparse_ffn(w.form, c, w.gate, w.up, w.down_t, every) for c in chunks[1:]]
+    return torch.cat([first, *rest])  # type: ignore[list-item]
+
+
+def sparse_rows(
+    form: FfnForm,
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    up: torch.Tensor,
+    down_t: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    up_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FFN output [T, E] from neurons `ids` (row ids into these weights); `mask` [T, len(ids)] keeps, per token,
+    only the neurons selected for it (None: all of them)."""
+    if ids.numel() == 0:
+        return torch.zeros(x.shape[0], down_t.shape[1], device=x.device)
+    if up_bias is None and (out := row_kernels.sparse_ffn(form, x, gate, up, down_t, ids, mask)) is not None:
+        return out
+    # `activations` consumes both gathers before anything reuses their scratch buffers.
+    gate_rows = None if gate is None else gather_rows(gate, ids, "gate")
+    bias_rows = None if up_bias is None else up_bias[ids.to(up_bias.device)]
+    act = activations(form, x, gate_rows, gather_rows(up, ids, "up"), bias_rows)
+    if mask is not None:
+        act = act * mask.to(act.device)
+    return weighted_row_sum(act, down_t, ids)
+
+
+def predicted_mask(w: FFNWeights, h: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Neurons the predictor flags for each token of h [T, E]: fc2(relu(fc1(h))) >= threshold, as bool [T, F]."""
+    if w.fc1 is None or w.fc2 is None:
+        raise UserError("this model file has no predictors (fc1/fc2): use a PowerInfer GGUF, or run it dense")
+    return linear(F.relu(linear(h, w.fc1)), w.fc2) >= threshold
+
+
+def true_mask(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
+    """The neurons whose activation is non-zero for each token (the oracle a perfect predictor would match)."""
+    return activations(w.form, x, w.gate, w.up, w.up_bias) != 0

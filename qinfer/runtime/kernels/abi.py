@@ -1,0 +1,112 @@
+"""What the C kernels and their Python callers share: the weight type and FFN form codes, the quantized block
+layout, the block of tokens the kernels take at once, and the structures the layer step reads (decode_layer.c),
+mirrored here in ctypes.
+
+C is where these facts are used, so C states them, each under its name; this module states what Python
+expects, and `disagreement` compares the two by name when the library loads (row_kernels.load): a structure, code
+or layout changed on one side alone makes the library refuse to load with a line naming the fact, instead of
+passing misread pointers. The block layout Python expects is gguf's own table, the one the file readers use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# Weight types as the kernels number them (C names them as gguf does); F16 rows are 0.
+F16_CODE = 0
+TYPE_CODES = {GGMLQuantizationType.Q4_0: 1, GGMLQuantizationType.Q8_0: 2}
+# FFN forms by their C names, each (gated, relu on up): relu(gate) * up, relu(gate) * relu(up), relu(up).
+FORMS = {"FORM_GATED": (True, False), "FORM_GATED_RELU_UP": (True, True), "FORM_UP": (False, True)}
+FORM_CODES = {form: code for code, form in enumerate(FORMS.values())}
+# The kernels take tokens a block at a time (each row read once per block). The sparse FFN and the weighted row sum
+# take at most one block per call; F16 products also stop at one block, past which torch's float32 matmul over
+# converted rows is as fast. Quantized products take any number of tokens.
+TOKEN_BLOCK = 16
+
+i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("data", ptr), ("stride", i64), ("type", i32), ("rows", i64), ("cols", i64)]
+
+
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "fc1", "fc2")
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        *((name, Matrix) for name in MATRICES),
+        ("attn_norm", ptr),
+        ("ffn_norm", ptr),
+        ("k_cache", ptr),
+        ("v_cache", ptr),
+    ]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [
+        *((name, i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest")),
+        ("eps", f32),
+        ("threshold", f32),
+        ("form", i32),
+        ("sparse", i32),
+        ("down_rows", i32),
+    ]
+
+
+# The layer step's scratch buffers, in decode_layer.c's order, with their C element types (whose counts the
+# library computes: qinfer_scratch_sizes).
+SCRATCH = (
+    ("x", ctypes.c_float), ("q", ctypes.c_float), ("k", ctypes.c_float), ("v", ctypes.c_float),
+    ("att", ctypes.c_float), ("scores", ctypes.c_float), ("pred", ctypes.c_float), ("g", ctypes.c_float),
+    ("out", ctypes.c_float), ("ids", ctypes.c_int64), ("fire", ctypes.c_uint8), ("xq", ctypes.c_int8),
+    ("xd", ctypes.c_float), ("xs", ctypes.c_int32),
+)  # fmt: skip
+
+
+class Scratch(ctypes.Structure):
+    _fields_ = [(name, ptr) for name, _ in SCRATCH]
+
+
+STRUCTS: tuple[type[ctypes.Structure], ...] = (Matrix, Layer, Dims, Scratch)
+
+
+class Fact(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", i64)]
+
+
+def expected() -> dict[str, int]:
+    """Every shared fact under its C name (C's structures are the mirrors' names in lower case)."""
+    facts = {"F16": F16_CODE, "TOKEN_BLOCK": TOKEN_BLOCK}
+    for qtype, code in TYPE_CODES.items():
+        block, size = GGML_QUANT_SIZES[qtype]
+        facts |= {qtype.name: code, "QK": block, f"{qtype.name}_BYTES": size}
+    facts |= {name: FORM_CODES[form] for name, form in FORMS.items()}
+    for struct in STRUCTS:
+        c_name = struct.__name__.lower()
+        facts[f"sizeof {c_name}"] = ctypes.sizeof(struct)
+        facts |= {f"{c_name}.{name}": getattr(struct, name).offset for name, *_ in struct._fields_}
+    facts |= {f"scratch.{name} element": ctypes.sizeof(kind) for name, kind in SCRATCH}
+    return facts
+
+
+def stated(lib: ctypes.CDLL) -> dict[str, int]:
+    """The facts as the library states them (qinfer_abi)."""
+    table = ctypes.POINTER(Fact)()
+    count = lib.qinfer_abi(ctypes.byref(table))
+    return {table[i].name.decode(): table[i].value for i in range(count)}
+
+
+def disagreement(lib: ctypes.CDLL) -> str | None:
+    """The first fact (by name) the library states otherwise than Python expects, or None where all agree."""
+    ours, theirs = expected(), stated(lib)
+    for name in sorted(ours.keys() | theirs.keys()):
+        if name not in theirs:
+            return f"{name}: the library does not state it, Python expects {ours[name]}"
+        if name not in ours:
+            return f"{name}: the library says {theirs[name]}, Python does not mirror it"
+        if ours[name] != theirs[name]:
+            return f"{name}: the library says {theirs[name]}, Python expects {ours[name]}"
+    return None

@@ -1,0 +1,225 @@
+"""One native call per layer for a LLaMA-family decode step of one token on the CPU (decode_layer.c).
+
+`DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
+rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
+made in between. It applies to llama and bamboo files whose matrices are F16, Q4_0 or Q8_0 rows, with a dense FFN
+or the predictor's sparse one, a full KV cache on the CPU, and one sequence decoding one token; everything else
+(prompts, batches of slots, the window cache, the GPU split, the oracle) keeps the torch path, which computes the
+same layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from qinfer.core.architectures import FfnForm
+from qinfer.core.errors import UserError
+from qinfer.core.model_spec import ModelSpec
+from qinfer.runtime.kernels import row_kernels
+from qinfer.runtime.kernels.abi import FORM_CODES, SCRATCH, Dims, Layer, Matrix, Scratch
+from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
+
+
+# What the layer step reads of the rooms above it (the model's weights and step, the FFN runner, the KV cache),
+# described here rather than imported, so that the kernels depend on nothing above them.
+class AttentionRows(Protocol):
+    """One layer's weights besides its FFN (model/llama.py's AttentionWeights)."""
+
+    attn_norm: torch.Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
+    ffn_norm: torch.Tensor
+
+
+class FFNRows(Protocol):
+    """One layer's FFN rows and predictor (ffn/sparse.py's FFNWeights)."""
+
+    @property
+    def form(self) -> FfnForm: ...
+    @property
+    def gate(self) -> Weight | None: ...
+    @property
+    def up(self) -> Weight: ...
+    @property
+    def down_t(self) -> Weight: ...
+    @property
+    def fc1(self) -> Weight | None: ...
+    @property
+    def fc2(self) -> Weight | None: ...
+    @property
+    def has_predictor(self) -> bool: ...
+
+
+class LayerRunner(Protocol):
+    """An FFN runner (ffn/runners.py) that says which of its decode steps the layer step may compute: every layer's
+    rows and the predictor's threshold (None: every neuron, the dense FFN), or None where it computes differently."""
+
+    def native_rows(self) -> tuple[Sequence[FFNRows], float | None] | None: ...
+
+
+class Positions(Protocol):
+    @property
+    def slots(self) -> torch.Tensor: ...
+    @property
+    def positions(self) -> torch.Tensor: ...
+
+
+class StepRows(Protocol):
+    """A forward call's step (kv/batch.py's Step): its batch and rope's tables."""
+
+    @property
+    def batch(self) -> Positions: ...
+    @property
+    def cos(self) -> torch.Tensor | None: ...
+    @property
+    def sin(self) -> torch.Tensor | None: ...
+
+
+class CacheRows(Protocol):
+    """A KV cache (kv/cache.py): K and V as [layers, slots, kv_heads, rows, head_dim]; `rows_by_position` where row
+    p of a slot holds position p, the layout the kernel writes and reads."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    ctx: int
+    rows_by_position: bool
+
+
+def _matrix(weight: object) -> Matrix | None:
+    layout = row_kernels.layout(weight)
+    if layout is None:
+        return None
+    address, stride, code, shape = layout
+    return Matrix(address, stride, code, shape[0], shape[1])
+
+
+def _down(down_t: Weight | TransposedQuantized) -> tuple[Matrix | None, int]:
+    """down as the kernel reads it, and whether it holds neuron rows [F, E] (1) or is the dense file's [E, F] (0)."""
+    if isinstance(down_t, TransposedQuantized):
+        return _matrix(down_t.matrix), 0
+    if isinstance(down_t, torch.Tensor) and down_t.stride(1) != 1 and down_t.T.is_contiguous():
+        return _matrix(down_t.T), 0
+    return _matrix(down_t), 1
+
+
+class DecodeLayers:
+    """The kernel's description of every layer, its dimensions and its scratch, made once for one FFN runner.
+
+    One forward call at a time: the scratch, the cache pointers and the dimensions are rewritten by each call (the
+    engine runs one step at a time, on one thread)."""
+
+    def __init__(self, cfg: ModelSpec, runner: LayerRunner, layers: list[Layer], dims: Dims, keep: list[object]):
+        self.cfg = cfg
+        self.runner = runner
+        self.layers = layers
+        self.dims = dims
+        self._keep = keep  # every tensor the structures point into, alive as long as they are
+        self._scratch = Scratch()
+        self._buffers: dict[str, torch.Tensor] = {}  # what the scratch points into
+
+    @classmethod
+    def build(cls, cfg: ModelSpec, attn: Sequence[AttentionRows], runner: object) -> DecodeLayers | None:
+        """The layers' description, or None where the kernel does not apply to this model and FFN runner."""
+        selected = runner.native_rows() if hasattr(runner, "native_rows") else None
+        if selected is None:
+            return None
+        ffn, chosen = selected
+        sparse, threshold = chosen is not None, chosen or 0.0
+        if not row_kernels.enabled() or cfg.rope_dim != cfg.head_dim or not ffn:
+            return None
+        form = ffn[0].form
+        if not form.gated or form.biased or (sparse and not all(w.has_predictor for w in ffn)):
+            return None
+        layers, keep, down_rows = [], [], set()
+        for a, w in zip(attn, ffn, strict=True):
+            layer = cls._layer(a, w, sparse, keep)
+            if layer is None:
+                return None
+            layers.append(layer[0])
+            down_rows.add(layer[1])
+        if len(down_rows) != 1:
+            return None
+        # Predictor ranks may differ per layer: the scratch holds the largest.
+        rank = max(w.fc1.shape[0] for w in ffn) if sparse else 0  # type: ignore[union-attr]
+        dims = Dims(
+            hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn, ctx=0,
+            predictor=rank, widest=max(cfg.hidden, cfg.ffn, rank), eps=cfg.norm_eps, threshold=threshold,
+            form=FORM_CODES[True, form.relu_up], sparse=int(sparse), down_rows=down_rows.pop(),
+        )  # fmt: skip
+        return cls(cfg, runner, layers, dims, keep)
+
+    @staticmethod
+    def _layer(a: AttentionRows, w: FFNRows, sparse: bool, keep: list[object]) -> tuple[Layer, int] | None:
+        down, down_rows = _down(w.down_t)
+        weights = {"q": a.q, "k": a.k, "v": a.v, "o": a.o, "gate": w.gate, "up": w.up}
+        if sparse:
+            weights |= {"fc1": w.fc1, "fc2": w.fc2}
+        matrices = {name: _matrix(t) for name, t in weights.items()}
+        if down is None or any(m is None for m in matrices.values()):
+            return None
+        norms = [n.float().contiguous() for n in (a.attn_norm, a.ffn_norm)]
+        keep.extend([*norms, *weights.values(), w.down_t])
+        layer = Layer(**matrices, down=down, attn_norm=norms[0].data_ptr(), ffn_norm=norms[1].data_ptr())
+        return layer, down_rows
+
+    def takes(self, h: torch.Tensor, step: StepRows, cache: CacheRows, runner: object) -> bool:
+        """Whether this forward call is one the kernel computes: one token of one sequence in a slot of the cache,
+        all on the CPU, with the FFN runner the layers were described for (a runner swapped in later, to record or
+        to test, gets the torch path)."""
+        return (
+            runner is self.runner
+            and h.shape[0] == 1
+            and h.device.type == "cpu"
+            and h.dtype == torch.float32
+            and h.is_contiguous()
+            and cache.rows_by_position
+            and cache.k.device.type == "cpu"
+            and cache.k.dtype == torch.float32
+            and 0 <= int(step.batch.slots[0]) < cache.k.shape[1]
+            and step.cos is not None
+            and row_kernels.enabled()
+        )
+
+    def _scratch_for(self, ctx: int) -> None:
+        """(Re)allocate the scratch for a cache of `ctx` positions (the attention scores grow with it), in the sizes
+        the kernel asks for."""
+        self.dims.ctx = ctx
+        sizes = (ctypes.c_int64 * len(SCRATCH))()
+        row_kernels.kernel().qinfer_scratch_sizes(ctypes.addressof(self.dims), sizes)  # type: ignore[union-attr]
+        # Bytes from torch's allocator, which aligns them for the kernel's vector loads.
+        self._buffers = {
+            name: torch.empty(size * ctypes.sizeof(kind), dtype=torch.uint8)
+            for (name, kind), size in zip(SCRATCH, sizes, strict=True)
+        }
+        for name, buffer in self._buffers.items():
+            setattr(self._scratch, name, buffer.data_ptr())
+
+    def run(self, i: int, h: torch.Tensor, step: StepRows, cache: CacheRows) -> torch.Tensor:
+        """Layer i for the one token h [1, E] (updated in place and returned), at the step's position and slot."""
+        if cache.ctx != self.dims.ctx:
+            self._scratch_for(cache.ctx)
+        if self.dims.sparse:
+            selected = self.runner.native_rows()
+            assert selected is not None and selected[1] is not None
+            self.dims.threshold = selected[1]
+        assert step.cos is not None and step.sin is not None
+        slot, pos = int(step.batch.slots[0]), int(step.batch.positions[0])
+        layer = self.layers[i]
+        # The cache is [layers, slots, kv_heads, ctx, head_dim]: this layer's and slot's block.
+        offset = (i * cache.k.shape[1] + slot) * cache.k[0, 0].numel() * cache.k.element_size()
+        layer.k_cache = cache.k.data_ptr() + offset
+        layer.v_cache = cache.v.data_ptr() + offset
+        status = row_kernels.kernel().qinfer_decode_layer(  # type: ignore[union-attr]
+            ctypes.addressof(layer), ctypes.addressof(self.dims), ctypes.addressof(self._scratch), h.data_ptr(), pos,
+            step.cos.data_ptr(), step.sin.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status == -3:
+            raise UserError(f"context of {cache.ctx} tokens exceeded")
+        row_kernels.check(status)
+        return h

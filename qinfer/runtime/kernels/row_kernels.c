@@ -1,0 +1,689 @@
+/* Decode-time products over weight rows read straight from the (mapped) file: a sparse ReLU FFN over rows picked
+ * by id, and a matrix-vector product over all rows. Rows are F16, Q4_0 or Q8_0 (ggml block layouts, see
+ * qinfer/runtime/kernels/quant_rows.py), so quantized weights are never expanded into a float copy.
+ *
+ * torch can only compute on picked rows after gathering them into a new tensor, which writes every byte it
+ * reads and then reads it again, and on quantized rows only after dequantizing them; here each row is read once.
+ * Built on first use by qinfer/runtime/kernels/row_kernels.py with the machine's C compiler and OpenMP.
+ *
+ * A weight is a base pointer, a row stride in bytes, a type (F16, Q4_0, Q8_0), and its rows and columns.
+ * Neuron ids[j] is row ids[j] of gate, up and down_t; the FFN form says how gate and up make its activation.
+ * The codes, block layouts and structures are mirrored in qinfer/runtime/kernels/abi.py and checked against
+ * qinfer_abi (decode_layer.c) when the library loads.
+ *
+ * Shapes come from model files, which come from the internet: every entry point checks the ids and row lengths
+ * against the weights' own rows and columns before it reads anything, and returns -1 (nothing read) where they do
+ * not fit, so no crafted header makes a kernel read past a tensor; -2 means no memory for the quantized input.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+/* The integer-product kernels need AVX2 for the products, F16C for the scales and FMA for the sums. */
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define INT_AVX2 1
+#else
+#define INT_AVX2 0
+#endif
+
+enum { F16 = 0, Q4_0 = 1, Q8_0 = 2 };
+/* relu(gate) * up, relu(gate) * relu(up), relu(up) */
+enum { FORM_GATED = 0, FORM_GATED_RELU_UP = 1, FORM_UP = 2 };
+
+#if INT_AVX2
+/* The sum of the eight floats of v (the AVX2 vector sum, and the integer kernels' too under AVX-512). */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+#define QK 32 /* weights per quantized block */
+#define Q4_0_BYTES (2 + QK / 2) /* an f16 scale, then 32 nibbles */
+#define Q8_0_BYTES (2 + QK)     /* an f16 scale, then 32 signed bytes */
+/* Tokens a kernel takes at once: a prompt's products go a block at a time, each row read once per block. */
+#define TOKEN_BLOCK 16
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+static inline vec vload_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vset(float a) { return _mm512_set1_ps(a); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+/* LANES signed bytes as floats; the low and the high nibbles of LANES bytes, each minus 8, as floats. */
+static inline vec vload_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline void vload_q4(const uint8_t *p, vec *lo, vec *hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), eight = _mm512_set1_epi32(8);
+    *lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), eight));
+    *hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vec;
+static inline vec vload_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vset(float a) { return _mm256_set1_ps(a); }
+static inline float vsum(vec v) { return hsum256(v); }
+static inline vec vload_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline void vload_q4(const uint8_t *p, vec *lo, vec *hi) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), eight = _mm256_set1_epi32(8);
+    *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
+    *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+}
+#else
+#define LANES 1
+#endif
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* Subnormal half: normalise the mantissa into a float exponent. */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float block_scale(const uint8_t *block) {
+    uint16_t h = (uint16_t)(block[0] | block[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return half_to_float(h);
+#endif
+}
+
+static inline int64_t block_bytes(int type) { return type == Q4_0 ? Q4_0_BYTES : Q8_0_BYTES; }
+
+/* Whether n values can be read from every picked row (ids[0..k-1], or rows 0..k-1 where ids is NULL) of a weight
+ * of `rows` rows of `cols` values, `stride` bytes apart. A row must hold exactly n, so no output is left unwritten. */
+static int fits(int type, int64_t stride, int64_t rows, int64_t cols, int64_t n, const int64_t *ids, int64_t k) {
+    if (n < 0 || k < 0 || rows < 0 || n != cols || (type != F16 && n % QK)) return 0;
+    int64_t bytes = type == F16 ? 2 * n : n / QK * block_bytes(type);
+    if (rows > 1 && stride < bytes) return 0;
+    if (!ids) return k <= rows;
+    for (int64_t j = 0; j < k; j++)
+        if (ids[j] < 0 || ids[j] >= rows) return 0;
+    return 1;
+}
+
+/* Rows are scattered, so the hardware prefetcher restarts at each one; reading the next row (`next`) ahead while
+ * this one is summed keeps enough reads in flight to run near memory bandwidth. */
+static inline void prefetch(const uint8_t *next, int64_t byte) { __builtin_prefetch(next + byte); }
+
+static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if LANES > 1
+    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (; i + 4 * LANES <= n; i += 4 * LANES) {
+        prefetch(next, 2 * i);
+        prefetch(next, 2 * i + 64);
+        a0 = vfma(vload_half(w + i), vload(x + i), a0);
+        a1 = vfma(vload_half(w + i + LANES), vload(x + i + LANES), a1);
+        a2 = vfma(vload_half(w + i + 2 * LANES), vload(x + i + 2 * LANES), a2);
+        a3 = vfma(vload_half(w + i + 3 * LANES), vload(x + i + 3 * LANES), a3);
+    }
+    s = vsum(a0) + vsum(a1) + vsum(a2) + vsum(a3);
+#else
+    (void)next;
+#endif
+    for (; i < n; i++) s += half_to_float(w[i]) * x[i];
+    return s;
+}
+
+#if LANES > 1
+#define F16_TILE 8
+/* One F16 row against tokens t0..t0+count-1 (count <= F16_TILE): each stretch of the row is converted once for all
+ * of them. Inlined with a constant count, the sums stay in registers. */
+static inline __attribute__((always_inline)) void f16_tile(const uint16_t *w, const float *x, int64_t t0, int count,
+                                                          int64_t n, float *out, int64_t out_stride) {
+    vec acc[F16_TILE];
+    for (int t = 0; t < count; t++) acc[t] = vzero();
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vec wv = vload_half(w + i);
+        for (int t = 0; t < count; t++) acc[t] = vfma(wv, vload(x + (t0 + t) * n + i), acc[t]);
+    }
+    for (int t = 0; t < count; t++) {
+        float s = vsum(acc[t]);
+        for (int64_t c = i; c < n; c++) s += half_to_float(w[c]) * x[(t0 + t) * n + c];
+        out[t * out_stride] = s;
+    }
+}
+#endif
+
+/* Quantized weights multiply activations quantized to Q8_0 as ggml does (Q4_0 x Q8_0, Q8_0 x Q8_0): per block of
+ * 32, q = round(x / d) with d = max|x| / 127, and the row's dot product is sum over blocks of d_w * d_x * (integer
+ * dot of the 32 weights with the 32 q). Integer products do in one instruction what the float path does in four
+ * (widen, convert, scale, add), which is what keeps a quantized row at memory speed. Unlike ggml, d stays float
+ * instead of being rounded to f16, so the error is at most ggml's. */
+typedef struct {
+    int8_t *q;     /* [tokens, n] */
+    float *d;      /* [tokens, n / 32] */
+    int32_t *sum;  /* [tokens, n / 32]: sum of each block's q */
+} q8_act;
+
+/* The first `blocks` blocks of 32 of x into a's buffers. */
+static void q8_quantize_blocks(const float *x, int64_t blocks, const q8_act *a) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        a->d[b] = d;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) sum += a->q[b * QK + i] = (int8_t)roundf(xb[i] * inv);
+        a->sum[b] = sum;
+    }
+}
+
+/* x [tokens, n] quantized into buffers allocated here (q8_free releases them); -1 where memory runs out. */
+static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
+    a->q = malloc((size_t)(tokens * n));
+    a->d = malloc((size_t)(tokens * (n / QK)) * sizeof(float));
+    a->sum = malloc((size_t)(tokens * (n / QK)) * sizeof(int32_t));
+    if (!a->q || !a->d || !a->sum) return -1;
+    q8_quantize_blocks(x, tokens * (n / QK), a);
+    return 0;
+}
+
+static void q8_free(q8_act *a) {
+    free(a->q);
+    free(a->d);
+    free(a->sum);
+}
+
+#if INT_AVX2
+/* Eight int32 partial sums of u[i] * x[i] over 32 unsigned bytes u and signed bytes x. No pair sum reaches int16's
+ * limit while u <= 128 and |x| <= 127 (128 * 127 * 2 < 32767), so the AVX2 form is as exact as VNNI's. */
+static inline __m256i unsigned_dot32(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* The same for signed w: |w| times x with w's sign. */
+static inline __m256i int_dot32(__m256i w, __m256i x) {
+    return unsigned_dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static inline __m256i q8_weights(const uint8_t *b) { return _mm256_loadu_si256((const __m256i *)(b + 2)); }
+
+static inline __m256i q4_nibbles(const uint8_t *p) {
+    __m128i r = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
+}
+
+/* Lane j of the result = the sum of the eight lanes of p[j]. */
+static inline __m256i sum_lanes8(const __m256i p[8]) {
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Q4_0 rows: the nibbles (0..15) go into the multiply unsigned as they are, and the 8 they are offset by comes off
+ * as 8 * sum(q) of the block (kept with the quantized input), which saves re-signing every weight. Eight blocks
+ * per pass share one vector of their scales, so the scaling costs a few instructions per eight blocks. */
+static float dot_q4_q8(const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d, const int32_t *qsum,
+                       int64_t n) {
+    const int64_t bb = Q4_0_BYTES, nb = n / QK;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *blk = row + b * bb;
+        prefetch(next, b * bb);
+        prefetch(next, b * bb + 64);
+        prefetch(next, b * bb + 128);
+        __m256i p[8];
+        uint16_t halves[8];
+        for (int m = 0; m < 8; m++) {
+            const uint8_t *bm = blk + m * bb;
+            __m256i x = _mm256_loadu_si256((const __m256i *)(q + (b + m) * QK));
+            p[m] = unsigned_dot32(q4_nibbles(bm + 2), x);
+            halves[m] = (uint16_t)(bm[0] | bm[1] << 8);
+        }
+        __m128i h = _mm_loadu_si128((const __m128i *)halves);
+        __m256i sums = _mm256_sub_epi32(sum_lanes8(p), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(qsum + b)), 3));
+        __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(d + b));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc);
+    }
+    float s = 0.0f;
+    for (; b < nb; b++) {
+        const uint8_t *bm = row + b * bb;
+        __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        __m256i pm = unsigned_dot32(q4_nibbles(bm + 2), x);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pm), _mm256_extracti128_si256(pm, 1));
+        t = _mm_hadd_epi32(t, t);
+        t = _mm_hadd_epi32(t, t);
+        s += block_scale(bm) * d[b] * (float)(_mm_cvtsi128_si32(t) - 8 * qsum[b]);
+    }
+    return hsum256(acc) + s;
+}
+
+/* A Q8_0 row against the quantized input. */
+static float dot_q8_q8(const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d, int64_t n) {
+    const int64_t bb = Q8_0_BYTES, nb = n / QK;
+    int64_t b = 0;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    /* Two blocks per pass: two independent sums keep the multiply-add latency hidden. */
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *b0 = row + b * bb, *b1 = b0 + bb;
+        prefetch(next, b * bb);
+        __m256i p0 = int_dot32(q8_weights(b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
+        __m256i p1 = int_dot32(q8_weights(b1), _mm256_loadu_si256((const __m256i *)(q + b * QK + QK)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b0) * d[b]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b1) * d[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    if (b < nb) {
+        const uint8_t *b0 = row + b * bb;
+        __m256i p0 = int_dot32(q8_weights(b0), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(b0) * d[b]), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d,
+                    const int32_t *qsum, int64_t n) {
+    if (type == Q4_0) return dot_q4_q8(row, next, q, d, qsum, n);
+    return dot_q8_q8(row, next, q, d, n);
+}
+
+
+/* One Q4_0 row against tokens t0..t0+count-1 (count <= TOKEN_BLOCK) of a quantized prompt: each group of eight
+ * blocks is unpacked, and its scales converted, once for all of them; out[t * out_stride] gets token t0 + t. */
+static void q4_row_tokens(const uint8_t *row, const q8_act *a, int64_t t0, int64_t count, int64_t n, float *out,
+                          int64_t out_stride) {
+    const int64_t bb = Q4_0_BYTES, nb = n / QK, whole = nb / 8 * 8;
+    __m256 acc[TOKEN_BLOCK];
+    for (int64_t t = 0; t < count; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < whole; b += 8) {
+        const uint8_t *blk = row + b * bb;
+        __m256i nibbles[8];
+        uint16_t halves[8];
+        for (int m = 0; m < 8; m++) {
+            nibbles[m] = q4_nibbles(blk + m * bb + 2);
+            halves[m] = (uint16_t)(blk[m * bb] | blk[m * bb + 1] << 8);
+        }
+        __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)halves));
+        for (int64_t t = 0; t < count; t++) {
+            const int8_t *q = a->q + (t0 + t) * n + b * QK;
+            int64_t at = (t0 + t) * nb + b;
+            __m256i p[8];
+            for (int m = 0; m < 8; m++) p[m] = unsigned_dot32(nibbles[m], _mm256_loadu_si256((const __m256i *)(q + m * QK)));
+            __m256i sums = _mm256_sub_epi32(sum_lanes8(p), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->sum + at)), 3));
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_loadu_ps(a->d + at)), _mm256_cvtepi32_ps(sums), acc[t]);
+        }
+    }
+    for (int64_t t = 0; t < count; t++) {
+        int64_t at = (t0 + t) * nb + whole;
+        float tail = whole < nb ? dot_q4_q8(row + whole * bb, row, a->q + (t0 + t) * n + whole * QK, a->d + at,
+                                            a->sum + at, n - whole * QK)
+                                : 0.0f;
+        out[t * out_stride] = hsum256(acc[t]) + tail;
+    }
+}
+#else
+/* The scalar reference of the SIMD kernels above: the same integer block sums, the same float scaling. */
+static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int8_t *q, const float *d,
+                    const int32_t *qsum, int64_t n) {
+    (void)qsum;
+    int64_t bb = block_bytes(type);
+    float s = 0.0f;
+    for (int64_t b = 0; b < n / QK; b++) {
+        const uint8_t *blk = row + b * bb;
+        const int8_t *qb = q + b * QK;
+        prefetch(next, b * bb);
+        int32_t sum = 0;
+        for (int i = 0; i < QK / 2; i++) {
+            if (type == Q4_0) {
+                sum += ((blk[2 + i] & 15) - 8) * qb[i] + ((blk[2 + i] >> 4) - 8) * qb[i + QK / 2];
+            } else {
+                sum += (int8_t)blk[2 + i] * qb[i] + (int8_t)blk[2 + QK / 2 + i] * qb[i + QK / 2];
+            }
+        }
+        s += block_scale(blk) * d[b] * (float)sum;
+    }
+    return s;
+}
+#endif
+
+/* Row . token t's input: F16 rows take the float input, quantized rows its Q8_0 blocks. */
+static float dot_row(int type, const uint8_t *row, const uint8_t *next, const float *x, const q8_act *xq, int64_t t,
+                     int64_t n) {
+    if (type == F16) return dot_f16((const uint16_t *)row, next, x + t * n, n);
+    return dot_q8(type, row, next, xq->q + t * n, xq->d + t * (n / QK), xq->sum + t * (n / QK), n);
+}
+
+
+/* out[t * out_stride] = row . token t's input, for every token: the row is read once, and unpacked once per tile
+ * of tokens where a kernel for its type does that. */
+static void row_tokens(int type, const uint8_t *row, const uint8_t *next, const float *x, const q8_act *xq,
+                       int64_t tokens, int64_t n, float *out, int64_t out_stride) {
+    if (tokens == 1) {
+        *out = dot_row(type, row, next, x, xq, 0, n);
+        return;
+    }
+#if LANES > 1
+    if (type == F16) {
+        /* Tiles of 8, then 4, 2 and 1: constant sizes, so each tile's sums stay in registers. */
+        int64_t t0 = 0;
+        for (int tile = F16_TILE; tile >= 1; tile /= 2) {
+            for (; t0 + tile <= tokens; t0 += tile) {
+                float *o = out + t0 * out_stride;
+                const uint16_t *w = (const uint16_t *)row;
+                if (tile == 8) f16_tile(w, x, t0, 8, n, o, out_stride);
+                else if (tile == 4) f16_tile(w, x, t0, 4, n, o, out_stride);
+                else if (tile == 2) f16_tile(w, x, t0, 2, n, o, out_stride);
+                else *o = dot_f16(w, next, x + t0 * n, n);
+            }
+        }
+        return;
+    }
+#endif
+#if INT_AVX2
+    if (type == Q4_0) {
+        for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK)
+            q4_row_tokens(row, xq, t0, tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK, n, out + t0 * out_stride,
+                          out_stride);
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < tokens; t++) out[t * out_stride] = dot_row(type, row, next, x, xq, t, n);
+}
+
+#if LANES > 1
+/* Two F16 rows against tokens t0..t0+count-1 (count <= 4): each input vector loaded serves both rows, which
+ * halves the input traffic that bounds a prompt's products once the inputs outgrow the first-level cache. */
+static inline __attribute__((always_inline)) void f16_tile2(const uint16_t *w0, const uint16_t *w1, const float *x,
+                                                           int64_t t0, int count, int64_t n, float *out,
+                                                           int64_t out_stride) {
+    vec a0[4], a1[4];
+    for (int t = 0; t < count; t++) a0[t] = a1[t] = vzero();
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vec v0 = vload_half(w0 + i), v1 = vload_half(w1 + i);
+        for (int t = 0; t < count; t++) {
+            vec xv = vload(x + (t0 + t) * n + i);
+            a0[t] = vfma(v0, xv, a0[t]);
+            a1[t] = vfma(v1, xv, a1[t]);
+        }
+    }
+    for (int t = 0; t < count; t++) {
+        float s0 = vsum(a0[t]), s1 = vsum(a1[t]);
+        for (int64_t c = i; c < n; c++) {
+            s0 += half_to_float(w0[c]) * x[(t0 + t) * n + c];
+            s1 += half_to_float(w1[c]) * x[(t0 + t) * n + c];
+        }
+        out[t * out_stride] = s0;
+        out[t * out_stride + 1] = s1;
+    }
+}
+#endif
+
+/* row_tokens for two rows at once, whose products land side by side: out[t * out_stride] and the next float. */
+static void rows2_tokens(int type, const uint8_t *row0, const uint8_t *row1, const float *x, const q8_act *xq,
+                         int64_t tokens, int64_t n, float *out, int64_t out_stride) {
+#if LANES > 1
+    if (type == F16) {
+        const uint16_t *w0 = (const uint16_t *)row0, *w1 = (const uint16_t *)row1;
+        int64_t t0 = 0;
+        for (; t0 + 4 <= tokens; t0 += 4) f16_tile2(w0, w1, x, t0, 4, n, out + t0 * out_stride, out_stride);
+        for (; t0 + 2 <= tokens; t0 += 2) f16_tile2(w0, w1, x, t0, 2, n, out + t0 * out_stride, out_stride);
+        for (; t0 < tokens; t0++) f16_tile2(w0, w1, x, t0, 1, n, out + t0 * out_stride, out_stride);
+        return;
+    }
+#endif
+    row_tokens(type, row0, row1, x, xq, tokens, n, out, out_stride);
+    row_tokens(type, row1, row1, x, xq, tokens, n, out + 1, out_stride);
+}
+
+/* out[0:w] += sum over 4 rows of a[m] * row_m[c0:c0+w] (four rows per pass read and write out a quarter as often).
+ * For quantized rows c0 and w are multiples of 32. */
+static void add_rows4(int type, float *out, const uint8_t *const r[4], const float a[4], int64_t c0, int64_t w) {
+    int64_t c = 0;
+    if (type == F16) {
+        const uint16_t *h[4];
+        for (int m = 0; m < 4; m++) h[m] = (const uint16_t *)r[m] + c0;
+#if LANES > 1
+        vec b0 = vset(a[0]), b1 = vset(a[1]), b2 = vset(a[2]), b3 = vset(a[3]);
+        for (; c + LANES <= w; c += LANES) {
+            vec s = vload(out + c);
+            s = vfma(vload_half(h[0] + c), b0, s);
+            s = vfma(vload_half(h[1] + c), b1, s);
+            s = vfma(vload_half(h[2] + c), b2, s);
+            s = vfma(vload_half(h[3] + c), b3, s);
+            vstore(out + c, s);
+        }
+#endif
+        for (; c < w; c++)
+            out[c] += a[0] * half_to_float(h[0][c]) + a[1] * half_to_float(h[1][c]) + a[2] * half_to_float(h[2][c]) +
+                      a[3] * half_to_float(h[3][c]);
+        return;
+    }
+    int64_t bb = block_bytes(type);
+    for (; c < w; c += QK) {
+        const uint8_t *b[4];
+        float s[4];
+        for (int m = 0; m < 4; m++) {
+            b[m] = r[m] + (c0 + c) / QK * bb;
+            s[m] = a[m] * block_scale(b[m]);
+        }
+#if LANES > 1
+        if (type == Q4_0) {
+            for (int h = 0; h < QK / 2; h += LANES) {
+                vec o_lo = vload(out + c + h), o_hi = vload(out + c + QK / 2 + h), lo, hi;
+                for (int m = 0; m < 4; m++) {
+                    vload_q4(b[m] + 2 + h, &lo, &hi);
+                    o_lo = vfma(lo, vset(s[m]), o_lo);
+                    o_hi = vfma(hi, vset(s[m]), o_hi);
+                }
+                vstore(out + c + h, o_lo);
+                vstore(out + c + QK / 2 + h, o_hi);
+            }
+        } else {
+            for (int h = 0; h < QK; h += LANES) {
+                vec o = vload(out + c + h);
+                for (int m = 0; m < 4; m++) o = vfma(vload_i8((const int8_t *)b[m] + 2 + h), vset(s[m]), o);
+                vstore(out + c + h, o);
+            }
+        }
+#else
+        for (int m = 0; m < 4; m++) {
+            for (int i = 0; i < QK / 2; i++) {
+                if (type == Q4_0) {
+                    out[c + i] += s[m] * (float)((b[m][2 + i] & 15) - 8);
+                    out[c + QK / 2 + i] += s[m] * (float)((b[m][2 + i] >> 4) - 8);
+                } else {
+                    out[c + i] += s[m] * (float)(int8_t)b[m][2 + i];
+                    out[c + QK / 2 + i] += s[m] * (float)(int8_t)b[m][2 + QK / 2 + i];
+                }
+            }
+        }
+#endif
+    }
+}
+
+/* The down product inside a parallel region: each thread owns a slice of the output columns (whole blocks), so
+ * the sums need no locks; rows go four at a time, and each group serves every token while it is in cache. */
+static void add_weighted_rows(const uint8_t *down, int64_t down_stride, int down_type, const int64_t *ids, int64_t k,
+                              const float *act, int64_t tokens, int64_t n, float *out) {
+    int th = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t per = ((n + nt - 1) / nt + QK - 1) / QK * QK;
+    int64_t c0 = th * per < n ? th * per : n, c1 = c0 + per < n ? c0 + per : n;
+    if (c0 >= c1) return;
+    for (int64_t t = 0; t < tokens; t++) memset(out + t * n + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+    int64_t group[4];
+    int m = 0;
+    for (int64_t j = 0; j <= k; j++) {
+        if (j < k) {
+            int used = 0;
+            for (int64_t t = 0; t < tokens && !used; t++) used = act[t * k + j] != 0.0f;
+            if (!used) continue;
+            group[m++] = j;
+            /* The group's rows are summed only once it is full: start reading this one's slice now. */
+            const uint8_t *start = down + (ids ? ids[j] : j) * down_stride +
+                                   (down_type == F16 ? 2 * c0 : c0 / QK * block_bytes(down_type));
+            for (int line = 0; line < 4; line++) prefetch(start, 64 * line);
+            if (m < 4) continue;
+        } else if (m == 0) {
+            break;
+        }
+        const uint8_t *rows[4];
+        for (int i = 0; i < 4; i++) {
+            int64_t j4 = group[i < m ? i : 0];
+            rows[i] = down + (ids ? ids[j4] : j4) * down_stride;
+        }
+        for (int64_t t = 0; t < tokens; t++) {
+            float a[4];
+            int any = 0;
+            for (int i = 0; i < 4; i++) {
+                a[i] = i < m ? act[t * k + group[i]] : 0.0f;
+                any |= a[i] != 0.0f;
+            }
+            if (any) add_rows4(down_type, out + t * n + c0, rows, a, c0, c1 - c0);
+        }
+        m = 0;
+    }
+}
+
+/* For `tokens` inputs x [tokens, n]: act[t, j] for each selected neuron (0 where mask [tokens, k], if given, leaves
+ * neuron j out for token t), then out[t] = sum_j act[t, j] * down_t[ids[j]]. act is caller scratch [tokens, k].
+ * Each picked row is read from memory once for all the tokens. */
+int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const int64_t gate_shape[2],
+                      const uint8_t *up, int64_t up_stride, int up_type, const int64_t up_shape[2], const uint8_t *down,
+                      int64_t down_stride, int down_type, const int64_t down_shape[2], const float *x, int64_t n,
+                      int64_t tokens, const int64_t *ids, int64_t k, const uint8_t *mask, int form, float *act,
+                      float *out, int threads) {
+    if ((form != FORM_UP && !fits(gate_type, gate_stride, gate_shape[0], gate_shape[1], n, ids, k)) ||
+        !fits(up_type, up_stride, up_shape[0], up_shape[1], n, ids, k) ||
+        !fits(down_type, down_stride, down_shape[0], down_shape[1], n, ids, k))
+        return -1;
+    const uint8_t *first = form != FORM_UP ? gate : up;
+    int64_t first_stride = form != FORM_UP ? gate_stride : up_stride;
+    int first_type = form != FORM_UP ? gate_type : up_type;
+    q8_act xq = {0};
+    if (((form != FORM_UP && gate_type != F16) || up_type != F16) && q8_quantize(x, tokens, n, &xq)) {
+        q8_free(&xq);
+        return -2;
+    }
+    /* Without a mask every token needs the first row's product (the gate's, or up's without a gate): rows go in
+     * pairs, one pass over a pair serving all the tokens, and the products wait in act for each token's turn. */
+    int shared = !mask && tokens > 1;
+#pragma omp parallel num_threads(threads)
+    {
+        if (shared) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < (k + 1) / 2; p++) {
+                int64_t j = 2 * p;
+                const uint8_t *r0 = first + ids[j] * first_stride;
+                if (j + 1 < k)
+                    rows2_tokens(first_type, r0, first + ids[j + 1] * first_stride, x, &xq, tokens, n, act + j, k);
+                else
+                    row_tokens(first_type, r0, r0, x, &xq, tokens, n, act + j, k);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < k; j++) {
+            int64_t next = ids[j + 1 < k ? j + 1 : j];
+            const uint8_t *row = first + ids[j] * first_stride, *next_row = first + next * first_stride;
+            const uint8_t *up_row = up + ids[j] * up_stride;
+            /* While the gate's row is summed, its up row is read ahead (a neuron picked to fire mostly does), and
+             * while the up row is summed, the next neuron's gate row. */
+            const uint8_t *ahead = form != FORM_UP ? up_row : next_row;
+            for (int64_t t = 0; t < tokens; t++) {
+                float *a = act + t * k + j;
+                if (mask && !mask[t * k + j]) {
+                    *a = 0.0f;
+                    continue;
+                }
+                float f = shared ? *a : dot_row(first_type, row, ahead, x, &xq, t, n);
+                *a = 0.0f;
+                if (form == FORM_UP) {
+                    *a = f > 0.0f ? f : 0.0f;
+                    continue;
+                }
+                /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
+                if (f <= 0.0f) continue;
+                float u = dot_row(up_type, up_row, next_row, x, &xq, t, n);
+                *a = f * (form != FORM_GATED && u < 0.0f ? 0.0f : u);
+            }
+        }
+        add_weighted_rows(down, down_stride, down_type, ids, k, act, tokens, n, out);
+    }
+    q8_free(&xq);
+    return 0;
+}
+
+/* out[t] = sum_j act[t, j] * rows[ids[j]] for `tokens` rows of act [tokens, k] (ids NULL: rows 0..k-1); rows whose
+ * act is 0 for every token are not read. */
+int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const int64_t *ids,
+                         int64_t k, const float *act, int64_t tokens, int64_t n, float *out, int threads) {
+    if (!fits(type, stride, shape[0], shape[1], n, ids, k)) return -1;
+#pragma omp parallel num_threads(threads)
+    add_weighted_rows(w, stride, type, ids, k, act, tokens, n, out);
+    return 0;
+}
+
+/* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n]: each row is read once for all of them. */
+int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const float *x, int64_t n,
+                  int64_t tokens, float *out, int threads) {
+    int64_t rows = shape[0];
+    if (!fits(type, stride, rows, shape[1], n, NULL, rows)) return -1;
+    q8_act xq = {0};
+    if (type != F16 && q8_quantize(x, tokens, n, &xq)) {
+        q8_free(&xq);
+        return -2;
+    }
+    /* Tokens go a block at a time, so a block's inputs stay in cache while every row passes by them. */
+#pragma omp parallel num_threads(threads)
+    for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
+        int64_t count = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK, nb = n / QK;
+        q8_act block = {xq.q ? xq.q + t0 * n : NULL, xq.d ? xq.d + t0 * nb : NULL, xq.sum ? xq.sum + t0 * nb : NULL};
+        if (count > 1) {
+            /* Rows in pairs: each input vector loaded serves both (see rows2_tokens). */
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < (rows + 1) / 2; p++) {
+                int64_t r = 2 * p;
+                const uint8_t *row = w + r * stride;
+                if (r + 1 < rows)
+                    rows2_tokens(type, row, row + stride, x + t0 * n, &block, count, n, out + t0 * rows + r, rows);
+                else
+                    row_tokens(type, row, row, x + t0 * n, &block, count, n, out + t0 * rows + r, rows);
+            }
+            continue;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *row = w + r * stride, *next = w + (r + 1 < rows ? r + 1 : r) * stride;
+            row_tokens(type, row, next, x + t0 * n, &block, count, n, out + t0 * rows + r, rows);
+        }
+    }
+    q8_free(&xq);
+    return 0;
+}

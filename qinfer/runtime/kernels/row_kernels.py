@@ -1,0 +1,270 @@
+"""Native decode kernels over weight rows (row_kernels.c): the sparse FFN of a few tokens over F16, Q4_0 or Q8_0
+rows picked by id, the weighted row sum (the FFN's down product), and matrix-vector products over F16 and
+quantized matrices, all without a float copy of the rows; quantized rows multiply the input quantized to Q8_0
+blocks, as ggml does. The whole-layer decode step (decode_layer.c, driven by decode_layer.py) is built into the
+same library.
+
+The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and OpenMP into the user
+cache (`$XDG_CACHE_HOME/qinfer/kernels`) and loaded with ctypes. A library is named by the instruction set it was
+built for, as the compiler resolves it, and by a hash of the source and the compiler: a home directory shared by
+an AVX-512 machine and an AVX2 one holds a library for each, and neither loads the other's. The build targets the
+CPU it runs on; `QINFER_KERNEL_TARGET=avx2` or `scalar` builds the AVX2 or the plain C path instead (the tests run
+all three). Where it cannot be built the runtime keeps its torch path (gather, or expand then matmul), so the
+kernels are an accelerator, never a requirement; QINFER_NATIVE=0 turns them off (for side-by-side benchmarks and
+debugging).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qinfer.core.architectures import FfnForm
+from qinfer.core.errors import UserError
+from qinfer.runtime.kernels.abi import F16_CODE, FORM_CODES, TOKEN_BLOCK, TYPE_CODES, disagreement
+from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
+
+# decode_layer.c includes row_kernels.c: one translation unit, so the layer step inlines the row products.
+SOURCE = Path(__file__).with_name("decode_layer.c")
+SOURCES = (SOURCE, Path(__file__).with_name("row_kernels.c"))
+# The instruction sets a build may target. The native build falls back to portable flags for compilers that do not
+# know -march=native; the others exist to run (and test) the AVX2 and plain C paths on a wider CPU.
+TARGETS: dict[str, tuple[list[str], ...]] = {
+    "native": (["-O3", "-march=native"], ["-O3"]),
+    "avx2": (["-O3", "-march=haswell"],),
+    "scalar": (["-O3", "-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["-O3"],),
+}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qinfer" / "kernels"
+
+
+def target() -> str:
+    name = os.environ.get("QINFER_KERNEL_TARGET", "native")
+    if name not in TARGETS:
+        raise UserError(f"QINFER_KERNEL_TARGET={name!r} is not a kernel target; use one of {', '.join(TARGETS)}")
+    return name
+
+
+def instruction_set(compiler: str, flags: list[str]) -> str:
+    """The machine options `flags` resolve to (-march=native becomes the CPU's model and every feature it has or
+    lacks), as the compiler driver passes them on; empty where the compiler cannot say."""
+    try:
+        done = subprocess.run(
+            [compiler, *flags, "-###", "-x", "c", "-c", "-o", os.devnull, os.devnull],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if done.returncode != 0:
+        return ""
+    found = []
+    for line in done.stderr.splitlines():
+        words = [w.strip('"') for w in line.split()]
+        # gcc passes -m options to cc1; clang passes -target-cpu and -target-feature pairs to cc1.
+        found += [w for w in words if w.startswith("-m")]
+        found += [b for a, b in zip(words, words[1:], strict=False) if a in ("-target-cpu", "-target-feature")]
+    return " ".join(sorted(set(found)))
+
+
+def library_name(compiler: str, flags: list[str]) -> str:
+    """row_kernels_<instruction set>_<source and compiler>.so: one library per CPU feature set and source."""
+    isa = hashlib.sha256(f"{platform.machine()}|{instruction_set(compiler, flags)}".encode()).hexdigest()[:12]
+    code = b"".join(path.read_bytes() for path in SOURCES)
+    source = hashlib.sha256(code + f"{compiler}|{' '.join(flags)}".encode()).hexdigest()[:12]
+    return f"row_kernels_{isa}_{source}.so"
+
+
+def _build(compiler: str, flags: list[str], out: Path) -> str | None:
+    """Compile SOURCE with `flags` into `out` (atomically); the compiler's last error line where it fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        Path(tmp).unlink(missing_ok=True)
+        return str(exc)
+    if done.returncode != 0:
+        Path(tmp).unlink(missing_ok=True)
+        return (done.stderr.strip().splitlines() or ["failed"])[-1]
+    os.replace(tmp, out)
+    # Builds of older sources for this instruction set are never loaded again; other sets' builds stay.
+    isa_prefix = out.name.rsplit("_", 1)[0] + "_"
+    for stale in out.parent.glob(f"{isa_prefix}*.so"):
+        if stale != out:
+            stale.unlink(missing_ok=True)
+    return None
+
+
+def _load_or_build(compiler: str, name: str) -> Path | str:
+    """The library for target `name`, built where missing; the build error where no flag set works."""
+    error = ""
+    for flags in TARGETS[name]:
+        path = cache_dir() / library_name(compiler, flags)
+        if path.exists():
+            return path
+        failed = _build(compiler, flags, path)
+        if failed is None:
+            return path
+        error = failed
+    return error
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The loaded kernels for the target in force, or None where no compiler with OpenMP builds them (one line on
+    stderr says so)."""
+    return load(target())
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The kernels built for target `name` (a key of TARGETS), or None where they cannot be built or loaded."""
+    compiler = os.environ.get("CC", "cc")
+    try:
+        built = _load_or_build(compiler, name)
+        if isinstance(built, str):
+            print(
+                f"qinfer: native row kernels not built ({compiler}: {built}); using torch's slower path",
+                file=sys.stderr,
+            )
+            return None
+        lib = ctypes.CDLL(str(built))
+    except OSError as exc:
+        print(f"qinfer: native row kernels not loaded ({exc}); using torch's slower path", file=sys.stderr)
+        return None
+    p, i64, i32, s = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, Shape
+    lib.qinfer_sparse_ffn.argtypes = [
+        p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, p, i32, p, p, i32
+    ]  # fmt: skip
+    lib.qinfer_weighted_rows.argtypes = [p, i64, i32, s, p, i64, p, i64, i64, p, i32]
+    lib.qinfer_matvec.argtypes = [p, i64, i32, s, p, i64, i64, p, i32]
+    lib.qinfer_decode_layer.argtypes = [p, p, p, p, i64, p, p, i32]
+    lib.qinfer_scratch_sizes.argtypes = [p, p]
+    lib.qinfer_scratch_sizes.restype = None
+    lib.qinfer_abi.argtypes = [p]
+    lib.qinfer_abi.restype = i64
+    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec, lib.qinfer_decode_layer):
+        entry.restype = i32
+    if (problem := disagreement(lib)) is not None:
+        print(f"qinfer: native row kernels not loaded (C and Python disagree on {problem}); using torch's slower path",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return lib
+
+
+def enabled() -> bool:
+    return os.environ.get("QINFER_NATIVE", "1") != "0" and kernel() is not None
+
+
+def _takes(x: torch.Tensor, max_tokens: int | None = None) -> bool:
+    """Whether the kernels take these inputs at all: CPU tokens (few enough, where a limit is given), and the
+    kernels on and built."""
+    return (max_tokens is None or x.shape[0] <= max_tokens) and x.device.type == "cpu" and enabled()
+
+
+Shape = ctypes.c_int64 * 2  # a weight's rows and columns, which bound what a kernel may read of it
+
+
+def layout(t: object) -> tuple[int, int, int, ctypes.Array[ctypes.c_int64]] | None:
+    """(address, row stride in bytes, type code, [rows, columns]) of CPU rows the kernels read, or None where they
+    cannot."""
+    if isinstance(t, QuantizedMatrix):
+        b = t.blocks
+        if b.device.type != "cpu" or b.stride(1) != 1 or t.qtype not in TYPE_CODES:
+            return None
+        return b.data_ptr(), b.stride(0), TYPE_CODES[t.qtype], Shape(*t.shape)
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.float16 or t.stride(1) != 1:
+        return None
+    return t.data_ptr(), t.stride(0) * 2, F16_CODE, Shape(*t.shape)
+
+
+def check(status: int) -> None:
+    """Raise what a kernel's non-zero status means: no memory (-2), or rows that do not fit their shapes."""
+    if status == -2:
+        raise MemoryError("the row kernels could not allocate scratch for the quantized activations")
+    if status != 0:
+        raise UserError(
+            "a weight tensor is smaller than the model's shape says (its file is corrupt); re-convert the model"
+        )
+
+
+def sparse_ffn(
+    form: FfnForm,
+    x: torch.Tensor,
+    gate: Weight | None,
+    up: Weight,
+    down_t: Weight,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """FFN output [T, E] float32 of neurons `ids` for the CPU tokens x [T, E], each using only the neurons its
+    row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (off, too many tokens, a
+    device, float32 rows, a gated form without its gate, biases)."""
+    if form.biased or (gate is None) == form.gated or not _takes(x, TOKEN_BLOCK):
+        return None
+    tokens = x.shape[0]
+    layouts = [layout(t) for t in (up if gate is None else gate, up, down_t)]
+    if any(lay is None for lay in layouts):
+        return None
+    (g, gs, gt, gshape), (u, us, ut, ushape), (d, ds, dt, dshape) = layouts  # type: ignore[misc]
+    xf = x.float().contiguous()
+    ids64 = ids.to(torch.int64).contiguous()
+    keep = None if mask is None else mask.to("cpu", torch.uint8).contiguous()
+    act = torch.empty(tokens, ids64.numel())
+    out = torch.empty(tokens, down_t.shape[1])
+    check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
+        g, gs, gt, gshape, u, us, ut, ushape, d, ds, dt, dshape, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(),
+        ids64.numel(), None if keep is None else keep.data_ptr(), FORM_CODES[form.gated, form.relu_up], act.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    ))  # fmt: skip
+    return out
+
+
+def weighted_rows(act: torch.Tensor, weight: Weight, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """sum_j act[t, j] * weight[ids[j]] (ids None: all rows) as float32 [T, E] for a few CPU tokens; rows whose act
+    is 0 for every token are not read. None where the kernel does not apply."""
+    if not _takes(act, TOKEN_BLOCK):
+        return None
+    tokens = act.shape[0]
+    described = layout(weight)
+    if described is None:
+        return None
+    address, stride, code, shape = described
+    a = act.float().contiguous()
+    picked = None if ids is None else ids.to(torch.int64).contiguous()
+    out = torch.empty(tokens, weight.shape[1])
+    check(kernel().qinfer_weighted_rows(  # type: ignore[union-attr]
+        address, stride, code, shape, None if picked is None else picked.data_ptr(), a.shape[1], a.data_ptr(), tokens,
+        weight.shape[1], out.data_ptr(), torch.get_num_threads(),
+    ))  # fmt: skip
+    return out
+
+
+def matvec(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
+    """x [T, E] @ weight.T as float32 [T, R] for CPU tokens over an F16 or quantized matrix, or None where the
+    kernel does not apply."""
+    if not _takes(x, TOKEN_BLOCK if isinstance(weight, torch.Tensor) else None):
+        return None
+    described = layout(weight)
+    if described is None:
+        return None
+    address, stride, code, shape = described
+    xf = x.float().contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0])
+    check(kernel().qinfer_matvec(  # type: ignore[union-attr]
+        address, stride, code, shape, xf.data_ptr(), x.shape[1], x.shape[0], out.data_ptr(), torch.get_num_threads()
+    ))  # fmt: skip
+    return out

@@ -1,0 +1,56 @@
+"""What one forward call addresses in the KV cache: its tokens, their positions and slots (`TokenBatch`), and what
+every layer of the call shares (`Step`: positions on the device, rope's tables, the attention mask)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """tokens, positions and KV-cache slots, one entry per token; either all of one slot (a prompt at
+    consecutive positions) or one token per distinct slot (a decode step)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def prompt(cls, tokens: torch.Tensor, start: int, slot: int = 0) -> TokenBatch:
+        n = tokens.shape[0]
+        return cls(tokens, torch.arange(start, start + n), torch.full((n,), slot, dtype=torch.long))
+
+    @classmethod
+    def decode(cls, tokens: list[int], positions: list[int], slots: list[int]) -> TokenBatch:
+        return cls(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
+
+    @property
+    def single_sequence(self) -> bool:
+        return bool((self.slots == self.slots[0]).all())
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer of one forward call shares, made once per call rather than once per layer: the batch, its
+    positions on the compute device, rope's cos/sin tables (None without rope) and the attention mask (None where
+    every query may see every cached position, as a single decode token does)."""
+
+    batch: TokenBatch
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+def attention_mask(batch: TokenBatch, device: torch.device) -> torch.Tensor | None:
+    """Query t sees cached positions up to and including its own."""
+    n = batch.tokens.shape[0]
+    if batch.single_sequence:
+        start = int(batch.positions[0])
+        # A single token sees all of them, so it needs no mask (and SDPA then takes its unmasked kernel).
+        return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+    positions = batch.positions.to(device)
+    end = int(batch.positions.max()) + 1
+    return (torch.arange(end, device=device)[None, :] <= positions[:, None])[:, None, None, :]

@@ -1,0 +1,73 @@
+"""The full KV cache: every position's K and V per layer, slot and kv head, and the choice between it and the window
+cache (window.py) that a KV policy makes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.model_spec import ModelSpec
+from qinfer.runtime.kv.batch import Step
+from qinfer.runtime.kv.window import WindowKVCache
+
+
+class KVCache:
+    """K and V per layer and slot: [layers, slots, kv_heads, ctx, head_dim]; float32 on the CPU, float16 on a GPU
+    (what the planner budgets for)."""
+
+    rows_by_position = True  # row p of a slot holds position p (the window cache's rows hold any position)
+
+    def __init__(self, cfg: ModelSpec, ctx: int, slots: int = 1, device: torch.device | str = "cpu"):
+        shape = (cfg.layers, slots, cfg.kv_heads, ctx, cfg.head_dim)
+        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.ctx = ctx
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """Store k, v [T, kv_heads, d] at the batch's slots and positions, attend q [T, heads, d]; returns
+        [T, heads*d]."""
+        n, batch = q.shape[0], step.batch
+        if batch.single_sequence:
+            slot, start = int(batch.slots[0]), int(batch.positions[0])
+            end = start + n
+            # A slice write: no index tensors to build or move for the one sequence's consecutive positions.
+            self.k[layer, slot, :, start:end] = k.transpose(0, 1)
+            self.v[layer, slot, :, start:end] = v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                self.k[layer, slot, :, :end].to(q.dtype),
+                self.v[layer, slot, :, :end].to(q.dtype),
+                attn_mask=step.mask,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        else:
+            slots = batch.slots.to(self.k.device)
+            self.k[layer, slots, :, step.positions] = k.to(self.k.dtype)
+            self.v[layer, slots, :, step.positions] = v.to(self.v.dtype)
+            end = int(batch.positions.max()) + 1
+            out = F.scaled_dot_product_attention(
+                q[:, :, None],
+                self.k[layer, slots, :, :end].to(q.dtype),
+                self.v[layer, slots, :, :end].to(q.dtype),
+                attn_mask=step.mask,
+                enable_gqa=True,
+            )[:, :, 0]
+        return out.reshape(n, -1)
+
+
+Cache = KVCache | WindowKVCache
+
+
+def make_kv_cache(
+    cfg: ModelSpec, ctx: int, slots: int = 1, device: torch.device | str = "cpu", policy: KVPolicy | None = None
+) -> Cache:
+    """The cache that `policy` (qinfer.core.kv_policy; default full) describes, for `slots` sequences of `ctx`."""
+    if policy is not None and policy.windowed:
+        return WindowKVCache(cfg, ctx, slots, device, policy)
+    return KVCache(cfg, ctx, slots, device)

@@ -1,0 +1,71 @@
+"""The ReLU Falcon forward block (Falcon-40B's layout) over GGUF tensors, as llama.cpp's falcon graph runs it.
+
+Each block reads its input h through two LayerNorms: attn_norm_2 feeds attention, attn_norm the FFN
+(relu(up)), and both outputs are added to h at once (parallel attention). The fused QKV rows are in the
+"jploski" order (all q heads, then k, then v; docs/formats.md#qk-permutation-and-falcons-qkv-regrouping), and rope
+rotates the two halves of each head (ggml's NeoX mode), so q/k are not permuted as LLaMA's are. The predictor
+reads the layer input h.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qinfer.core.names import Tensor, tensor_name
+from qinfer.runtime.kernels.weight_rows import linear
+from qinfer.runtime.kv.batch import Step
+from qinfer.runtime.kv.cache import Cache
+from qinfer.runtime.model.forward import TransformerForward
+from qinfer.runtime.model.model_file import ModelFile
+from qinfer.runtime.model.norms import Norm, layer_norm, norm_weights
+
+
+@dataclass
+class FalconAttention:
+    attn_norm: Norm
+    ffn_norm: Norm
+    qkv: torch.Tensor
+    o: torch.Tensor
+
+
+def apply_neox_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x[i] against x[i + d/2] in each head; x is [T, heads, head_dim]."""
+    first, second = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((first * c - second * s, second * c + first * s), dim=-1)
+
+
+class FalconForward(TransformerForward):
+    """Attention, norms and output head on `device`; the FFN through `ffn` (default: dense, on the CPU)."""
+
+    def load_block(self, model: ModelFile, i: int) -> FalconAttention:
+        return FalconAttention(
+            attn_norm=norm_weights(model, Tensor.ATTN_NORM_2, i),
+            ffn_norm=norm_weights(model, Tensor.ATTN_NORM, i),
+            qkv=model.tensor(tensor_name(Tensor.ATTN_QKV, i)),
+            o=model.tensor(tensor_name(Tensor.ATTN_OUT, i)),
+        )
+
+    def load_head(self, model: ModelFile) -> None:
+        self.norm = norm_weights(model, Tensor.OUTPUT_NORM, device=self.device)
+        self.output = model.tensor(tensor_name(Tensor.OUTPUT)).to(self.device)
+
+    def attention(self, i: int, x: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        assert step.cos is not None and step.sin is not None
+        q_rows, kv_rows = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        q, k, v = linear(x, self.attn[i].qkv).split((q_rows, kv_rows, kv_rows), dim=-1)
+        q = apply_neox_rope(q.reshape(n, cfg.heads, cfg.head_dim), step.cos, step.sin)
+        k = apply_neox_rope(k.reshape(n, cfg.kv_heads, cfg.head_dim), step.cos, step.sin)
+        v = v.reshape(n, cfg.kv_heads, cfg.head_dim)
+        return linear(cache.attend(q, k, v, i, step), self.attn[i].o)
+
+    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+        w, eps = self.attn[i], self.cfg.norm_eps
+        attention = self.attention(i, layer_norm(h, w.attn_norm, eps), step, cache)
+        return h + attention + self.ffn(i, layer_norm(h, w.ffn_norm, eps), h, prefill)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(layer_norm(h, self.norm, self.cfg.norm_eps), self.output)

@@ -1,0 +1,141 @@
+"""What every model forward shares: rope's tables, the FFN weights of a layer, and the layer loop.
+
+A forward maps a `TokenBatch` (one prompt, or one new token for each of several sequences at their own
+positions) to logits, reading and extending each sequence's rows of the KV cache. Architectures subclass
+`TransformerForward` and implement `block`; the FFN is a pluggable `FFNRunner` (dense, sparse or hybrid).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import fields, replace
+from typing import Any, Protocol
+
+import torch
+
+from qinfer.core.architectures import architecture
+from qinfer.core.errors import UserError
+from qinfer.core.model_spec import ModelSpec
+from qinfer.core.names import BIAS, Tensor, tensor_name
+from qinfer.runtime.ffn.runners import DenseRunner
+from qinfer.runtime.ffn.sparse import FFNWeights
+from qinfer.runtime.kernels.decode_layer import DecodeLayers
+from qinfer.runtime.kv.batch import Step, TokenBatch, attention_mask
+from qinfer.runtime.kv.cache import Cache
+from qinfer.runtime.model.model_file import ModelFile
+
+
+@functools.cache
+def _inv_freq(theta: float, dim: int, device: torch.device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+def rope_tables(cfg: ModelSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # The frequencies depend on the model only: computed once, not per layer and step.
+    angles = positions.float()[:, None] * _inv_freq(cfg.rope_base, cfg.rope_dim, positions.device)[None, :]
+    return angles.cos(), angles.sin()
+
+
+def ffn_weights(model: ModelFile, i: int) -> FFNWeights:
+    """Layer i's FFN rows (neuron i = row i) and predictor, as mapped views, in the form of the model's family."""
+    form = architecture(model.config.arch).ffn
+    t = model.tensor
+    # A dense GGUF stores down as [E, F]; its transpose is a free view with the PowerInfer row layout.
+    down_t = t(tensor_name(Tensor.FFN_DOWN_T, i)) if model.powerinfer else t(tensor_name(Tensor.FFN_DOWN, i)).T
+    return FFNWeights(
+        form=form,
+        up=t(tensor_name(Tensor.FFN_UP, i)),
+        down_t=down_t,
+        gate=t(tensor_name(Tensor.FFN_GATE, i)) if form.gated else None,
+        fc1=model.tensors.get(tensor_name(Tensor.FC1, i)),
+        fc2=model.tensors.get(tensor_name(Tensor.FC2, i)),
+        up_bias=t(tensor_name(Tensor.FFN_UP, i, BIAS)) if form.biased else None,
+    )
+
+
+def down_bias(model: ModelFile, i: int) -> torch.Tensor:
+    """down's bias of a biased FFN, under its name in this kind of file."""
+    return model.tensor(tensor_name(Tensor.FFN_DOWN_T if model.powerinfer else Tensor.FFN_DOWN, i, BIAS))
+
+
+def to_device(weights: Any, device: torch.device) -> Any:
+    """A block's weight dataclass with every tensor (or tuple of them) moved to `device`."""
+    moved = {}
+    for f in fields(weights):
+        value = getattr(weights, f.name)
+        moved[f.name] = tuple(t.to(device) for t in value) if isinstance(value, tuple) else value.to(device)
+    return replace(weights, **moved)
+
+
+class FFNRunner(Protocol):
+    """Computes layer `layer`'s FFN for normalised input x [T, E]; h is the predictor's input
+    (docs/formats.md#predictor-directories).
+    `prefill` asks for dense matmuls (sparsity pays off in decode, not for many tokens at once)."""
+
+    def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor: ...
+
+
+class ModelForward(Protocol):
+    cfg: ModelSpec
+    device: torch.device
+
+    def forward(self, batch: TokenBatch, cache: Cache) -> torch.Tensor: ...
+
+
+class TransformerForward:
+    """Embedding lookup (CPU, mapped), the blocks, the output head; dense parts run on `device`.
+
+    A family implements `load_block` (its per-layer weights, other than the FFN), `load_head`, `block` and `head`.
+    """
+
+    cfg: ModelSpec
+    device: torch.device
+    embed: torch.Tensor
+    ffn: FFNRunner
+    # The whole layer as one native call (kernels/decode_layer.py), for the steps it takes; set by a family that has
+    # one, and computing exactly what `block` computes.
+    native: DecodeLayers | None = None
+
+    def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
+        self.cfg = model.config
+        self.device = torch.device(device)
+        self.attn = [to_device(self.load_block(model, i), self.device) for i in range(self.cfg.layers)]
+        self.embed = model.tensor(tensor_name(Tensor.TOKEN_EMBD))
+        self.load_head(model)
+        self.ffn = ffn or DenseRunner([ffn_weights(model, i) for i in range(self.cfg.layers)])
+
+    def load_block(self, model: ModelFile, i: int) -> Any:
+        raise NotImplementedError
+
+    def load_head(self, model: ModelFile) -> None:
+        """The output norm and head, onto `device`; runs after `embed` is set, which a tied head reuses."""
+        raise NotImplementedError
+
+    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embed_tokens(self, batch: TokenBatch) -> torch.Tensor:
+        return self.embed[batch.tokens].float().to(self.device)
+
+    def step(self, batch: TokenBatch) -> Step:
+        positions = batch.positions.to(self.device)
+        cos, sin = rope_tables(self.cfg, positions) if self.cfg.rope_dim else (None, None)
+        return Step(batch, positions, attention_mask(batch, self.device), cos, sin)
+
+    def forward(self, batch: TokenBatch, cache: Cache) -> torch.Tensor:
+        """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`."""
+        if int(batch.positions.max()) >= cache.ctx:
+            raise UserError(f"context of {cache.ctx} tokens exceeded")
+        h = self.embed_tokens(batch)
+        step = self.step(batch)
+        prefill = batch.tokens.shape[0] > 1 and batch.single_sequence
+        native = self.native if self.native is not None and self.native.takes(h, step, cache, self.ffn) else None
+        for i in range(self.cfg.layers):
+            h = self.block(i, h, step, cache, prefill) if native is None else native.run(i, h, step, cache)
+        return self.head(h)
+
+    def __call__(self, tokens: torch.Tensor, start: int, cache: Cache, slot: int = 0) -> torch.Tensor:
+        return self.forward(TokenBatch.prompt(tokens, start, slot), cache)

@@ -1,0 +1,80 @@
+"""The LLaMA/Bamboo forward block over GGUF tensors.
+
+Weights stay in the file's dtype (mapped, not copied); each matmul runs in that dtype and the residual stream is
+kept in float32. q/k rows are in ggml's rotary layout (docs/formats.md#qk-permutation-and-falcons-qkv-regrouping),
+so rope rotates adjacent pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qinfer.core.names import Tensor, tensor_name
+from qinfer.runtime.kernels.decode_layer import DecodeLayers
+from qinfer.runtime.kernels.weight_rows import linear
+from qinfer.runtime.kv.batch import Step
+from qinfer.runtime.kv.cache import Cache
+from qinfer.runtime.model.forward import FFNRunner, TransformerForward
+from qinfer.runtime.model.model_file import ModelFile
+from qinfer.runtime.model.norms import rms_norm
+
+
+@dataclass
+class AttentionWeights:
+    attn_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    ffn_norm: torch.Tensor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head; x is [T, heads, head_dim]."""
+    pairs = x.unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+
+
+class LlamaForward(TransformerForward):
+    """Attention, norms and output head on `device`; the FFN through `ffn` (default: dense, on the CPU). A decode
+    step of one token on the CPU runs each layer as one native call (decode_layer.py) where the kernel applies."""
+
+    def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
+        super().__init__(model, ffn, device)
+        self.native = DecodeLayers.build(self.cfg, self.attn, self.ffn) if self.device.type == "cpu" else None
+
+    def load_block(self, model: ModelFile, i: int) -> AttentionWeights:
+        t = model.tensor
+        return AttentionWeights(
+            attn_norm=t(tensor_name(Tensor.ATTN_NORM, i)),
+            q=t(tensor_name(Tensor.ATTN_Q, i)),
+            k=t(tensor_name(Tensor.ATTN_K, i)),
+            v=t(tensor_name(Tensor.ATTN_V, i)),
+            o=t(tensor_name(Tensor.ATTN_OUT, i)),
+            ffn_norm=t(tensor_name(Tensor.FFN_NORM, i)),
+        )
+
+    def load_head(self, model: ModelFile) -> None:
+        self.norm = model.tensor(tensor_name(Tensor.OUTPUT_NORM)).to(self.device)
+        self.output = model.tensor(tensor_name(Tensor.OUTPUT)).to(self.device)
+
+    def attention(self, i: int, x: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
+        cfg, n, w = self.cfg, x.shape[0], self.attn[i]
+        assert step.cos is not None and step.sin is not None
+        q = linear(x, w.q).view(n, cfg.heads, cfg.head_dim)
+        k = linear(x, w.k).view(n, cfg.kv_heads, cfg.head_dim)
+        v = linear(x, w.v).view(n, cfg.kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        return linear(cache.attend(q, k, v, i, step), w.o)
+
+    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+        w, eps = self.attn[i], self.cfg.norm_eps
+        h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
+        return h + self.ffn(i, rms_norm(h, w.ffn_norm, eps), h, prefill)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(rms_norm(h, self.norm, self.cfg.norm_eps), self.output)

@@ -1,0 +1,187 @@
+"""Choose and build a model's runtime: its forward class, the FFN runner (dense, sparse, hybrid) and the device.
+
+With a VRAM budget the planner's `.gpuidx` (made on the spot when missing) says which neurons start on the GPU
+and whether the dense parts go there; budget left over after the plan becomes spare neuron-cache slots for the
+dynamic schedule. Without a GPU the plan is still made or checked, and everything runs sparse on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from qinfer.core.architectures import architecture
+from qinfer.core.errors import UserError
+from qinfer.core.kv_policy import KVPolicy
+from qinfer.planner.budget import GIB
+from qinfer.planner.device_profiles import load_profile
+from qinfer.planner.model_layout import ModelLayout
+from qinfer.runtime.ffn.hybrid import HybridRunner, require_split_support
+from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
+from qinfer.runtime.ffn.sparse import FFNWeights
+from qinfer.runtime.ffn.split_cost import SplitCosts
+from qinfer.runtime.kernels import row_kernels
+from qinfer.runtime.model.falcon import FalconForward
+from qinfer.runtime.model.forward import TransformerForward, ffn_weights
+from qinfer.runtime.model.llama import LlamaForward
+from qinfer.runtime.model.model_file import ModelFile
+from qinfer.runtime.model.opt import OPTForward
+
+if TYPE_CHECKING:
+    from qinfer.planner.make_plan import Plan, PlanOptions
+
+FFN_MODES = ("auto", "sparse", "dense", "oracle")
+SCHEDULES = ("auto", "static", "dynamic")
+
+
+# The forward of each decoder block layout that the architecture table names (Architecture.block).
+FORWARDS: dict[str, type[TransformerForward]] = {"llama": LlamaForward, "falcon": FalconForward, "opt": OPTForward}
+
+
+def forward_class(model: ModelFile) -> type[TransformerForward]:
+    return FORWARDS[architecture(model.config.arch).block]
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """ffn: auto (sparse when the file has predictors), sparse, dense, or oracle (true active set; testing).
+    vram_budget_gib: None runs without a GPU split. device: the GPU side ("cuda", or "cpu" to simulate one);
+    None picks CUDA when available. kv_policy: which KV rows each sequence keeps, as the plan budgets them."""
+
+    ffn: str = "auto"
+    vram_budget_gib: float | None = None
+    schedule: str = "auto"
+    reset_gpu_index: bool = False
+    disable_gpu_index: bool = False
+    device: str | None = None
+    kv_policy: KVPolicy = field(default_factory=KVPolicy)
+
+
+@dataclass
+class LoadedRuntime:
+    forward: TransformerForward
+    ffn_mode: str
+    schedule: str
+    plan: Plan | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def ffn_mode(model: ModelFile, requested: str, layers: list[FFNWeights]) -> str:
+    if requested not in FFN_MODES:
+        raise UserError(f"unknown FFN mode {requested!r}; use one of {', '.join(FFN_MODES)}")
+    has_predictors = all(w.has_predictor for w in layers)
+    if requested == "sparse" and not has_predictors:
+        raise UserError(f"{model.path} has no predictors (fc1/fc2); sparse decoding needs a PowerInfer GGUF")
+    if requested == "auto":
+        return "sparse" if has_predictors else "dense"
+    return requested
+
+
+def gpu_device(requested: str | None) -> torch.device | None:
+    """The GPU side: CUDA when present (or asked for), "cpu" to simulate one, None for none."""
+    if requested is None:
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {requested!r} asked for but CUDA is not available")
+    return torch.device(requested)
+
+
+def gpu_profile_name(device: torch.device | None) -> str:
+    """The planner's GPU profile for this device; the default one when it is unknown or simulated."""
+    if device is not None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        for key, profile in (("h200", "h200"), ("4090", "rtx4090"), ("2080", "rtx2080ti")):
+            if key in name:
+                return profile
+    from qinfer.planner.make_plan import PlanOptions
+
+    return PlanOptions().gpu
+
+
+@dataclass
+class Placement:
+    """Where FFN neurons start: planned resident ids and neuron-cache slots per layer, and the dense parts' side."""
+
+    plan: Plan | None
+    layout: ModelLayout
+    resident: list[torch.Tensor]
+    capacity: list[int]
+    dense_on_gpu: bool
+
+
+def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOptions, notes: list[str]) -> Placement:
+    # The planner's solvers (pulp, scipy) load only when a budget asks for a plan, not for every run.
+    from qinfer.planner.make_plan import dry_run_account, load_or_make_gpuidx
+
+    assert options.vram_budget_gib is not None
+    budget = int(options.vram_budget_gib * GIB)
+    if options.disable_gpu_index:
+        # Still refuse a budget too small for the dense parts, with the planner's message.
+        layout, _ = dry_run_account(model.path, budget, plan_options)
+        notes.append("--disable-gpu-index: every FFN neuron stays on the CPU")
+        empty = [torch.empty(0, dtype=torch.long) for _ in layout.layers]
+        return Placement(None, layout, empty, [0] * len(empty), True)
+    plan = load_or_make_gpuidx(model.path, budget, options=plan_options, reset=options.reset_gpu_index)
+    resident = [torch.from_numpy(np.flatnonzero(m)).long() for m in plan.placement.gpu_neurons]
+    spare_per_layer = max(budget - plan.vram_total, 0) / len(resident)
+    capacity = [
+        min(layer.ffn_neurons, int(r.numel()) + math.floor(spare_per_layer / layer.neuron_bytes))
+        for layer, r in zip(plan.layout.layers, resident, strict=True)
+    ]
+    share = sum(int(r.numel()) for r in resident) / sum(layer.ffn_neurons for layer in plan.layout.layers)
+    verb = "reused" if plan.reused else "wrote"
+    notes.append(
+        f"plan: {share:.0%} of FFN neurons on the GPU, {plan.gpu_activation_share:.0%} of activations ({verb} "
+        f"{plan.gpuidx_path})"
+    )
+    dense_on_gpu = all(plan.placement.attention_on_gpu) and plan.placement.output_on_gpu
+    return Placement(plan, plan.layout, resident, capacity, dense_on_gpu)
+
+
+def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
+    if options.schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {options.schedule!r}; use static or dynamic")
+    make_forward = forward_class(model)
+    layers = [ffn_weights(model, i) for i in range(model.config.layers)]
+    mode = ffn_mode(model, options.ffn, layers)
+    # Built (or found) now, so that a message about building them never lands inside generated text.
+    row_kernels.enabled()
+    cpu = torch.device("cpu")
+    if mode == "dense":
+        unused = [] if options.vram_budget_gib is None else ["dense FFN: the VRAM budget is not used; all on the CPU"]
+        return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static", notes=unused)
+    threshold = model.sparse_threshold
+    if options.vram_budget_gib is None or mode == "oracle":
+        runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else "predictor")
+        return LoadedRuntime(make_forward(model, runner, cpu), mode, "static")
+    device = gpu_device(options.device)
+    if device is not None:
+        require_split_support(layers[0].form)
+    from qinfer.planner.make_plan import PlanOptions
+
+    plan_options = PlanOptions(
+        ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device), kv_policy=options.kv_policy
+    )
+    notes: list[str] = []
+    placed = _placement(model, options, plan_options, notes)
+    if device is None:
+        notes.append("no GPU: the plan is kept for a GPU machine; everything runs sparse on the CPU")
+        forward = make_forward(model, SparseRunner(layers, threshold), cpu)
+        return LoadedRuntime(forward, mode, "static", placed.plan, notes)
+    # With the index disabled nothing may live on the GPU, so neither may neurons be shipped there.
+    dynamic = options.schedule != "static" and not options.disable_gpu_index
+    layout = placed.layout
+    rows = layers[0].form.matrices
+    costs = SplitCosts(
+        layout.layers[0].neuron_bytes,
+        2.0 * rows * layout.spec.hidden,
+        load_profile(plan_options.gpu, "gpu"),
+        load_profile(plan_options.cpu, "cpu"),
+    )
+    hybrid = HybridRunner(layers, threshold, device, placed.resident, placed.capacity, costs, dynamic)
+    forward = make_forward(model, hybrid, device if placed.dense_on_gpu else cpu)
+    return LoadedRuntime(forward, mode, "dynamic" if dynamic else "static", placed.plan, notes)

@@ -1,0 +1,392 @@
+"""OpenAI-compatible HTTP API over an EngineWorker: /v1/completions, /v1/chat/completions (both with server-sent
+event streaming), /v1/models and /health. Every error uses OpenAI's shape: {"error": {"message", "type", "param",
+"code"}}. An optional API key guards /v1/*; request bodies are capped in size and in how long they may stall."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qinfer.runtime.engine.engine import Request as EngineRequest
+from qinfer.runtime.engine.worker import EngineWorker, Job
+from qinfer.runtime.server.openai_schema import ChatRequest, CompletionRequest, SamplingFields
+
+# The slowest body upload accepted, on average: a full 8 MiB body may take about two minutes.
+MIN_BODY_BYTES_PER_S = 64 * 1024
+# How often a non-streamed request checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.25
+# Sent with errors that leave part of the request unread, so that the rest is never read.
+CLOSE = {"Connection": "close"}
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What one client may cost the server: create_app enforces the key and the body's limits, server_thread's
+    protocol the deadline for request heads and the connection limits."""
+
+    api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <api_key>"
+    max_body_bytes: int = 8 * 1024 * 1024
+    read_timeout_s: float = 10.0  # for a request's head to arrive, and for each pause in its body
+    idle_timeout_s: int = 5  # for a kept-alive connection's next request
+    max_connections: int = 256
+
+
+DEFAULT_OPTIONS = ServerOptions()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_response(
+    status: int,
+    message: str,
+    kind: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class ApiKeyGuard:
+    """ASGI middleware: every /v1 path, routed or not, needs the key, so that not even a 404 answers a stranger."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(scope):
+            message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
+            # Closing spares reading a body that the client may go on sending.
+            headers = {"WWW-Authenticate": "Bearer", **CLOSE}
+            response = error_response(401, message, "authentication_error", code="invalid_api_key", headers=headers)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        value = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = value.partition(b" ")
+        # Constant time, so that response times do not reveal how much of a guess was right.
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._key)
+
+
+class BodyGuard:
+    """ASGI middleware: a body over `max_bytes` gets a 413 (at once when its Content-Length says so, else as soon as
+    the bytes read pass the limit), one that stalls for `timeout_s` gets a 408; the connection then closes, so the
+    server never holds more than the limit of one body nor reads the rest."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # h11 has already refused a Content-Length that is not a number.
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            response = error_response(413, _too_large(self.max_bytes), "invalid_request_error", headers=CLOSE)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, _GuardedBody(receive, self.max_bytes, self.timeout_s).receive, send)
+
+
+def _too_large(max_bytes: int) -> str:
+    return f"the request body is over the server's limit of {max_bytes} bytes"
+
+
+@dataclass
+class _GuardedBody:
+    """One request's receive(), counting its body bytes and timing each wait for more, and the whole body: a client
+    trickling a byte just inside each pause would otherwise hold its connection for as long as it likes."""
+
+    inner: Receive
+    max_bytes: int
+    timeout_s: float
+    received: int = 0
+    complete: bool = False
+    deadline: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.timeout_s + self.max_bytes / MIN_BODY_BYTES_PER_S
+
+    async def receive(self) -> Message:
+        if self.complete:
+            # Past the body, receive() only waits for a disconnect, for as long as the response lasts.
+            return await self.inner()
+        wait = min(self.timeout_s, self.deadline - time.monotonic())
+        try:
+            if wait <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(wait):
+                message = await self.inner()
+        except TimeoutError:
+            raise HTTPException(
+                408,
+                f"the request body stalled or came too slowly (over {self.timeout_s:g} s idle, "
+                f"or under {MIN_BODY_BYTES_PER_S} bytes/s)",
+                CLOSE,
+            ) from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.max_bytes:
+                raise HTTPException(413, _too_large(self.max_bytes), CLOSE)
+            self.complete = not message.get("more_body", False)
+        return message
+
+
+@dataclass
+class StopScanner:
+    """Cuts the text at the first stop string, holding back a tail that could still become one."""
+
+    stops: list[str]
+    text: str = ""
+    sent: int = 0
+    stopped: bool = False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        hits = [i for i in (self.text.find(s, max(self.sent - len(s), 0)) for s in self.stops if s) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._emit_until(min(hits))
+        hold = max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        return self._emit_until(len(self.text) - hold)
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._emit_until(len(self.text))
+
+    def _emit_until(self, end: int) -> str:
+        out = self.text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+
+
+async def pieces(worker: EngineWorker, job: Job, stops: list[str]) -> AsyncIterator[Piece]:
+    """The job's text as it is generated, cut at stop strings; the last piece carries the finish reason."""
+    scanner = StopScanner(stops)
+    while True:
+        event = await job.events.get()
+        if event.error is not None:
+            raise ApiError(500, event.error, "server_error")
+        text = scanner.feed(event.text)
+        if scanner.stopped:
+            worker.cancel(job)
+            yield Piece(text, "stop", event.completion_tokens)
+            return
+        if event.finished:
+            yield Piece(text + scanner.flush(), event.reason, event.completion_tokens)
+            return
+        if text:
+            yield Piece(text, None, event.completion_tokens)
+
+
+def create_app(worker: EngineWorker, model_id: str, options: ServerOptions = DEFAULT_OPTIONS) -> FastAPI:
+    # With a key, the schema and its pages (not under /v1) are not served to whoever asks.
+    docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if options.api_key else {}
+    app = FastAPI(title="qinfer", lifespan=_lifespan(worker), **docs)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
+    app.add_middleware(BodyGuard, max_bytes=options.max_body_bytes, timeout_s=options.read_timeout_s)
+    if options.api_key:
+        # Added last, so it runs first: a stranger's body is never read.
+        app.add_middleware(ApiKeyGuard, api_key=options.api_key)
+    routes = _Routes(worker, model_id)
+    app.get("/health")(routes.health)
+    app.get("/v1/models")(routes.models)
+    app.post("/v1/completions", response_model=None)(routes.completions)
+    app.post("/v1/chat/completions", response_model=None)(routes.chat_completions)
+    return app
+
+
+def _lifespan(worker: EngineWorker) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        worker.stop()
+
+    return lifespan
+
+
+async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"the body is not valid JSON: {first['ctx']['error']}", "invalid_request_error")
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return error_response(
+        400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", "invalid_request_error", param
+    )
+
+
+async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.kind, exc.param)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):  # the router's own, which do not say what was asked for
+        message = f"{message}: {request.method} {request.url.path}"
+    kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return error_response(exc.status_code, message, kind, headers=exc.headers)
+
+
+async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
+    # The traceback goes to the server's log; the client learns only that the fault is the server's.
+    return error_response(500, f"the server failed on this request ({type(exc).__name__})", "server_error")
+
+
+@dataclass(frozen=True)
+class _Routes:
+    worker: EngineWorker
+    model_id: str
+
+    async def health(self) -> dict[str, object]:
+        return {"status": "ok", "model": self.model_id, **self.worker.stats()}
+
+    async def models(self) -> dict[str, object]:
+        model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "qinfer"}
+        return {"object": "list", "data": [model]}
+
+    async def completions(self, http: Request, body: CompletionRequest) -> JSONResponse | StreamingResponse:
+        try:
+            prompt = body.prompt_text()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="prompt") from exc
+        return await self._answer(http, body, prompt, chat=False)
+
+    async def chat_completions(self, http: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
+        return await self._answer(http, body, body.prompt_text(), chat=True)
+
+    async def _answer(
+        self, http: Request, body: SamplingFields, prompt: str, chat: bool
+    ) -> JSONResponse | StreamingResponse:
+        job, prompt_tokens = await submit(self.worker, body, prompt)
+        head = response_head(self.model_id, chat, body.stream)
+        completion = Completion(job, prompt_tokens, chat, body.stream, body.stop_list(), head)
+        if body.stream:
+            return StreamingResponse(stream_events(self.worker, completion), media_type="text/event-stream")
+        return await collect_response(http, self.worker, completion)
+
+
+async def submit(worker: EngineWorker, body: SamplingFields, prompt: str) -> tuple[Job, int]:
+    """Queue the request on the engine; return its job and the prompt's length in tokens."""
+    # A long prompt takes seconds to tokenize; on the event loop that would stall every other client meanwhile.
+    ids = await asyncio.to_thread(worker.engine.tokenizer.encode, prompt)
+    ctx_size = worker.engine.ctx_size
+    room = ctx_size - len(ids)
+    if room < 1:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {ctx_size}", param="prompt")
+    max_tokens = min(body.max_tokens or room, room)
+    seed = body.seed if body.seed is not None else secrets.randbits(31)
+    return worker.submit(EngineRequest(ids, max_tokens, body.sampling(), seed, body.ignore_eos)), len(ids)
+
+
+def response_head(model_id: str, chat: bool, stream: bool) -> dict[str, object]:
+    """The fields every response and chunk of one completion starts with."""
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else ""),
+        "created": int(time.time()),
+        "model": model_id,
+    }
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A submitted request and the response fields that depend on its kind (plain or chat, streamed or not)."""
+
+    job: Job
+    prompt_tokens: int
+    chat: bool
+    stream: bool
+    stops: list[str]
+    head: dict[str, object]
+
+    def choice(self, text: str, reason: str | None, first: bool = False) -> dict[str, object]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if not self.stream:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "finish_reason": reason}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+
+async def stream_events(worker: EngineWorker, completion: Completion) -> AsyncIterator[str]:
+    """The completion as server-sent events, ending with [DONE] or an error event."""
+    head, job = completion.head, completion.job
+    # Starlette closes this generator when the client goes away; `finally` then frees the slot.
+    try:
+        if completion.chat:
+            yield f"data: {json.dumps({**head, 'choices': [completion.choice('', None, first=True)]})}\n\n"
+        async for piece in pieces(worker, job, completion.stops):
+            chunk = {**head, "choices": [completion.choice(piece.text, piece.finish_reason)]}
+            if piece.finish_reason is not None:
+                chunk["usage"] = completion.usage(piece.completion_tokens)
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:
+        yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"
+    finally:
+        worker.cancel(job)
+
+
+async def collect_response(http: Request, worker: EngineWorker, completion: Completion) -> JSONResponse:
+    """The whole completion in one response, or 499 once the client has gone away."""
+    answer = asyncio.ensure_future(_collect(worker, completion))
+    try:
+        # Nothing tells a plain handler that its client left, so ask between waits.
+        while not (await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S))[0]:
+            if await http.is_disconnected():
+                answer.cancel()
+                return error_response(499, "the client closed the request", "invalid_request_error")
+        text, reason, tokens = answer.result()
+    finally:
+        worker.cancel(completion.job)
+    body = {**completion.head, "choices": [completion.choice(text, reason)], "usage": completion.usage(tokens)}
+    return JSONResponse(body)
+
+
+async def _collect(worker: EngineWorker, completion: Completion) -> tuple[str, str | None, int]:
+    text, reason, tokens = "", None, 0
+    async for piece in pieces(worker, completion.job, completion.stops):
+        text, reason, tokens = text + piece.text, piece.finish_reason, piece.completion_tokens
+    return text, reason, tokens

@@ -1,0 +1,111 @@
+"""Request bodies of the OpenAI completions and chat API (the fields we honour), and the chat prompt template."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from qinfer.runtime.engine.sampling import SamplingParams
+
+# The synth and ReLU base models have no chat template, so chat turns are rendered as a plain transcript.
+CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+CHAT_STOP = "\nUser:"
+# Each stop string is searched for after every token, so their number and length bound a request's cost.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+# What torch.Generator.manual_seed takes.
+MAX_SEED = 2**64 - 1
+
+
+def _valid_unicode(value: str | list[str]) -> str | list[str]:
+    """Refuse lone surrogates: JSON's \\ud800 escapes can carry them, and no tokenizer can encode them."""
+    for text in [value] if isinstance(value, str) else value:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PydanticCustomError(
+                "unicode",
+                "not valid Unicode: a lone surrogate {char} at character {at}",
+                {"char": f"\\u{ord(text[exc.start]):04x}", "at": exc.start},
+            ) from None
+    return value
+
+
+def _as_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+class SamplingFields(BaseModel):
+    # Unknown fields (logit_bias, user, ...) are accepted and ignored, as lenient OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Not in OpenAI's API; llama.cpp's server takes the same two.
+    top_k: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    n: Literal[1] = 1
+    stream: bool = False
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _capped_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = _as_list(stop)
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise PydanticCustomError(
+                "stop_limits",
+                "at most {count} stop strings of at most {chars} characters each",
+                {"count": MAX_STOPS, "chars": MAX_STOP_CHARS},
+            )
+        return stop
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    def stop_list(self) -> list[str]:
+        return _as_list(self.stop)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    _valid_prompt = field_validator("prompt")(_valid_unicode)
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise ValueError("one prompt per request: send a list of exactly one string")
+        return self.prompt[0]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+    _valid_content = field_validator("content")(_valid_unicode)
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def prompt_text(self) -> str:
+        return chat_prompt(self.messages)
+
+    def stop_list(self) -> list[str]:
+        return [*super().stop_list(), CHAT_STOP]
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    """ "System: ...\\nUser: ...\\nAssistant: ...\\n" for each turn, then "Assistant:" for the model to continue."""
+    turns = [f"{CHAT_ROLES[m.role]}: {m.content}" for m in messages]
+    return "\n".join([*turns, "Assistant:"])

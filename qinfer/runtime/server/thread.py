@@ -1,0 +1,110 @@
+"""Run the HTTP server: uvicorn over an h11 protocol that times request heads and caps connections, in the
+foreground (`qinfer serve`) or on a background thread (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import ClassVar
+
+import h11
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from qinfer.runtime.server.app import CLOSE, DEFAULT_OPTIONS, ServerOptions, error_response
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus what it lacks: a deadline for each request head, so that a client that never
+    finishes one (slowloris) cannot hold its connection forever, and a cap on open connections. Both refusals, and
+    uvicorn's own 400 for bytes that are not HTTP, use OpenAI's error shape."""
+
+    header_timeout_s: ClassVar[float] = DEFAULT_OPTIONS.read_timeout_s
+    max_connections: ClassVar[int] = DEFAULT_OPTIONS.max_connections
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            # Answered once the head arrives (h11 cannot respond before), then closed.
+            message = f"the server is at its limit of {self.max_connections} connections; retry shortly"
+            self.app = error_response(503, message, "server_error", headers={"Retry-After": "1", **CLOSE})
+        self._start_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._head_timer is None:
+            self._start_head_timer()  # the next request on a kept-alive connection has begun
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._stop_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps({"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": None}})
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body.encode()),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
+
+    def _start_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_server(app: FastAPI, options: ServerOptions, host: str, port: int) -> uvicorn.Server:
+    protocol = type(
+        "GuardedH11Protocol",
+        (GuardedH11Protocol,),
+        {"header_timeout_s": options.read_timeout_s, "max_connections": options.max_connections},
+    )
+    config = uvicorn.Config(
+        app, host, port, http=protocol, timeout_keep_alive=options.idle_timeout_s, log_level="warning"
+    )
+    return uvicorn.Server(config)
+
+
+@contextlib.contextmanager
+def serve_in_thread(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, options: ServerOptions = DEFAULT_OPTIONS
+) -> Iterator[str]:
+    """Yield the base URL (http://host:port) once the server accepts requests; stop it on exit.
+
+    Port 0 takes a free port; binding first means the URL is known before uvicorn starts."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn_server(app, options, host, port)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("the server thread ended before it started serving")
+            time.sleep(0.01)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()

@@ -1,0 +1,82 @@
+"""The engine: batched decode over slots at different positions equals decoding each prompt alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qinfer.core.errors import UserError
+from qinfer.runtime.engine.engine import Engine, Request, StepOutput
+from qinfer.runtime.engine.generate import generate, generate_many
+from qinfer.runtime.engine.sampling import SamplingParams
+
+PROMPTS = ["Once upon a time", "The dog ran fast, and the cat slept.", "Tom said", "One day a little girl named Lily"]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.mark.parametrize("ffn", ["dense", "sparse"])
+def test_batched_decode_equals_each_prompt_alone(gguf_files: dict[str, Path], ffn: str) -> None:
+    alone = Engine.open(gguf_files["pi-f32"], ctx_size=96, ffn=ffn)
+    expected = [generate(alone, p, 20, GREEDY, ignore_eos=True).tokens for p in PROMPTS]
+    together = Engine.open(gguf_files["pi-f32"], slots=3, ctx_size=96, ffn=ffn)
+    # Four prompts on three slots: the fourth starts when a slot frees, so lengths and positions differ.
+    results = generate_many(together, PROMPTS, 20, GREEDY, ignore_eos=True)
+    assert [r.tokens for r in results] == expected
+    assert len({len(e) for e in expected}) == 1 and len(expected[0]) == 20
+
+
+def test_batched_logits_match_single_sequence_logits(gguf_files: dict[str, Path]) -> None:
+    engine = Engine.open(gguf_files["pi-f32"], slots=2, ctx_size=64, ffn="dense")
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
+    slots = [engine.submit(Request(i, 5, GREEDY)) for i in ids]
+    engine.step()  # one batched decode forward at two different positions
+    single = Engine.open(gguf_files["pi-f32"], ctx_size=64, ffn="dense")
+    for slot, prompt_ids in zip(slots, ids, strict=True):
+        token = int(engine._active[slot].logits.argmax())  # noqa: SLF001 - what the next step would sample
+        single.submit(Request(prompt_ids, 5, GREEDY))
+        first = single.step()[0].token
+        assert first is not None
+        with torch.inference_mode():
+            alone = single.forward(torch.tensor([first]), len(prompt_ids), single.cache)[0]
+        assert torch.allclose(engine._active[slot].logits, alone, atol=1e-4)  # noqa: SLF001
+        assert token == int(alone.argmax())
+        single.cancel(0)
+
+
+def test_slots_fill_free_and_finish(gguf_files: dict[str, Path]) -> None:
+    engine = Engine.open(gguf_files["pi-f16"], slots=2, ctx_size=32)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    a = engine.submit(Request(ids, 3, GREEDY, ignore_eos=True))
+    b = engine.submit(Request(ids, 100, GREEDY, ignore_eos=True))
+    assert engine.free_slots() == 0
+    with pytest.raises(UserError, match="slots are busy"):
+        engine.submit(Request(ids, 3, GREEDY))
+    with pytest.raises(UserError, match="context holds 32"):
+        Engine.open(gguf_files["pi-f16"], ctx_size=32).submit(Request(list(range(40)), 3, GREEDY))
+    finished: dict[int, tuple[int, str | None]] = {}
+    counts = {a: 0, b: 0}
+    while engine.free_slots() < 2:
+        for out in engine.step():
+            counts[out.slot] += out.token is not None
+            if out.finished:
+                finished[out.slot] = (counts[out.slot], out.reason)
+    assert finished[a] == (3, "length")
+    # Slot b runs until all 32 positions hold tokens; the token sampled from the last one still comes out.
+    assert finished[b] == (32 - len(ids) + 1, "length")
+    c = engine.submit(Request(ids, 2, GREEDY))
+    engine.cancel(c)
+    assert engine.free_slots() == 2 and engine.step() == []
+
+
+def test_eos_stops_a_sequence_unless_ignored(gguf_files: dict[str, Path]) -> None:
+    engine = Engine.open(gguf_files["pi-f32"], ctx_size=64)
+    eos = engine.tokenizer.eos_id
+    assert eos is not None
+    for ignore, expected in ((False, StepOutput(0, None, True, "stop")), (True, StepOutput(0, eos, False, None))):
+        slot = engine.submit(Request(engine.tokenizer.encode(PROMPTS[0]), 10, GREEDY, ignore_eos=ignore))
+        seq = engine._active[slot]  # noqa: SLF001 - make EOS the greedy choice
+        seq.logits = seq.logits.clone().index_fill_(0, torch.tensor([eos]), 1e9)
+        assert engine.step() == [expected]
+        engine.cancel(slot)

@@ -1,0 +1,174 @@
+"""GPU/CPU split on a simulated GPU (a second CPU tensor set): the merged result equals the all-CPU sparse one."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qinfer.core.errors import UserError
+from qinfer.core.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
+from qinfer.planner.budget import GIB
+from qinfer.planner.make_plan import PlanOptions, dry_run_account
+from qinfer.runtime.engine.engine import Engine
+from qinfer.runtime.engine.generate import generate, generate_many
+from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.ffn.hybrid import HybridRunner
+from qinfer.runtime.ffn.split_cost import SplitCosts
+from qinfer.runtime.kv.cache import KVCache
+from tests.support.cli_in_process import run_in_process
+from tests.support.devices import device
+from tests.support.fake_activation import write_power_law_activation
+
+PROMPTS = ["Once upon a time", "The dog ran fast, and the cat slept.", "Tom said"]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture
+def model(tmp_path: Path, gguf_files: dict[str, Path]) -> Path:
+    path = tmp_path / "tiny.powerinfer.gguf"
+    shutil.copy(gguf_files["pi-f32"], path)
+    write_power_law_activation(tmp_path / "activation")
+    return path
+
+
+def _budget_gib(model: Path, slots: int, share: float) -> float:
+    """Room for the dense parts and `share` of the FFN neurons."""
+    _, acct = dry_run_account(model, 1 << 40, PlanOptions(ctx_size=96, batch=slots))
+    return (acct.dense + acct.ffn_total * share) / GIB
+
+
+def _hybrid(engine: Engine) -> HybridRunner:
+    assert engine.runtime is not None
+    runner = engine.runtime.forward.ffn
+    assert isinstance(runner, HybridRunner)
+    return runner
+
+
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_split_merge_equals_all_cpu(model: Path, schedule: str) -> None:
+    cpu_only = Engine.open(model, slots=3, ctx_size=96)
+    expected = [r.tokens for r in generate_many(cpu_only, PROMPTS, 16, GREEDY, ignore_eos=True)]
+    budget = _budget_gib(model, 3, 0.3)
+    split = Engine.open(model, slots=3, ctx_size=96, vram_budget_gib=budget, schedule=schedule, device="cpu")
+    runner = _hybrid(split)
+    assert [r.tokens for r in generate_many(split, PROMPTS, 16, GREEDY, ignore_eos=True)] == expected
+    # The device side really computed neurons; with the static split the CPU did too (dynamic may ship them all).
+    assert sum(s.device for s in runner.last) > 0
+    assert schedule == "dynamic" or sum(s.cpu for s in runner.last) > 0
+    resident = sum(c.resident for c in runner.caches)
+    assert 0 < resident < sum(w.neurons for w in runner.layers)
+    assert gpuidx_path_for(model).exists()
+
+
+def test_split_logits_match_cpu_logits_whichever_way_neurons_move(model: Path) -> None:
+    cpu_only = Engine.open(model, ctx_size=96)
+    split = Engine.open(
+        model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3), schedule="dynamic", device="cpu"
+    )
+    runner = _hybrid(split)
+    ids = torch.tensor(cpu_only.tokenizer.encode(PROMPTS[1]))
+    a, b = KVCache(cpu_only.forward.cfg, 96), KVCache(split.forward.cfg, 96)
+    # A CPU 1000x slower than modelled ships CPU neurons to the device; one 1000x faster takes device neurons.
+    # Its time is the FLOPs', which shipping saves (reading the rows, which shipping needs too, takes 1000x less).
+    gpu, cpu = device("gpu", 1e9, 1e12, pcie=1e10), device("cpu", 1e12, 1e9)
+    for scale, moved in ((1000.0, 1), (1e-3, -1)):
+        runner.costs = SplitCosts(1.0, 100.0, gpu, cpu, cpu_scale=scale)
+        runner.costs.calibrate = lambda *_: None  # type: ignore[method-assign] - keep the forced scale
+        with torch.inference_mode():
+            cpu_only.forward(ids[:4], 0, a), split.forward(ids[:4], 0, b)
+            for j in range(4, len(ids)):
+                expected = cpu_only.forward(ids[j : j + 1], j, a)
+                assert torch.allclose(split.forward(ids[j : j + 1], j, b), expected, rtol=0, atol=1e-4)
+        assert all(s.moved * moved > 0 for s in runner.last)
+
+
+def test_neuron_rows_on_device_stay_within_the_budget(model: Path) -> None:
+    budget = _budget_gib(model, 1, 0.5)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="dynamic", device="cpu")
+    runner = _hybrid(split)
+    assert split.runtime is not None and split.runtime.plan is not None
+    plan = split.runtime.plan
+    dense = plan.vram_total - plan.vram["ffn neurons"]
+    generate(split, PROMPTS[0], 24, GREEDY, ignore_eos=True)
+    assert dense + runner.device_bytes() <= budget * GIB
+    assert runner.device_bytes() >= plan.vram["ffn neurons"]  # the planned neurons, plus spare slots if any
+
+
+def test_stale_or_mismatched_gpuidx_is_a_clear_error(model: Path) -> None:
+    budget = _budget_gib(model, 1, 0.3)
+    Engine.open(model, ctx_size=96, vram_budget_gib=budget, device="cpu")
+    with pytest.raises(UserError, match="stale: vram budget changed.*--reset-gpu-index"):
+        Engine.open(model, ctx_size=96, vram_budget_gib=budget * 1.1, device="cpu")
+    Engine.open(model, ctx_size=96, vram_budget_gib=budget * 1.1, device="cpu", reset_gpu_index=True)
+    write_gpuidx(gpuidx_path_for(model), GpuIndex(0, (np.zeros(100, np.int32), np.zeros(100, np.int32))))
+    with pytest.raises(UserError, match="FFN sizes 2 x 100, this one has 2 x 256"):
+        Engine.open(model, ctx_size=96, vram_budget_gib=budget, device="cpu")
+
+
+def test_missing_activation_names_the_profile_command(model: Path) -> None:
+    shutil.rmtree(model.parent / "activation")
+    with pytest.raises(UserError, match="qinfer prep profile"):
+        Engine.open(model, ctx_size=96, vram_budget_gib=1.0, device="cpu")
+
+
+def test_without_a_gpu_the_budget_only_shapes_the_plan(model: Path) -> None:
+    engine = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3))
+    assert engine.runtime is not None and engine.runtime.plan is not None
+    if not torch.cuda.is_available():
+        assert any("no GPU" in n for n in engine.runtime.notes)
+        assert engine.forward.device.type == "cpu"
+    disabled = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, disable_gpu_index=True, device="cpu")
+    assert sum(c.capacity for c in _hybrid(disabled).caches) == 0
+    assert (
+        generate(disabled, PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
+        == generate(Engine.open(model, ctx_size=96), PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
+    )
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_run_command_plans_on_the_spot_and_decodes_in_parallel(model: Path) -> None:
+    budget = f"{_budget_gib(model, 2, 0.3):.6f}"
+    args = ["run", "-m", str(model), "-n", "6", "--temp", "0", "--ignore-eos", "-c", "96", "--vram-budget", budget]
+    result = _cli(*args, "--parallel", "2", "--schedule", "dynamic")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert [line[:4] for line in lines] == ["[0] ", "[1] "] and lines[0][4:] == lines[1][4:]  # greedy: same text
+    assert "plan:" in result.stderr and "decode: 12 tokens" in result.stderr
+    assert gpuidx_path_for(model).exists()
+    # The rest through the entry point in this process: the separate process above has shown the real start.
+    stale = run_in_process(*args[:-1], "0.5", "--parallel", "2")
+    assert stale.returncode == 2 and stale.stderr.strip().count("\n") == 0
+    assert "stale" in stale.stderr and "--reset-gpu-index" in stale.stderr
+    assert run_in_process(*args[:-1], "0.5", "--parallel", "2", "--reset-gpu-index").returncode == 0
+
+
+
+def test_run_command_without_activation_statistics_names_the_profile_command(model: Path) -> None:
+    shutil.rmtree(model.parent / "activation")
+    result = _cli("run", "-m", str(model), "-n", "4", "--vram-budget", "1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "qinfer prep profile" in result.stderr
+
+
+def test_dynamic_cache_swaps_keep_device_rows_equal_to_the_file(model: Path) -> None:
+    split = Engine.open(
+        model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3), schedule="dynamic", device="cpu"
+    )
+    runner = _hybrid(split)
+    generate(split, PROMPTS[1], 40, GREEDY, ignore_eos=True)
+    assert sum(c.swaps for c in runner.caches) > 0
+    for w, slots, cache in zip(runner.layers, runner.slots, runner.caches, strict=True):
+        used = torch.nonzero(cache.slot_neuron >= 0).flatten()
+        neurons = cache.slot_neuron[used]
+        assert torch.equal(slots.up[used], w.up[neurons]) and torch.equal(slots.down_t[used], w.down_t[neurons])
+        assert slots.gate is not None and w.gate is not None and torch.equal(slots.gate[used], w.gate[neurons])
+        assert cache.resident <= cache.capacity == slots.up.shape[0]

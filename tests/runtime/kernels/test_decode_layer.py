@@ -1,0 +1,187 @@
+"""The native decode step of a whole layer (decode_layer.c): the logits it gives equal the torch path's, which the
+runtime's other tests hold against transformers; it runs exactly where it applies and steps aside elsewhere; a
+sparse step with every neuron selected is the dense step; a description that does not fit is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qinfer.core.errors import UserError
+from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.predictor_dir import FC1, FC2
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.convert.quantize import quantize_gguf
+from qinfer.prep.synth.build import SynthReport
+from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.runtime.engine.perplexity import perplexity
+from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
+from qinfer.runtime.kernels.decode_layer import DecodeLayers
+from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.cache import KVCache, make_kv_cache
+from qinfer.runtime.model.forward import TransformerForward
+from qinfer.runtime.model.loader import RuntimeOptions, load_forward
+from qinfer.runtime.model.model_file import open_model
+
+# Every test here runs on each kernel build: native, AVX2 and plain C (tests/conftest.py).
+pytestmark = [
+    pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler to build the kernel"),
+    pytest.mark.usefixtures("kernel_build"),
+]
+CTX = 64
+IDS = [5, 17, 300, 42, 9, 77, 128, 3, 250, 61, 19, 400]
+
+
+@pytest.fixture(scope="module")
+def q8(gguf_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model's PowerInfer and dense files in Q8_0."""
+    out = tmp_path_factory.mktemp("q8")
+    return {
+        "pi": quantize_gguf(gguf_files["pi-f16"], out / "tiny.q8.powerinfer.gguf", "Q8_0").outfile,
+        "dense": quantize_gguf(gguf_files["dense-f16"], out / "tiny.q8.gguf", "Q8_0").outfile,
+    }
+
+
+@pytest.fixture(scope="module")
+def mixed_ranks(tiny: SynthReport, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with layer 1's predictor widened from rank 32 to 64 by zero rows of fc1 and zero columns of
+    fc2: a file whose layers have different ranks, and whose predictions are unchanged."""
+    out = tmp_path_factory.mktemp("ranks")
+    predictor = shutil.copytree(tiny.predictor_dir, out / "predictor")
+    state = torch.load(predictor / "model_1.pt")
+    state[FC1] = torch.cat([state[FC1], torch.zeros_like(state[FC1])])
+    state[FC2] = torch.cat([state[FC2], torch.zeros_like(state[FC2])], dim=1)
+    torch.save(state, predictor / "model_1.pt")
+    return convert(tiny.model_dir, out / "tiny.powerinfer.gguf", predictor, "f16").outfile
+
+
+def forward_for(path: Path, ffn: str) -> TransformerForward:
+    forward = load_forward(open_model(path), RuntimeOptions(ffn=ffn)).forward
+    assert isinstance(forward, TransformerForward)
+    return forward
+
+
+def decode(forward: TransformerForward, native: bool, slot: int = 0, slots: int = 1) -> torch.Tensor:
+    """Logits of a 3-token prompt, then one decode step per remaining token of IDS, in `slot` of a cache of `slots`,
+    with or without the layer kernel; the other slots must stay untouched."""
+    kept = forward.native  # type: ignore[attr-defined]
+    forward.native = kept if native else None  # type: ignore[attr-defined]
+    cache = make_kv_cache(forward.cfg, CTX, slots)
+    assert isinstance(cache, KVCache)
+    try:
+        with torch.inference_mode():
+            logits = [forward.forward(TokenBatch.prompt(torch.tensor(IDS[:3]), 0, slot), cache)[-1:]]
+            for j, t in enumerate(IDS[3:], start=3):
+                logits.append(forward.forward(TokenBatch.decode([t], [j], [slot]), cache))
+    finally:
+        forward.native = kept  # type: ignore[attr-defined]
+    others = [s for s in range(slots) if s != slot]
+    assert not cache.k[:, others].any() and not cache.v[:, others].any()
+    return torch.cat(logits)
+
+
+def counting_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = DecodeLayers.run
+
+    def run(self: DecodeLayers, i: int, *args: object) -> torch.Tensor:
+        calls.append(i)
+        return real(self, i, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeLayers, "run", run)
+    return calls
+
+
+@pytest.mark.parametrize(("file", "ffn"), [("pi-f16", "sparse"), ("pi-f16", "dense"), ("dense-f16", "dense")])
+def test_f16_layers_give_the_torch_paths_logits(
+    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, file: str, ffn: str
+) -> None:
+    """Grouped kv heads (4 heads over 2), rope, the cache, the predictor and both down layouts ([F, E] rows of a
+    PowerInfer file, the dense file's [E, F] matrix); every decode step of every layer runs natively."""
+    forward = forward_for(gguf_files[file], ffn)
+    assert forward.native is not None  # type: ignore[attr-defined]
+    calls = counting_runs(monkeypatch)
+    native = decode(forward, True)
+    assert calls == list(range(forward.cfg.layers)) * (len(IDS) - 3)
+    reference = decode(forward, False)
+    assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+def test_a_later_slot_and_mixed_predictor_ranks(gguf_files: dict[str, Path], mixed_ranks: Path) -> None:
+    """Slot 2 of three (the others untouched), and a file whose layers' predictors have ranks 32 and 64."""
+    forward = forward_for(gguf_files["pi-f16"], "sparse")
+    reference = decode(forward, False, slot=2, slots=3)
+    assert (decode(forward, True, slot=2, slots=3) - reference).abs().max() <= 1e-4 * reference.abs().max()
+    mixed = forward_for(mixed_ranks, "sparse")
+    assert mixed.native is not None and mixed.native.dims.predictor == 64  # type: ignore[attr-defined]
+    assert [w.fc1.shape[0] for w in mixed.ffn.layers] == [32, 64]  # type: ignore[attr-defined]
+    assert (decode(mixed, True) - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+@pytest.mark.parametrize(("file", "ffn"), [("pi", "sparse"), ("dense", "dense")])
+def test_q8_layers_stay_within_input_rounding_of_the_torch_path(q8: dict[str, Path], file: str, ffn: str) -> None:
+    """Q8_0 rows (with the dense file's down as a quantized [E, F] matrix, whose input is the activations): both
+    paths quantize each product's input to Q8_0 blocks, but the layer computes its norms and attention in its own
+    order, so an input can round to the neighbouring step: the logits agree to ~1%."""
+    forward = forward_for(q8[file], ffn)
+    assert forward.native is not None  # type: ignore[attr-defined]
+    native, reference = decode(forward, True), decode(forward, False)
+    assert (native - reference).abs().max() <= 0.02 * reference.abs().max()
+    assert (native - reference).abs().mean() <= 0.002 * reference.abs().max()
+
+
+def test_every_neuron_selected_gives_the_dense_perplexity(gguf_files: dict[str, Path], tmp_path: Path) -> None:
+    """A threshold no predictor output falls below selects every neuron: the sparse layer is then the dense one."""
+    tokenizer = GGUFTokenizer(open_model(gguf_files["pi-f16"]).metadata)
+    ids = tokenizer.encode(synth_corpus(seed=7, n_chars=3000))
+    dense = forward_for(gguf_files["pi-f16"], "dense")
+    everything = forward_for(gguf_files["pi-f16"], "sparse")
+    assert isinstance(everything.ffn, SparseRunner)
+    everything.ffn.threshold = -float("inf")
+    everything.native = DecodeLayers.build(everything.cfg, everything.attn, everything.ffn)  # type: ignore[attr-defined]
+    dense_ppl = perplexity(dense, ids, CTX, tokenizer.bos_id, token_by_token=True).perplexity
+    sparse_ppl = perplexity(everything, ids, CTX, tokenizer.bos_id, token_by_token=True).perplexity
+    assert sparse_ppl == pytest.approx(dense_ppl, rel=1e-4)
+
+
+def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts, a batch of two slots, the window cache, QINFER_NATIVE=0, a runner swapped in after the layers were
+    described, the oracle and float32 weights take the torch path."""
+    forward = forward_for(gguf_files["pi-f16"], "sparse")
+    calls = counting_runs(monkeypatch)
+    cache = make_kv_cache(forward.cfg, CTX, slots=2)
+    with torch.inference_mode():
+        forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0, 0), cache)
+        forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0, 1), cache)
+        forward.forward(TokenBatch.decode([1, 2], [4, 4], [0, 1]), cache)
+        window = make_kv_cache(forward.cfg, CTX, policy=KVPolicy("window", 8))
+        forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0), window)
+        forward.forward(TokenBatch.decode([1], [4], [0]), window)
+        monkeypatch.setenv("QINFER_NATIVE", "0")
+        forward.forward(TokenBatch.decode([1], [5], [0]), cache)
+        forward.ffn = DenseRunner(forward.ffn.layers)  # type: ignore[attr-defined]
+        monkeypatch.setenv("QINFER_NATIVE", "1")
+        forward.forward(TokenBatch.decode([1], [6], [0]), cache)
+    assert calls == []
+    assert forward_for(gguf_files["pi-f16"], "oracle").native is None  # type: ignore[attr-defined]
+    assert forward_for(gguf_files["pi-f32"], "sparse").native is None  # type: ignore[attr-defined]
+
+
+def test_a_description_that_does_not_fit_is_refused(gguf_files: dict[str, Path]) -> None:
+    """The kernel checks every matrix against the dimensions before it reads: a wrong row count is an error."""
+    forward = forward_for(gguf_files["pi-f16"], "sparse")
+    native = forward.native  # type: ignore[attr-defined]
+    assert native is not None
+    native.layers[1].o.rows -= 1
+    cache = make_kv_cache(forward.cfg, CTX)
+    with torch.inference_mode():
+        forward.forward(TokenBatch.prompt(torch.tensor(IDS[:3]), 0), cache)
+        before = cache.k.clone()
+        with pytest.raises(UserError, match="corrupt"):
+            forward.forward(TokenBatch.decode([1], [3], [0]), cache)
+    assert torch.equal(cache.k[1], before[1])  # layer 1 wrote nothing

@@ -1,0 +1,118 @@
+"""Building and loading the native kernels: a library per instruction set in the user cache, the three targets the
+suite runs, an unknown target refused, and the torch path where no compiler builds them."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from qinfer.core.architectures import ARCHITECTURES
+from qinfer.core.errors import UserError
+from qinfer.runtime.engine.engine import Engine
+from qinfer.runtime.ffn.sparse import sparse_rows
+from qinfer.runtime.kernels import row_kernels
+
+COMPILER = os.environ.get("CC", "cc")
+needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason="no C compiler to build the kernel")
+x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
+
+
+@pytest.fixture
+def fresh_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache, so the kernel is built (or fails to build) inside the test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    row_kernels.load.cache_clear()
+    yield tmp_path / "qinfer" / "kernels"
+    row_kernels.load.cache_clear()
+
+
+@needs_compiler
+def test_kernel_builds_into_an_empty_cache(fresh_kernel: Path) -> None:
+    assert row_kernels.kernel() is not None
+    built = sorted(p.name for p in fresh_kernel.iterdir())
+    assert len(built) == 1 and built[0].startswith("row_kernels_") and built[0].endswith(".so")
+
+
+@needs_compiler
+@x86
+def test_each_target_gets_its_own_library(fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Builds for other instruction sets share the cache without replacing each other; a newer source replaces
+    only the build of its own instruction set."""
+    names = {}
+    for target in ("avx2", "scalar"):
+        monkeypatch.setenv("QINFER_KERNEL_TARGET", target)
+        assert row_kernels.kernel() is not None
+        names[target] = row_kernels.library_name(COMPILER, row_kernels.TARGETS[target][0])
+    assert sorted(p.name for p in fresh_kernel.iterdir()) == sorted(names.values())
+    stale = fresh_kernel / (names["avx2"].rsplit("_", 1)[0] + "_000000000000.so")
+    stale.write_bytes(b"an older source's build")
+    row_kernels.load.cache_clear()
+    (fresh_kernel / names["avx2"]).unlink()
+    monkeypatch.setenv("QINFER_KERNEL_TARGET", "avx2")
+    assert row_kernels.kernel() is not None
+    assert sorted(p.name for p in fresh_kernel.iterdir()) == sorted(names.values())
+
+
+@needs_compiler
+@x86
+def test_two_cpu_feature_sets_get_two_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-march=native is keyed by what the compiler resolves it to, so a cache shared by an AVX-512 machine and an
+    AVX2 one never hands either the other's library."""
+    native = row_kernels.TARGETS["native"][0]
+    named = {cpu: row_kernels.instruction_set(COMPILER, [cpu]) for cpu in ("-march=haswell", "-march=x86-64")}
+    assert all(named.values()) and len(set(named.values())) == 2
+    # native resolves to the CPU's model and each of its features, not to the word "native".
+    resolved = row_kernels.instruction_set(COMPILER, native)
+    assert "native" not in resolved and len(resolved.split()) > 5
+    real = row_kernels.library_name(COMPILER, native)
+    machines = {}
+    for cpu in ("-march=skylake-avx512", "-march=haswell"):
+        monkeypatch.setattr(row_kernels, "instruction_set", lambda compiler, flags, cpu=cpu: cpu)
+        machines[cpu] = row_kernels.library_name(COMPILER, native)
+    assert len({real, *machines.values()}) == 3
+    # The source part of the name is the same: only the instruction set tells the libraries apart.
+    assert len({name.rsplit("_", 1)[1] for name in (real, *machines.values())}) == 1
+
+
+def test_an_unknown_target_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QINFER_KERNEL_TARGET", "avx1024")
+    with pytest.raises(UserError, match="QINFER_KERNEL_TARGET='avx1024'.*native, avx2, scalar"):
+        row_kernels.kernel()
+
+
+def test_without_a_compiler_the_torch_path_runs(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
+    assert row_kernels.kernel() is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "native row kernels not built" in err and "torch" in err
+    g = torch.Generator().manual_seed(0)
+    gate, up, down_t = (torch.randn(40, 64, generator=g).half() for _ in range(3))
+    x, ids = torch.randn(1, 64, generator=g), torch.arange(0, 40, 2)
+    llama = ARCHITECTURES["llama"].ffn
+    assert row_kernels.sparse_ffn(llama, x, gate, up, down_t, ids) is None
+    out = sparse_rows(llama, x, gate, up, down_t, ids, None)
+    x64 = x.double()
+    act = torch.relu(x64 @ gate[ids].double().T) * (x64 @ up[ids].double().T)
+    ref = act @ down_t[ids].double()
+    assert (out.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
+    assert not list(fresh_kernel.glob("*.tmp"))
+
+
+def test_a_failed_build_is_reported_when_the_model_opens(
+    gguf_files: dict[str, Path],
+    fresh_kernel: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not at the first decode step, where the line would land inside the generated text."""
+    monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
+    Engine.open(gguf_files["pi-f16"], ctx_size=32)
+    assert "native row kernels not built" in capsys.readouterr().err

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible server under the official `openai` client on loopback, serving the tiny synth model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from qinfer.runtime.engine.engine import Engine
+from qinfer.runtime.engine.generate import generate
+from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.engine.worker import EngineWorker
+from qinfer.runtime.server.app import StopScanner, create_app
+from qinfer.runtime.server.openai_schema import ChatMessage, chat_prompt
+from qinfer.runtime.server.thread import serve_in_thread
+
+SLOTS = 4
+CTX = 256
+GREEDY = SamplingParams(0.0, 0, 1.0)
+PROMPTS = [
+    "Once upon a time",
+    "Lily found a red ball",
+    "The sky was sunny and",
+    'Tom said, "Look',
+    "One day, a little fox",
+    "Mia had 5 apples",
+    "They played in the park",
+    "In the end, Ben learned that",
+]
+
+
+@pytest.fixture(scope="module")
+def model(gguf_files: dict[str, Path]) -> Path:
+    return gguf_files["pi-f32"]
+
+
+@pytest.fixture(scope="module")
+def base_url(model: Path) -> Iterator[str]:
+    engine = Engine.open(model, slots=SLOTS, ctx_size=CTX)
+    with serve_in_thread(create_app(EngineWorker(engine), "tiny")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> Engine:
+    """A one-slot engine of the same model, used directly: what the server must reproduce."""
+    return Engine.open(model, slots=1, ctx_size=CTX)
+
+
+def _http(url: str, body: bytes | None = None) -> tuple[int, dict]:  # type: ignore[type-arg]
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _expected(reference: Engine, prompt: str, n: int) -> str:
+    return generate(reference, prompt, n, GREEDY, ignore_eos=True).text
+
+
+def test_completion_matches_the_engine_and_streams_the_same_text(client: openai.OpenAI, reference: Engine) -> None:
+    args = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.0}
+    whole = client.completions.create(**args, extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == _expected(reference, PROMPTS[0], 12)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens == len(reference.tokenizer.encode(PROMPTS[0]))
+
+    chunks = list(client.completions.create(**args, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_uses_the_transcript_template_and_streams(client: openai.OpenAI, reference: Engine) -> None:
+    messages = [{"role": "system", "content": "Tell short stories."}, {"role": "user", "content": "A story about Tom"}]
+    args = {"model": "tiny", "messages": messages, "max_tokens": 10, "temperature": 0.0}
+    whole = client.chat.completions.create(**args, extra_body={"ignore_eos": True})
+    prompt = chat_prompt([ChatMessage(**m) for m in messages])
+    assert prompt == "System: Tell short stories.\nUser: A story about Tom\nAssistant:"
+    expected = _expected(reference, prompt, 10)
+    content = whole.choices[0].message.content
+    assert content is not None and expected.startswith(content)
+    assert whole.choices[0].message.role == "assistant"
+
+    streamed = list(client.chat.completions.create(**args, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == content
+    assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_malformed_requests_get_openai_shaped_400s(client: openai.OpenAI, base_url: str) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=-3)
+    assert bad.value.status_code == 400 and "max_tokens" in str(bad.value.body)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="Hi", n=2)
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="tiny", prompt="word " * CTX)
+    assert "context holds" in str(long.value.body)
+    status, broken = _http(f"{base_url}/v1/chat/completions", b"{not json")
+    assert status == 400 and broken["error"]["type"] == "invalid_request_error" and broken["error"]["message"]
+    assert _http(f"{base_url}/v1/models")[1]["data"][0]["id"] == "tiny"
+
+
+def test_eight_concurrent_clients_all_get_complete_answers(client: openai.OpenAI, reference: Engine) -> None:
+    def ask(prompt: str) -> tuple[str, str | None, int]:
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        assert r.usage is not None
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, PROMPTS))
+    # Twice as many clients as slots: half of them waited, and batching changed no one's answer.
+    for prompt, (text, reason, tokens) in zip(PROMPTS, answers, strict=True):
+        assert (reason, tokens) == ("length", 16)
+        assert text == _expected(reference, prompt, 16)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(model: Path) -> None:
+    engine = Engine.open(model, slots=1, ctx_size=CTX)
+    step = engine.step
+
+    def slow_step() -> list:  # type: ignore[type-arg]
+        # Slowed so that the full answer would take seconds longer than freeing the slot may.
+        time.sleep(0.05)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    with serve_in_thread(create_app(EngineWorker(engine), "tiny")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[0],
+            max_tokens=200,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        assert _http(f"{url}/health")[1]["busy_slots"] == 1
+        stream.close()
+        _wait_for(lambda: _http(f"{url}/health")[1]["busy_slots"] == 0, 3.0)  # 200 tokens would take 10 s
+        assert _http(f"{url}/health")[1] | {"model": None} == {
+            "status": "ok",
+            "model": None,
+            "slots": 1,
+            "busy_slots": 0,
+            "free_slots": 1,
+            "waiting": 0,
+        }
+        # A non-streamed request whose client hangs up is dropped as well.
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            _wait_for(lambda: _http(f"{url}/health")[1]["busy_slots"] == 1, 3.0)
+        _wait_for(lambda: _http(f"{url}/health")[1]["busy_slots"] == 0, 3.0)
+        # The only slot serves the next client.
+        after = client.completions.create(
+            model="tiny", prompt=PROMPTS[1], max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert after.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text_even_across_pieces() -> None:
+    scanner = StopScanner(["\nUser:"])
+    assert scanner.feed("Hel") == "Hel"
+    assert scanner.feed("lo\nUs") == "lo"  # "\nUs" may begin the stop string: held back
+    assert scanner.feed("er: more") == "" and scanner.stopped
+    assert scanner.flush() == ""
+    other = StopScanner(["\nUser:"])
+    assert other.feed("a\nU") + other.feed("p") + other.flush() == "a\nUp" and not other.stopped
+
+
+def test_qinfer_serve_command_answers_on_loopback_by_default(model: Path) -> None:
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        "-c",
+        "from qinfer.cli.main import main; main()",
+        "serve",
+        "-m",
+        str(model),
+        "--port",
+        str(port),
+        "--slots",
+        "2",
+    ]
+    server = subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, health = _http(f"http://127.0.0.1:{port}/health")
+                break
+            except urllib.error.URLError:
+                assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.2)
+        assert status == 200 and health["slots"] == 2 and health["model"] == model.name
+        status, answer = _http(
+            f"http://127.0.0.1:{port}/v1/completions", json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+        )
+        assert status == 200 and answer["usage"]["completion_tokens"] <= 2
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
