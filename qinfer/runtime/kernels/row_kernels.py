@@ -12,6 +12,11 @@ CPU it runs on; `QINFER_KERNEL_TARGET=avx2` or `scalar` builds the AVX2 or the p
 all three). Where it cannot be built the runtime keeps its torch path (gather, or expand then matmul), so the
 kernels are an accelerator, never a requirement; QINFER_NATIVE=0 turns them off (for side-by-side benchmarks and
 debugging).
+
+Loading a library runs its code, and its name can be computed by anyone, so only a file this user made is loaded:
+the cache's directories are made 0700, and a directory or library that is a link, belongs to another user or may
+be written by others is never used; the kernels are then built in a private temporary directory for this process.
+Stale builds are removed only where this user made them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import functools
 import hashlib
 import os
 import platform
+import stat
 import subprocess
 import sys
 import tempfile
@@ -86,9 +92,32 @@ def library_name(compiler: str, flags: list[str]) -> str:
     return f"row_kernels_{isa}_{source}.so"
 
 
+def _private(path: Path, kind: int) -> bool:
+    """Whether `path` is a `kind` (stat.S_IFDIR, stat.S_IFREG) of this user's, not a link, that no one else may
+    write."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_IFMT(found.st_mode) == kind and found.st_uid == os.geteuid() and not found.st_mode & 0o022
+
+
+def _private_cache() -> Path | None:
+    """The cache directory, made 0700 where missing; None where it, or the qinfer directory above it, is not this
+    user's alone."""
+    directory = cache_dir()
+    try:
+        directory.parent.parent.mkdir(parents=True, exist_ok=True)
+        for private in (directory.parent, directory):
+            private.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    return directory if all(_private(d, stat.S_IFDIR) for d in (directory.parent, directory)) else None
+
+
 def _build(compiler: str, flags: list[str], out: Path) -> str | None:
-    """Compile SOURCE with `flags` into `out` (atomically); the compiler's last error line where it fails."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Compile SOURCE with `flags` into `out` (atomically, readable by this user alone); the compiler's last error
+    line where it fails."""
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp]
@@ -100,26 +129,30 @@ def _build(compiler: str, flags: list[str], out: Path) -> str | None:
     if done.returncode != 0:
         Path(tmp).unlink(missing_ok=True)
         return (done.stderr.strip().splitlines() or ["failed"])[-1]
+    # The compiler may write a new file with the umask's mode; the library is this user's alone either way.
+    os.chmod(tmp, 0o700)
     os.replace(tmp, out)
-    # Builds of older sources for this instruction set are never loaded again; other sets' builds stay.
+    # Builds of older sources for this instruction set are never loaded again; other sets' builds stay, and so
+    # does any file another user left.
     isa_prefix = out.name.rsplit("_", 1)[0] + "_"
     for stale in out.parent.glob(f"{isa_prefix}*.so"):
-        if stale != out:
+        if stale != out and _private(stale, stat.S_IFREG):
             stale.unlink(missing_ok=True)
     return None
 
 
-def _load_or_build(compiler: str, name: str) -> Path | str:
-    """The library for target `name`, built where missing; the build error where no flag set works."""
+def _find_or_build(compiler: str, name: str, directory: Path) -> Path | str | None:
+    """The library for target `name` in `directory`, built where missing: its path, the build error where no flag
+    set works, or None where the file there is not this user's alone."""
     error = ""
     for flags in TARGETS[name]:
-        path = cache_dir() / library_name(compiler, flags)
-        if path.exists():
-            return path
-        failed = _build(compiler, flags, path)
-        if failed is None:
-            return path
-        error = failed
+        path = directory / library_name(compiler, flags)
+        if not os.path.lexists(path):
+            failed = _build(compiler, flags, path)
+            if failed is not None:
+                error = failed
+                continue
+        return path if _private(path, stat.S_IFREG) else None
     return error
 
 
@@ -134,14 +167,24 @@ def load(name: str) -> ctypes.CDLL | None:
     """The kernels built for target `name` (a key of TARGETS), or None where they cannot be built or loaded."""
     compiler = os.environ.get("CC", "cc")
     try:
-        built = _load_or_build(compiler, name)
-        if isinstance(built, str):
-            print(
-                f"qinfer: native row kernels not built ({compiler}: {built}); using torch's slower path",
-                file=sys.stderr,
-            )
-            return None
-        lib = ctypes.CDLL(str(built))
+        directory = _private_cache()
+        with tempfile.TemporaryDirectory(prefix="qinfer-kernels-") as spare:
+            found = None if directory is None else _find_or_build(compiler, name, directory)
+            if found is None:
+                print(
+                    f"qinfer: the kernel cache {cache_dir()} is not this user's alone (a link, another owner, or "
+                    "writable by others); building the kernels in a private temporary directory",
+                    file=sys.stderr,
+                )
+                found = _find_or_build(compiler, name, Path(spare))
+            if not isinstance(found, Path):
+                print(
+                    f"qinfer: native row kernels not built ({compiler}: {found}); using torch's slower path",
+                    file=sys.stderr,
+                )
+                return None
+            # Mapped once loaded: the temporary directory may go.
+            lib = ctypes.CDLL(str(found))
     except OSError as exc:
         print(f"qinfer: native row kernels not loaded ({exc}); using torch's slower path", file=sys.stderr)
         return None

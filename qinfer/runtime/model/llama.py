@@ -40,8 +40,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaForward(TransformerForward):
-    """Attention, norms and output head on `device`; the FFN through `ffn` (default: dense, on the CPU). A decode
-    step of one token on the CPU runs each layer as one native call (decode_layer.py) where the kernel applies."""
+    """Attention, norms and output head on `device`; the FFN through `ffn` (default: dense, on the CPU). `block` is
+    the whole layer; the native layer step (kernels/decode_layer.py) computes the same, as one call, for the decode
+    steps it takes (forward.py's loop asks it)."""
 
     def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
         super().__init__(model, ffn, device)
@@ -72,6 +73,8 @@ class LlamaForward(TransformerForward):
         return linear(cache.attend(q, k, v, i, step), w.o)
 
     def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+        """Layer i on the residual stream h: attention and then the FFN, each on the RMSNorm of its input and added
+        back; the FFN's predictor reads h itself."""
         w, eps = self.attn[i], self.cfg.norm_eps
         h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
         return h + self.ffn(i, rms_norm(h, w.ffn_norm, eps), h, prefill)

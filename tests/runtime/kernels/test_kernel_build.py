@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,3 +118,71 @@ def test_a_failed_build_is_reported_when_the_model_opens(
     monkeypatch.setenv("CC", str(fresh_kernel / "no-such-cc"))
     Engine.open(gguf_files["pi-f16"], ctx_size=32)
     assert "native row kernels not built" in capsys.readouterr().err
+
+
+def _planted(fresh_kernel: Path, uid: int, mode: int) -> Path:
+    """A working library at the name the loader looks for, owned by `uid` with `mode`: what another local user who
+    can write the cache could leave there."""
+    flags = row_kernels.TARGETS["native"][0]
+    fresh_kernel.mkdir(parents=True, mode=0o700)
+    path = fresh_kernel / row_kernels.library_name(COMPILER, flags)
+    source = row_kernels.SOURCES[0]
+    subprocess.run([COMPILER, "-O1", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(path)], check=True)
+    os.chown(path, uid, uid)
+    path.chmod(mode)
+    return path
+
+
+def _loaded_from(lib: object) -> Path:
+    return Path(lib._name)  # type: ignore[attr-defined]
+
+
+@needs_compiler
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting a file of another owner needs root")
+@pytest.mark.parametrize(("uid", "mode"), [(4242, 0o755), (None, 0o666), (None, 0o775)])
+def test_a_library_planted_in_the_cache_is_never_loaded(
+    fresh_kernel: Path, capsys: pytest.CaptureFixture[str], uid: int | None, mode: int
+) -> None:
+    """Another user's file, or one that others may write, is not loaded: the kernels are built in a private
+    directory instead, and the planted file is left as it was."""
+    planted = _planted(fresh_kernel, os.getuid() if uid is None else uid, mode)
+    before = planted.read_bytes()
+    lib = row_kernels.kernel()
+    assert lib is not None and _loaded_from(lib) != planted and not _loaded_from(lib).is_relative_to(fresh_kernel)
+    assert "not this user's alone" in capsys.readouterr().err
+    assert planted.read_bytes() == before
+
+
+@needs_compiler
+def test_a_cache_directory_others_may_write_is_not_used(fresh_kernel: Path) -> None:
+    fresh_kernel.mkdir(parents=True)
+    fresh_kernel.chmod(0o777)
+    lib = row_kernels.kernel()
+    assert lib is not None and not _loaded_from(lib).is_relative_to(fresh_kernel)
+    assert not list(fresh_kernel.iterdir())
+
+
+@needs_compiler
+def test_under_umask_000_the_cache_stays_private(fresh_kernel: Path) -> None:
+    old = os.umask(0)
+    try:
+        lib = row_kernels.kernel()
+    finally:
+        os.umask(old)
+    assert lib is not None and _loaded_from(lib).parent == fresh_kernel
+    for path in (fresh_kernel.parent, fresh_kernel):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert not stat.S_IMODE(_loaded_from(lib).stat().st_mode) & 0o022
+
+
+@needs_compiler
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file of another owner needs root")
+def test_only_this_users_stale_builds_are_removed(fresh_kernel: Path) -> None:
+    name = row_kernels.library_name(COMPILER, row_kernels.TARGETS["native"][0])
+    fresh_kernel.mkdir(parents=True, mode=0o700)
+    ours, theirs = (fresh_kernel / (name.rsplit("_", 1)[0] + f"_{tag}.so") for tag in ("0" * 12, "1" * 12))
+    ours.write_bytes(b"older")
+    theirs.write_bytes(b"older, another user's")
+    os.chown(theirs, 4242, 4242)
+    assert row_kernels.kernel() is not None
+    assert not ours.exists() and theirs.exists()
