@@ -7,6 +7,7 @@ remove what a killed writer left behind while keeping the file of a writer that 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -23,6 +24,12 @@ _PARTIAL_SUFFIX = ".partial"
 # then the eight random characters of mkstemp or mkdtemp.
 _PARTIAL_MIDDLE = re.compile(r"(?:(\d+)-)?[a-z0-9_]{8}")
 _STARTED = time.time()  # the import, early in the run, stands for the process's start
+# Errors of the disk that an output is written to, which a user fixes there rather than in the command.
+_DISK_ERRORS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EROFS: "the file system is read-only",
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ def check_output_file(path: Path) -> None:
         raise UserError(f"cannot write {path}: {parent} {problem}; create the directory first or pick another path")
     if path.is_dir() and not path.is_symlink():
         raise UserError(f"cannot write {path}: it is a directory; name the output file")
+    if not os.access(parent, os.W_OK):
+        cause = _DISK_ERRORS[errno.EROFS] if os.statvfs(parent).f_flag & os.ST_RDONLY else f"{parent} is not writable"
+        raise UserError(f"cannot write {path}: {cause}; pick another directory")
 
 
 @contextlib.contextmanager
@@ -52,18 +62,33 @@ def atomic_output(path: Path) -> Iterator[Path]:
     never a truncated file under the real name.
     """
     check_output_file(path)
-    _remove_stale_partials(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    with _disk_errors(path):
+        _remove_stale_partials(path)
+        fd, tmp_name = tempfile.mkstemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            yield tmp
+            # mkstemp makes the file private (0600); the output gets the mode any new file of the user's would.
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def _disk_errors(path: Path) -> Iterator[None]:
+    """A full or read-only disk under an output, met anywhere while it is written, as one line naming the output."""
     try:
-        yield tmp
-        # mkstemp makes the file private (0600); the output gets the mode any new file of the user's would.
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        yield
+    except OSError as exc:
+        # numpy's tofile (the gguf writer's) reports a short write without an errno: the disk filled up.
+        short_write = exc.errno is None and " requested and " in str(exc) and str(exc).endswith(" written")
+        cause = _DISK_ERRORS.get(errno.ENOSPC if short_write else exc.errno)
+        if cause is None:
+            raise
+        raise UserError(f"cannot write {path}: {cause}; free some space or pick another directory") from exc
 
 
 def _umask() -> int:
@@ -96,17 +121,18 @@ def atomic_directory(path: Path, kind: OutputKind | None = None, force: bool = F
     """Like `atomic_output` for a directory: fill the yielded one, and it replaces `path` when complete, provided
     `check_replaceable` allows it. Unlike a file's, a missing parent is created, as `mkdir -p` would."""
     check_replaceable(path, kind, force)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(path)
-    tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700, as for files above
-        _remove(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _disk_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(path)
+        tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent))
+        try:
+            yield tmp
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700, as for files above
+            _remove(path)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _remove_stale_partials(path: Path) -> None:

@@ -78,6 +78,8 @@ def perplexity(
                 on_window(i, n, math.exp(float(torch.cat(nll).mean())))
     every = torch.cat(nll)
     mean = float(every.mean())
+    if not math.isfinite(mean):
+        raise UserError("the perplexity is not finite: the logits hold NaN or inf (damaged weights); re-convert")
     spread = float(every.std()) / math.sqrt(every.numel()) if every.numel() > 1 else 0.0
     ppl = math.exp(mean)
     return PerplexityResult(ppl, ppl * spread, n, every.numel(), window_ppl)

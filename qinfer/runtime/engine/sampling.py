@@ -23,7 +23,10 @@ class SamplingParams:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from 1-D `logits`; `generator` makes the choice reproducible from a seed."""
+    """One token id from 1-D `logits`; `generator` makes the choice reproducible from a seed. Logits holding NaN or
+    +inf, or nothing finite, are refused in every mode: greedy decoding would otherwise turn them into a token."""
+    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()) or not bool(torch.isfinite(logits).any()):
+        raise ValueError("the model's logits are not finite (NaN or inf): its weights are damaged; re-convert it")
     if params.greedy:
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature

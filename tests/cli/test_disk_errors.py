@@ -1,0 +1,77 @@
+"""A full or read-only disk under an output ends in one line naming the output and the cause, exit code 2, and
+leaves nothing half-written: on small tmpfs mounts, where the test may mount one."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from qinfer.prep.synth.build import SynthReport
+from tests.support.cli_in_process import run_in_process
+from tests.support.fake_activation import write_power_law_activation
+
+
+def _mount(where: Path, options: str) -> None:
+    where.mkdir(exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'mount failed'})")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB file system: smaller than any model file, larger than a metadata write."""
+    where = tmp_path / "small"
+    _mount(where, "size=64k")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture
+def read_only_disk(tmp_path: Path, gguf_files: dict[str, Path]) -> Iterator[Path]:
+    """A read-only file system holding a copy of the tiny PowerInfer and dense files."""
+    where = tmp_path / "ro"
+    _mount(where, "size=16m")
+    for name in ("pi-f16", "dense-f16"):
+        shutil.copy(gguf_files[name], where / gguf_files[name].name)
+    write_power_law_activation(where / "activation")
+    subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def _one_line(result: subprocess.CompletedProcess[str], cause: str) -> None:
+    """Exit code 2 and the error as the last line, with no traceback (a progress bar drawn before the disk filled
+    may stand above it)."""
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot write") and cause in last and "Traceback" not in result.stderr
+
+
+def test_a_full_disk(small_disk: Path, gguf_files: dict[str, Path], tiny: SynthReport) -> None:
+    _one_line(run_in_process("prep", "convert-dense", str(tiny.model_dir), "--outfile", str(small_disk / "d.gguf")),
+              "disk is full")  # fmt: skip
+    _one_line(run_in_process("prep", "quantize", str(gguf_files["pi-f16"]), str(small_disk / "q.gguf"), "Q4_0"),
+              "disk is full")  # fmt: skip
+    _one_line(run_in_process("prep", "corpus", "--out", str(small_disk / "c.txt"), "--chars", "200000"),
+              "disk is full")  # fmt: skip
+    assert not list(small_disk.iterdir())
+
+
+def test_a_read_only_disk(read_only_disk: Path, tmp_path: Path) -> None:
+    before = sorted(p.name for p in read_only_disk.iterdir())
+    model = read_only_disk / next(p for p in before if p.endswith(".powerinfer.gguf"))
+    for args in (
+        ("prep", "corpus", "--out", str(read_only_disk / "c.txt"), "--chars", "1000"),
+        ("prep", "quantize", str(model), str(read_only_disk / "q.gguf"), "Q4_0"),
+        ("plan", "-m", str(model), "--vram-budget", "8"),
+        ("run", "-m", str(model), "-p", "Once", "-n", "2", "--vram-budget", "8"),
+    ):
+        result = run_in_process(*args)
+        _one_line(result, "read-only")
+        assert result.stderr.strip().count("\n") == 0  # refused before any work: the error is the only output
+    assert sorted(p.name for p in read_only_disk.iterdir()) == before
