@@ -108,3 +108,5 @@ def use_threads(threads: int) -> None:
         print(f"note: --threads {threads} is more than the {cores} cores here; using {cores}", file=sys.stderr)
         threads = cores
     torch.set_num_threads(threads)
+
+CTX_HELP = "Context length: 512 by default, or the model's if shorter; 0 takes the model's; a longer one is clamped."

@@ -29,16 +29,21 @@ def perplexity_cmd(
     from qinfer.core.errors import UserError
     from qinfer.runtime.engine.perplexity import perplexity
     from qinfer.runtime.engine.tokenizer import GGUFTokenizer
-    from qinfer.runtime.model.loader import RuntimeOptions, load_forward
+    from qinfer.runtime.model.loader import RuntimeOptions, fit_context, load_forward
     from qinfer.runtime.model.model_file import open_model
 
     if ffn not in ("dense", "sparse"):
         raise typer.BadParameter("dense or sparse", param_hint="--ffn")
     use_threads(threads)
     policy = kv_policy(kv_policy_kind, kv_budget)
+    if file.is_dir():
+        raise UserError(f"{file} is a directory; name a text file")
     if not file.is_file():
         raise UserError(f"text file not found: {file}")
     opened = open_model(model)
+    ctx_size, clamped = fit_context(opened, ctx_size)
+    if clamped is not None:
+        err.print(f"note: {clamped}")
     tokenizer = GGUFTokenizer(opened.metadata)
     ids = tokenizer.encode(file.read_text(encoding="utf-8", errors="replace"))
     forward = load_forward(opened, RuntimeOptions(ffn=ffn), ctx_size=ctx_size).forward

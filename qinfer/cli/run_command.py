@@ -10,6 +10,7 @@ import typer
 
 from qinfer.cli.app import app, err
 from qinfer.cli.options import (
+    CTX_HELP,
     SEED_MAX,
     VRAM_BUDGET,
     KvBudgetOption,
@@ -33,7 +34,7 @@ def run_cmd(
         typer.Option("-n", "--n-predict", min=-1, help="Tokens to generate; -1: until end of text or a full context."),
     ] = 128,
     threads: Threads = 0,
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=0, help="Context length (0 = the model's).")] = 512,
+    ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", min=0, help=CTX_HELP)] = None,
     kv_policy_kind: KvPolicyOption = "full",
     kv_budget: KvBudgetOption = None,
     seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Sampling seed.")] = 0,
@@ -75,8 +76,10 @@ def run_cmd(
     from qinfer.runtime.engine.engine import Engine
     from qinfer.runtime.engine.generate import generate, generate_many
     from qinfer.runtime.engine.sampling import SamplingParams
+    from qinfer.runtime.engine.tokenizer import require_utf8
 
     use_threads(threads)
+    require_utf8(prompt)  # before the model loads, and before the prompt is echoed
     policy = kv_policy(kv_policy_kind, kv_budget)
     engine = Engine.open(
         model,

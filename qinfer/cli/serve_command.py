@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 
 from qinfer.cli.app import app, err
-from qinfer.cli.options import VRAM_BUDGET, KvBudgetOption, KvPolicyOption, Real, Threads, kv_policy, use_threads
+from qinfer.cli.options import (
+    CTX_HELP,
+    VRAM_BUDGET,
+    KvBudgetOption,
+    KvPolicyOption,
+    Real,
+    Threads,
+    kv_policy,
+    use_threads,
+)
 
 
 @app.command("serve")
@@ -26,9 +35,7 @@ def serve_cmd(
     ),
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8080,
     slots: Annotated[int, typer.Option(min=1, help="Requests decoded together; more wait for a free slot.")] = 4,
-    ctx_size: Annotated[
-        int, typer.Option("-c", "--ctx-size", min=0, help="Context length per slot (0 = the model's).")
-    ] = 512,
+    ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", min=0, help=f"Per slot: {CTX_HELP}")] = None,
     kv_policy_kind: KvPolicyOption = "full",
     kv_budget: KvBudgetOption = None,
     threads: Threads = 0,
@@ -67,6 +74,8 @@ def serve_cmd(
     engine = Engine.open(
         model, slots=slots, ctx_size=ctx_size, vram_budget_gib=vram_budget, schedule=schedule, kv_policy=policy
     )
+    for note in engine.runtime.notes if engine.runtime is not None else []:
+        err.print(f"note: {note}")
     options = ServerOptions(
         api_key=api_key,
         max_body_bytes=max_body_bytes,

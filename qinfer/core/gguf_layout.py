@@ -9,6 +9,7 @@ count shifts the data section, an offset near 2**64 wraps around. This scan refu
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -16,6 +17,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from qinfer.core.names import KEY_TYPES, Key
 
 MAGICS = (b"GGUF", b"PWRI")
+# The longest token or merge rule accepted, in bytes: real vocabularies' longest are a few hundred bytes (runs of
+# spaces, code indentation), and the GPT-2 tokenizer's rebuild of a vocabulary is quadratic in a token's length.
+MAX_TOKEN_BYTES = 1024
+# String arrays whose items are checked against each other once the scan has them (check_vocabulary).
+_VOCABULARY_KEYS = (Key.TOKENS, Key.MERGES)
 VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 64  # GGML_MAX_NAME, terminator included in ggml
@@ -79,6 +85,20 @@ class _Cursor:
     def scalar(self, fmt: str, what: str) -> int | float:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
+    def skip_strings(self, count: int, key: str) -> None:
+        """Step over `count` strings of at most MAX_TOKEN_BYTES each, checking their lengths, not their text."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        for i in range(count):
+            if end - pos < 8:
+                raise LayoutError(f"item {i} of {key} needs 8 bytes at offset {pos}, but the file has {end - pos}")
+            (length,) = struct.unpack_from("<Q", buf, pos)
+            if length > MAX_TOKEN_BYTES:
+                raise LayoutError(f"item {i} of {key} is {length} bytes long, over the {MAX_TOKEN_BYTES} allowed")
+            pos += 8 + length
+            if pos > end:
+                raise LayoutError(f"item {i} of {key} runs past the end of the file")
+        self.pos = pos
+
     def string(self, what: str) -> str:
         length = int(self.scalar("<Q", what))
         try:
@@ -94,7 +114,9 @@ def _value_type(raw: int, what: str) -> GGUFValueType:
         raise LayoutError(f"{what} has unknown value type {raw}") from None
 
 
-def _value(cur: _Cursor, kind: GGUFValueType, key: str) -> Value:
+def _value(cur: _Cursor, kind: GGUFValueType, key: str, kept: dict[str, tuple[int, int]]) -> Value:
+    """The value at the cursor. A vocabulary key's strings are only stepped over, their offset and count kept in
+    `kept`: they are read once the embedding has confirmed their number (check_vocabulary)."""
     if kind == GGUFValueType.STRING:
         return Value(kind, None, cur.string(f"the value of {key}"))
     if kind != GGUFValueType.ARRAY:
@@ -108,8 +130,12 @@ def _value(cur: _Cursor, kind: GGUFValueType, key: str) -> Value:
         # Each string is at least its 8-byte length: a count the rest of the file cannot hold is refused at once.
         if count > (len(cur.buf) - cur.pos) // 8:
             raise LayoutError(f"{key} claims {count} strings, more than the file can hold")
-        for i in range(count):
-            cur.string(f"item {i} of {key}")
+        if key in _VOCABULARY_KEYS:
+            kept[key] = (cur.pos, count)
+            cur.skip_strings(count, key)
+        else:
+            for i in range(count):
+                cur.string(f"item {i} of {key}")
     else:
         cur.take(count * struct.calcsize(_SCALARS[item]), f"the {count} items of {key}")
     return Value(kind, item, count)
@@ -174,11 +200,12 @@ def scan_layout(buf: memoryview) -> Layout:
     if n_kv > len(buf) // 12 or n_tensors > len(buf) // 32:
         raise LayoutError(f"the header claims {n_tensors} tensors and {n_kv} keys, more than the file can hold")
     keys: dict[str, Value] = {}
+    vocabulary: dict[str, tuple[int, int]] = {}
     for i in range(n_kv):
         key = cur.string(f"key {i}")
         if key in keys:
             raise LayoutError(f"the key {key} appears twice")
-        keys[key] = _value(cur, _value_type(int(cur.scalar("<I", f"the type of {key}")), key), key)
+        keys[key] = _value(cur, _value_type(int(cur.scalar("<I", f"the type of {key}")), key), key, vocabulary)
     check_key_types(keys)
     alignment = keys[Key.ALIGNMENT].value if Key.ALIGNMENT in keys else DEFAULT_ALIGNMENT
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -202,4 +229,41 @@ def scan_layout(buf: memoryview) -> Layout:
     end = data_start + (tensors[-1].offset + tensors[-1].nbytes if tensors else 0)
     if len(buf) - end >= alignment:
         raise LayoutError(f"{len(buf) - end} bytes follow the last tensor's data, which the header does not describe")
+    check_vocabulary(buf, keys, vocabulary, tensors)
     return Layout(magic, keys, tuple(tensors), data_start)
+
+
+def check_vocabulary(
+    buf: memoryview, keys: dict[str, Value], vocabulary: dict[str, tuple[int, int]], tensors: list[TensorEntry]
+) -> None:
+    """The vocabulary agrees with itself and with the embedding, as llama.cpp's loader requires, before any
+    tokenizer is built from it: one row of token_embd per token (checked before a token is read), a score and a
+    type per token where they are given, no token twice, and merge rules that join two tokens into a third. Every
+    item is at most MAX_TOKEN_BYTES long (checked as the scan steps over them)."""
+    if Key.TOKENS not in vocabulary:
+        return
+    n = vocabulary[Key.TOKENS][1]
+    embedding = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and len(embedding.ne) == 2 and embedding.ne[1] != n:
+        raise LayoutError(f"the vocabulary has {n} tokens but token_embd.weight has {embedding.ne[1]} rows")
+    for key in (Key.SCORES, Key.TOKEN_TYPE):
+        if key in keys and keys[key].value != n:
+            raise LayoutError(f"{key} has {keys[key].value} entries for {n} tokens")
+    ids: dict[str, int] = {}
+    for i, token in enumerate(_strings(buf, *vocabulary[Key.TOKENS], Key.TOKENS)):
+        if ids.setdefault(token, i) != i:
+            raise LayoutError(f"the vocabulary holds {token!r} twice (ids {ids[token]} and {i})")
+    if Key.MERGES not in vocabulary:
+        return
+    for i, rule in enumerate(_strings(buf, *vocabulary[Key.MERGES], Key.MERGES)):
+        parts = rule.split(" ")
+        if len(parts) != 2 or not all(part in ids for part in (*parts, "".join(parts))):
+            raise LayoutError(f"merge {i} ({rule!r}) does not join two tokens of the vocabulary into a third")
+
+
+def _strings(buf: memoryview, start: int, count: int, key: str) -> Iterator[str]:
+    """The `count` strings from `start`, whose lengths the scan has checked."""
+    cur = _Cursor(buf)
+    cur.pos = start
+    for i in range(count):
+        yield cur.string(f"item {i} of {key}")

@@ -89,6 +89,8 @@ class Key:
     EOS_ID = Keys.Tokenizer.EOS_ID
     ADD_BOS = Keys.Tokenizer.ADD_BOS
     MERGES = Keys.Tokenizer.MERGES
+    SCORES = Keys.Tokenizer.SCORES
+    TOKEN_TYPE = Keys.Tokenizer.TOKEN_TYPE
 
     # PowerInfer's own keys.
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
@@ -150,8 +152,8 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     Key.ROPE_FREQ_BASE: (_F32, None),
     Key.TOKENS: (_ARRAY, _S),
     Key.MERGES: (_ARRAY, _S),
-    Keys.Tokenizer.SCORES: (_ARRAY, _F32),
-    Keys.Tokenizer.TOKEN_TYPE: (_ARRAY, GGUFValueType.INT32),
+    Key.SCORES: (_ARRAY, _F32),
+    Key.TOKEN_TYPE: (_ARRAY, GGUFValueType.INT32),
     **{key: (_U32, None) for key in TOKEN_ID_KEYS},
     **{
         key: (_BOOL, None)

@@ -43,7 +43,8 @@ def documents(files: list[Path]) -> Iterator[str]:
 
 
 def _json_lines(path: Path) -> Iterator[str]:
-    with path.open(encoding="utf-8") as lines:
+    # Undecodable bytes become U+FFFD, as in plain text: one rule for every corpus format.
+    with path.open(encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -51,6 +52,8 @@ def _json_lines(path: Path) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{path}:{number} is not a JSON line ({exc.msg})") from exc
+            except RecursionError:
+                raise UserError(f"{path}:{number} nests deeper than a JSON line with a text field can") from None
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise UserError(f"{path}:{number} has no string field 'text'; each JSON line needs one")

@@ -18,7 +18,7 @@ from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import make_kv_cache
 from qinfer.runtime.model.forward import ModelForward
-from qinfer.runtime.model.loader import LoadedRuntime, RuntimeOptions, load_forward
+from qinfer.runtime.model.loader import LoadedRuntime, RuntimeOptions, fit_context, load_forward
 from qinfer.runtime.model.model_file import open_model
 
 
@@ -75,7 +75,7 @@ class Engine:
         model_path: Path,
         *,
         slots: int = 1,
-        ctx_size: int = 512,
+        ctx_size: int | None = None,
         vram_budget_gib: float | None = None,
         schedule: str = "auto",
         ffn: str = "auto",
@@ -84,10 +84,10 @@ class Engine:
         device: str | None = None,
         kv_policy: KVPolicy | None = None,
     ) -> Engine:
-        """Load a GGUF and set up its runtime (see forward_loader.RuntimeOptions for the FFN, GPU and KV settings);
-        `ctx_size` 0 means the model's own context length."""
+        """Load a GGUF and set up its runtime (see loader.RuntimeOptions for the FFN, GPU and KV settings); the
+        context as loader.fit_context gives it (None: 512 or the model's own where shorter, 0: the model's own)."""
         model = open_model(model_path)
-        ctx = model.config.context_length if ctx_size <= 0 else min(ctx_size, model.config.context_length)
+        ctx, clamped = fit_context(model, ctx_size)
         options = RuntimeOptions(
             ffn=ffn,
             vram_budget_gib=vram_budget_gib,
@@ -101,6 +101,8 @@ class Engine:
         tokenizer = GGUFTokenizer(model.metadata)
         engine = cls(loaded.forward, tokenizer, slots, ctx, loaded.forward.device, options.kv_policy)
         engine.runtime = loaded
+        if clamped is not None:
+            loaded.notes.insert(0, clamped)
         return engine
 
     def free_slots(self) -> int:

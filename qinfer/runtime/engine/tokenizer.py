@@ -37,6 +37,19 @@ def _drop_foreign_added_tokens(backend: Tokenizer, n_vocab: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(state))
 
 
+def require_utf8(text: str) -> str:
+    """`text`, refused where it holds a lone surrogate: what Python makes of bytes that are not UTF-8 (in argv,
+    say) or of a JSON "\\ud800". No tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(
+            f"the text is not valid UTF-8 (character {exc.start} is a lone surrogate or an undecodable byte); "
+            "pass UTF-8 text"
+        ) from None
+    return text
+
+
 class GGUFTokenizer:
     def __init__(self, meta: dict[str, Any]):
         renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
@@ -59,6 +72,7 @@ class GGUFTokenizer:
         self.add_bos: bool = bool(meta.get(Key.ADD_BOS, kind == "llama"))
 
     def encode(self, text: str) -> list[int]:
+        require_utf8(text)
         # encode_batch releases the GIL while it works (encode does not), so a server's event loop keeps answering
         # while a long prompt is tokenized in a worker thread.
         ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids

@@ -3,9 +3,12 @@ cache (window.py) that a KV policy makes."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVPolicy
 from qinfer.core.model_spec import ModelSpec
 from qinfer.runtime.kv.batch import Step
@@ -67,7 +70,28 @@ Cache = KVCache | WindowKVCache
 def make_kv_cache(
     cfg: ModelSpec, ctx: int, slots: int = 1, device: torch.device | str = "cpu", policy: KVPolicy | None = None
 ) -> Cache:
-    """The cache that `policy` (qinfer.core.kv_policy; default full) describes, for `slots` sequences of `ctx`."""
-    if policy is not None and policy.windowed:
-        return WindowKVCache(cfg, ctx, slots, device, policy)
-    return KVCache(cfg, ctx, slots, device)
+    """The cache that `policy` (qinfer.core.kv_policy; default full) describes, for `slots` sequences of `ctx`;
+    refused in one line, before anything is allocated, where the host cannot hold its K and V."""
+    windowed = policy is not None and policy.windowed
+    rows = policy.split(ctx).rows if policy is not None and windowed else ctx
+    lower = "lower the sequences (--parallel, --slots) or --ctx-size"
+    if torch.device(device).type == "cpu":
+        # float32 K and V; a window's positions and masses are a few bytes a row more.
+        needed = 2 * cfg.layers * slots * cfg.kv_heads * rows * cfg.head_dim * 4
+        if needed > _host_memory():
+            raise UserError(
+                f"the KV cache for {slots} sequences of {ctx} tokens needs {needed / 2**30:.1f} GiB, more than this "
+                f"machine's {_host_memory() / 2**30:.1f} GiB; {lower}"
+            )
+    try:
+        if policy is not None and windowed:
+            return WindowKVCache(cfg, ctx, slots, device, policy)
+        return KVCache(cfg, ctx, slots, device)
+    except RuntimeError as exc:  # torch's allocators, on the host and on a GPU, fail with RuntimeErrors
+        if "alloc" not in str(exc) and "out of memory" not in str(exc):
+            raise
+        raise UserError(f"the KV cache for {slots} sequences of {ctx} tokens does not fit in memory; {lower}") from None
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

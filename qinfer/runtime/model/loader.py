@@ -142,6 +142,21 @@ def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOpti
     return Placement(plan, plan.layout, resident, capacity, dense_on_gpu)
 
 
+# The context of a run that names none: the model's own where that is shorter.
+DEFAULT_CTX = 512
+
+
+def fit_context(model: ModelFile, requested: int | None) -> tuple[int, str | None]:
+    """The context a run gets: `requested` tokens (None: DEFAULT_CTX, 0: the model's own), at most the model's,
+    and the note that says so where a requested one is cut: run, serve and perplexity all clamp, and say it."""
+    own = model.config.context_length
+    if requested is None:
+        return min(DEFAULT_CTX, own), None
+    if requested <= 0 or requested <= own:
+        return (own if requested <= 0 else requested), None
+    return own, f"-c {requested} is more than the model's context of {own} tokens; using {own}"
+
+
 def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
     if options.schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {options.schedule!r}; use static or dynamic")

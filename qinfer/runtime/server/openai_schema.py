@@ -54,6 +54,16 @@ class SamplingFields(BaseModel):
     stream: bool = False
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
+    # Token log-probabilities are not computed: a request that asks for them is refused, not answered without them.
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _unsupported(cls, value: bool | int | None) -> None:
+        if value:
+            raise PydanticCustomError("unsupported", "log-probabilities are not supported; leave the field out")
+        return None
 
     @field_validator("stop")
     @classmethod

@@ -27,8 +27,10 @@ x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="
 
 @pytest.fixture
 def fresh_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """An empty kernel cache, so the kernel is built (or fails to build) inside the test."""
+    """An empty kernel cache, so the kernel is built (or fails to build) inside the test, for the native target
+    whatever the environment asks."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("QINFER_KERNEL_TARGET", raising=False)
     row_kernels.load.cache_clear()
     yield tmp_path / "qinfer" / "kernels"
     row_kernels.load.cache_clear()

@@ -125,6 +125,20 @@ def test_malformed_requests_get_openai_shaped_400s(client: openai.OpenAI, base_u
     assert _http(f"{base_url}/v1/models")[1]["data"][0]["id"] == "tiny"
 
 
+def test_log_probabilities_are_refused_not_ignored(client: openai.OpenAI) -> None:
+    """A client that asks for logprobs gets a 400 naming the field, never an answer silently without them."""
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=2)
+    assert "logprobs" in str(completion.value.body) and "not supported" in str(completion.value.body)
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, logprobs=True, top_logprobs=3
+        )
+    assert "logprobs" in str(chat.value.body)
+    unasked = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=None)
+    assert unasked.choices[0].text is not None
+
+
 def test_eight_concurrent_clients_all_get_complete_answers(client: openai.OpenAI, reference: Engine) -> None:
     def ask(prompt: str) -> tuple[str, str | None, int]:
         r = client.completions.create(

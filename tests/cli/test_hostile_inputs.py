@@ -1,0 +1,81 @@
+"""Inputs a user (or a script) can get wrong end in one line with the cause and what to change: text that is not
+UTF-8, more sequences than memory holds, corpora of undecodable bytes or absurd nesting, a directory for a file.
+A context longer than the model's is clamped with a note, by run and perplexity alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qinfer.prep.synth.build import SynthReport
+from qinfer.prep.synth.corpus import synth_corpus
+from tests.support.cli_in_process import run_in_process
+
+
+def _one_line(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and all(w in result.stderr for w in words), result.stderr
+
+
+def test_a_prompt_that_is_not_utf8(gguf_files: dict[str, Path]) -> None:
+    model = str(gguf_files["pi-f16"])
+    _one_line(run_in_process("run", "-m", model, "-p", "bad \udcff byte", "-n", "2"), "not valid UTF-8")
+    # The same bytes as the shell passes them: Python turns them into a lone surrogate.
+    raw = subprocess.run(
+        [sys.executable, "-m", "qinfer", "run", "-m", model.encode(), "-p", b"caf\xe9", "-n", "2"],
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert raw.stdout == b""
+    _one_line(subprocess.CompletedProcess(raw.args, raw.returncode, "", raw.stderr.decode()), "not valid UTF-8")
+
+
+def test_more_sequences_than_memory_holds(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    model = str(gguf_files["pi-f16"])
+    _one_line(run_in_process("run", "-m", model, "-p", "Once", "--parallel", "100000000"), "--parallel", "GiB")
+    _one_line(run_in_process("serve", "-m", model, "--slots", "100000000", "--port", "1"), "--slots")
+
+    def refuse(*_args: object, **_kwargs: object) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    monkeypatch.setattr(torch, "zeros", refuse)
+    _one_line(run_in_process("run", "-m", model, "-p", "Once", "--parallel", "4"), "does not fit in memory")
+
+
+@pytest.mark.parametrize("command", ["profile", "train-predictor"])
+def test_json_lines_decode_as_plain_text_does_and_deep_nesting_is_refused(
+    tiny: SynthReport, tmp_path: Path, command: str
+) -> None:
+    text = synth_corpus(0, 4000, "train")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(json.dumps({"text": text}).encode()[:-2] + b"\xff\xfe" + b'"}\n')
+    out = tmp_path / "out"
+    sizes = ["--tokens", "256", "--seq-len", "64"]
+    if command == "train-predictor":
+        sizes = ["--train-tokens", "256", "--heldout-tokens", "128", "--epochs", "1", "--rank", "32", "--seq-len", "64"]
+    result = run_in_process("prep", command, str(tiny.model_dir), "--data", str(corpus), "--out", str(out), *sizes)
+    assert result.returncode == 0, result.stderr
+    corpus.write_text("[" * 200_000 + "]" * 200_000 + "\n")
+    deep = run_in_process("prep", command, str(tiny.model_dir), "--data", str(corpus), "--out", str(tmp_path / "o2"))
+    # Read as the work goes, so a progress line may stand above the error.
+    last = deep.stderr.strip().splitlines()[-1]
+    assert deep.returncode == 2 and last.endswith("nests deeper than a JSON line with a text field can")
+    assert "Traceback" not in deep.stderr
+
+
+def test_perplexity_of_a_directory(gguf_files: dict[str, Path], tmp_path: Path) -> None:
+    _one_line(run_in_process("perplexity", "-m", str(gguf_files["pi-f16"]), "-f", str(tmp_path)), "is a directory")
+
+
+def test_a_context_longer_than_the_models_is_clamped_with_a_note(gguf_files: dict[str, Path], tmp_path: Path) -> None:
+    model = str(gguf_files["pi-f16"])
+    run = run_in_process("run", "-m", model, "-p", "Once", "-n", "2", "-c", "2147483647")
+    assert run.returncode == 0 and "more than the model's context of 256 tokens; using 256" in run.stderr
+    text = tmp_path / "text.txt"
+    text.write_text(synth_corpus(0, 6000, "heldout"))
+    ppl = run_in_process("perplexity", "-m", model, "-f", str(text), "-c", "100000")
+    assert ppl.returncode == 0 and "using 256" in ppl.stderr and "PPL = " in ppl.stdout

@@ -1,0 +1,34 @@
+"""A GGUF written again with some metadata replaced: for files that are well-formed but hostile in content."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from qinfer.core.names import Key
+
+
+def rewrite_gguf(source: Path, target: Path, replace: dict[str, tuple[Any, GGUFValueType | None]]) -> Path:
+    """`source` (a dense GGUF) as `target`, each key of `replace` holding its new (value, array item type) instead,
+    every other key and every tensor as it was."""
+    reader = GGUFReader(source)
+    writer = GGUFWriter(target, str(reader.get_field(Key.ARCHITECTURE).contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == Key.ARCHITECTURE:
+            continue
+        kind = GGUFValueType(field.types[0])
+        if key in replace:
+            value, item = replace[key]
+        else:
+            value = field.contents()
+            item = GGUFValueType(field.types[-1]) if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, kind, sub_type=item)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
