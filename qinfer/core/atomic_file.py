@@ -62,7 +62,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
     never a truncated file under the real name.
     """
     check_output_file(path)
-    with _disk_errors(path):
+    with disk_errors(path):
         _remove_stale_partials(path)
         fd, tmp_name = tempfile.mkstemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent)
         os.close(fd)
@@ -78,7 +78,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def _disk_errors(path: Path) -> Iterator[None]:
+def disk_errors(path: Path) -> Iterator[None]:
     """A full or read-only disk under an output, met anywhere while it is written, as one line naming the output."""
     try:
         yield
@@ -121,7 +121,7 @@ def atomic_directory(path: Path, kind: OutputKind | None = None, force: bool = F
     """Like `atomic_output` for a directory: fill the yielded one, and it replaces `path` when complete, provided
     `check_replaceable` allows it. Unlike a file's, a missing parent is created, as `mkdir -p` would."""
     check_replaceable(path, kind, force)
-    with _disk_errors(path):
+    with disk_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(path)
         tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent))

@@ -62,6 +62,15 @@ def test_a_full_disk(small_disk: Path, gguf_files: dict[str, Path], tiny: SynthR
     assert not list(small_disk.iterdir())
 
 
+def test_profile_onto_a_read_only_disk(read_only_disk: Path, tiny: SynthReport, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Once upon a time there was a fox. " * 200)
+    out = read_only_disk / "activation-new"
+    result = run_in_process("prep", "profile", str(tiny.model_dir), "--data", str(corpus), "--out", str(out))
+    _one_line(result, "read-only")
+    assert not out.exists()
+
+
 def test_a_read_only_disk(read_only_disk: Path, tmp_path: Path) -> None:
     before = sorted(p.name for p in read_only_disk.iterdir())
     model = read_only_disk / next(p for p in before if p.endswith(".powerinfer.gguf"))

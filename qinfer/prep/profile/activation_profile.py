@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from qinfer.core.activation_files import LayerSummary, summarise, write_activations
-from qinfer.core.atomic_file import atomic_output
+from qinfer.core.atomic_file import atomic_output, disk_errors
 from qinfer.core.errors import UserError
 from qinfer.core.torch_files import load_torch_file
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
@@ -147,7 +147,8 @@ def profile_activations(
     spec = loaded.spec
     rank, world_size = (0, 1) if shard is None else (shard.rank, shard.world_size)
     key = fingerprint(model_dir, files, seq_len, batch_size, tokens, loaded.dtype, shard)
-    out.mkdir(parents=True, exist_ok=True)  # the checkpoint is written into it long before the results
+    with disk_errors(out):
+        out.mkdir(parents=True, exist_ok=True)  # the checkpoint is written into it long before the results
     state_path = out / state_file(shard)
     counts = torch.zeros(spec.layers, spec.ffn, dtype=torch.int64, device=loaded.device)
     with _process_group(shard, loaded.device):
