@@ -3,6 +3,7 @@ leaves nothing half-written: on small tmpfs mounts, where the test may mount one
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -60,6 +61,31 @@ def test_a_full_disk(small_disk: Path, gguf_files: dict[str, Path], tiny: SynthR
     _one_line(run_in_process("prep", "corpus", "--out", str(small_disk / "c.txt"), "--chars", "200000"),
               "disk is full")  # fmt: skip
     assert not list(small_disk.iterdir())
+
+
+def test_a_plan_beside_a_model_on_a_full_disk(tmp_path: Path, gguf_files: dict[str, Path]) -> None:
+    """The .gpuidx is written beside the model: on a disk the model (and a filler) fill, plan and run --vram-budget
+    cannot write it."""
+    where = tmp_path / "full"
+    _mount(where, "size=16m")
+    try:
+        model = Path(shutil.copy(gguf_files["pi-f16"], where / gguf_files["pi-f16"].name))
+        write_power_law_activation(where / "activation")
+        filler = os.open(where / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while os.write(filler, bytes(4096)):
+                pass
+        except OSError:  # the disk is full: what the test wants
+            pass
+        finally:
+            os.close(filler)
+        before = sorted(p.name for p in where.iterdir())
+        _one_line(run_in_process("plan", "-m", str(model), "--vram-budget", "8"), "disk is full")
+        run = run_in_process("run", "-m", str(model), "-p", "Once", "-n", "2", "--vram-budget", "8")
+        _one_line(run, "disk is full")
+        assert sorted(p.name for p in where.iterdir()) == before
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
 
 
 def test_profile_onto_a_read_only_disk(read_only_disk: Path, tiny: SynthReport, tmp_path: Path) -> None:

@@ -80,8 +80,8 @@ def make_kv_cache(
         needed = 2 * cfg.layers * slots * cfg.kv_heads * rows * cfg.head_dim * 4
         if needed > _host_memory():
             raise UserError(
-                f"the KV cache for {slots} sequences of {ctx} tokens needs {needed / 2**30:.1f} GiB, more than this "
-                f"machine's {_host_memory() / 2**30:.1f} GiB; {lower}"
+                f"the KV cache for {slots} sequences of {ctx} tokens needs {needed / 2**30:.1f} GiB, more than the "
+                f"{_host_memory() / 2**30:.1f} GiB this machine has free; {lower}"
             )
     try:
         if policy is not None and windowed:
@@ -94,4 +94,12 @@ def make_kv_cache(
 
 
 def _host_memory() -> int:
+    """Bytes the host can give now (Linux's MemAvailable), else its physical memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
