@@ -13,6 +13,7 @@ RANKS = {
     "qinfer.profiles": 1,
     "qinfer.prep": 1,
     "qinfer.planner": 2,
+    "qinfer.runtime": 3.0,
     "qinfer.runtime.kernels": 3.0,
     "qinfer.runtime.ffn": 3.1,
     "qinfer.runtime.kv": 3.1,

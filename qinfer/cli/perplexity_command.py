@@ -16,8 +16,11 @@ def perplexity_cmd(
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF or PowerInfer GGUF model file.")],
     file: Annotated[Path, typer.Option("-f", "--file", help="Plain text file to score.")],
     ctx_size: Annotated[
-        int, typer.Option("-c", "--ctx-size", min=4, help="Window length; the second half is scored.")
-    ] = 512,
+        int | None,
+        typer.Option(
+            "-c", "--ctx-size", min=4, help="Window length, the second half scored: 512, or the model's if shorter."
+        ),
+    ] = None,
     ffn: Annotated[
         str, typer.Option(help="dense (each window as one prompt), sparse (token by token, predictor-selected).")
     ] = "dense",

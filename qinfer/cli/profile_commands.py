@@ -118,11 +118,12 @@ def profile_cmd(
 def _make_output_directory(out: Path) -> None:
     """The activation directory is the command's own output, so it is made (as `mkdir -p` would): the profiler
     saves its checkpoint there before anything else, and a file output is never given a missing directory."""
-    from qinfer.core.atomic_file import disk_errors
+    from qinfer.core.atomic_file import check_writable, disk_errors
     from qinfer.core.errors import UserError
 
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; --out names the directory for the activation files")
+    check_writable(out)
     with disk_errors(out):
         out.mkdir(parents=True, exist_ok=True)
 

@@ -49,8 +49,18 @@ def check_output_file(path: Path) -> None:
         raise UserError(f"cannot write {path}: {parent} {problem}; create the directory first or pick another path")
     if path.is_dir() and not path.is_symlink():
         raise UserError(f"cannot write {path}: it is a directory; name the output file")
-    if not os.access(parent, os.W_OK):
-        cause = _DISK_ERRORS[errno.EROFS] if os.statvfs(parent).f_flag & os.ST_RDONLY else f"{parent} is not writable"
+    check_writable(path)
+
+
+def check_writable(path: Path) -> None:
+    """Refuse an output whose nearest existing directory takes no new entries (a read-only file system, or a
+    directory of another user's), before any work that would be lost."""
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        cause = _DISK_ERRORS[errno.EROFS] if read_only else f"{existing} is not writable"
         raise UserError(f"cannot write {path}: {cause}; pick another directory")
 
 
@@ -101,6 +111,7 @@ def check_replaceable(path: Path, kind: OutputKind | None, force: bool) -> None:
     """Refuse to replace `path` unless it is missing, an empty directory, an earlier output of `kind`, or `force`
     is given; never replace the working directory or one above it, whose removal would pull the ground from under
     the run. Commands that work long before writing call this first, so that a refusal costs nothing."""
+    check_writable(path)
     if not path.exists() and not path.is_symlink():
         return
     is_dir = path.is_dir() and not path.is_symlink()

@@ -113,9 +113,9 @@ TOKEN_ID_KEYS = (
 _S, _U32, _F32 = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32
 _U64, _BOOL, _ARRAY = GGUFValueType.UINT64, GGUFValueType.BOOL, GGUFValueType.ARRAY
 # A `.gpuidx`'s provenance keys (after Key.PLAN_PREFIX), in the order they are written (qinfer.core.gpuidx's
-# Provenance has a field of each name): the value type, and the words that tell a user which of them went stale.
-# attention_on_gpu and output_on_gpu record what the plan chose, the others what it was made from.
-PLAN_KEYS: dict[str, tuple[GGUFValueType, str]] = {
+# Provenance has a field of each name): the value type, and the words that tell a user which of them went stale;
+# attention_on_gpu and output_on_gpu record what the plan chose rather than what it was made from, so never do.
+PLAN_KEYS: dict[str, tuple[GGUFValueType, str | None]] = {
     "model_size": (_U64, "model size"),
     "model_mtime_ns": (_U64, "model mtime"),
     "vram_budget": (_U64, "vram budget"),
@@ -127,8 +127,8 @@ PLAN_KEYS: dict[str, tuple[GGUFValueType, str]] = {
     "gpu": (_S, "gpu profile"),
     "cpu": (_S, "cpu profile"),
     "dense": (_S, "dense placement"),
-    "attention_on_gpu": (_S, "attention placement"),
-    "output_on_gpu": (_BOOL, "output placement"),
+    "attention_on_gpu": (_S, None),
+    "output_on_gpu": (_BOOL, None),
     "kv_policy": (_S, "kv policy"),
     "kv_rows": (_U32, "kv window rows"),
 }

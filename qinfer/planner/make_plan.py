@@ -272,7 +272,8 @@ def _short(values: tuple[int, ...]) -> str:
 
 
 def _require_fresh(path: Path, made: Provenance, now: Provenance) -> None:
-    changed = [label for name, (_, label) in PLAN_KEYS.items() if getattr(made, name) != getattr(now, name)]
+    inputs = [(name, label) for name, (_, label) in PLAN_KEYS.items() if label is not None]
+    changed = [label for name, label in inputs if getattr(made, name) != getattr(now, name)]
     if changed:
         raise UserError(
             f"{path} is stale: {', '.join(changed)} changed since it was made; rebuild it with --reset-gpu-index"

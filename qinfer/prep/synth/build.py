@@ -4,8 +4,8 @@ No checkpoint or data set can be downloaded here, so tests and benchmarks need a
 still behaves like ReluLLaMA where it matters: most FFN neurons stay silent on each token, a few hot neurons do
 most of the firing, and a small predictor can tell from the residual stream which neurons will fire.
 
-The recipe lives in three modules: synth_tokenizer (the tokenizer and text), synth_model (weights, training under
-exact sparsity) and synth_predictors (exact predictors, measured and saved); this one runs it and writes the build.
+The recipe lives in three modules beside this one: tokenizer.py (the tokenizer and text), model.py (weights, training
+under exact sparsity) and predictors.py (exact predictors, measured and saved); this one runs it and writes the build.
 """
 
 from __future__ import annotations

@@ -55,9 +55,10 @@ class Admission(Generic[S]):
         return bool(self.waiting or self.running)
 
     def step(self) -> list[Delivery[S]]:
-        """Free the slots of cancelled sequences, admit waiting ones into free slots (a request the engine refuses
-        fails alone), then one decode step for all running ones. An exception from the step itself propagates, the
-        sequences still running (see `fail_running`)."""
+        """Free the slots of cancelled sequences, admit waiting ones into free slots, then one decode step for all
+        running ones. A request the engine refuses fails alone, and is returned at once, before any step that could
+        fail and lose it; the next call steps. An exception from the step itself propagates, the sequences still
+        running (see `fail_running`)."""
         for slot, sequence in list(self.running.items()):
             if sequence.cancelled:
                 self.engine.cancel(slot)
@@ -75,7 +76,7 @@ class Admission(Generic[S]):
                 continue
             sequence.prompt_seconds = time.perf_counter() - started
             self.running[slot] = sequence
-        if not self.running:
+        if done or not self.running:
             return done
         started = time.perf_counter()
         outputs = self.engine.step()

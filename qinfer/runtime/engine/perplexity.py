@@ -9,6 +9,7 @@ decode path, where the predictor picks the neurons, so the figure includes the p
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,13 +74,19 @@ def perplexity(
             logp = torch.log_softmax(logits[first : ctx - 1], dim=-1)
             window = -logp.gather(1, tokens[first + 1 :, None])[:, 0].double()
             nll.append(window)
-            window_ppl.append(math.exp(float(window.mean())))
+            window_ppl.append(_exp(float(window.mean())))
             if on_window is not None:
-                on_window(i, n, math.exp(float(torch.cat(nll).mean())))
+                on_window(i, n, _exp(float(torch.cat(nll).mean())))
     every = torch.cat(nll)
     mean = float(every.mean())
-    if not math.isfinite(mean):
-        raise UserError("the perplexity is not finite: the logits hold NaN or inf (damaged weights); re-convert")
     spread = float(every.std()) / math.sqrt(every.numel()) if every.numel() > 1 else 0.0
-    ppl = math.exp(mean)
+    ppl = _exp(mean)
     return PerplexityResult(ppl, ppl * spread, n, every.numel(), window_ppl)
+
+
+def _exp(mean_nll: float) -> float:
+    """The perplexity of a mean negative log-likelihood, refused where it is not a finite number: NaN or inf in the
+    logits, or logits so far off that the perplexity overflows, come from damaged weights."""
+    if not math.isfinite(mean_nll) or mean_nll > math.log(sys.float_info.max):
+        raise UserError("the perplexity is not finite: the logits hold NaN or inf (damaged weights); re-convert")
+    return math.exp(mean_nll)

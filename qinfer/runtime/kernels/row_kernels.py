@@ -103,16 +103,28 @@ def _private(path: Path, kind: int) -> bool:
 
 
 def _private_cache() -> Path | None:
-    """The cache directory, made 0700 where missing; None where it, or the qinfer directory above it, is not this
-    user's alone."""
+    """The cache directory, made 0700 where missing and made private where this user owns it but others could
+    write it (an older build's, under umask 002); None where it, or the qinfer directory above it, is a link or
+    another user's, or cannot be made."""
     directory = cache_dir()
     try:
         directory.parent.parent.mkdir(parents=True, exist_ok=True)
         for private in (directory.parent, directory):
             private.mkdir(mode=0o700, exist_ok=True)
-    except OSError:
+            found = os.lstat(private)
+            if stat.S_ISDIR(found.st_mode) and found.st_uid == os.geteuid() and found.st_mode & 0o022:
+                os.chmod(private, 0o700)
+    except OSError as exc:
+        print(f"qinfer: cannot make the kernel cache {directory} ({exc.strerror or exc})", file=sys.stderr)
         return None
-    return directory if all(_private(d, stat.S_IFDIR) for d in (directory.parent, directory)) else None
+    if all(_private(d, stat.S_IFDIR) for d in (directory.parent, directory)):
+        return directory
+    print(
+        f"qinfer: the kernel cache {directory} is not this user's alone (a link, or another user's directory); "
+        "building the kernels in a private temporary directory",
+        file=sys.stderr,
+    )
+    return None
 
 
 def _build(compiler: str, flags: list[str], out: Path) -> str | None:
@@ -132,10 +144,12 @@ def _build(compiler: str, flags: list[str], out: Path) -> str | None:
     # The compiler may write a new file with the umask's mode; the library is this user's alone either way.
     os.chmod(tmp, 0o700)
     os.replace(tmp, out)
-    # Builds of older sources for this instruction set are never loaded again; other sets' builds stay, and so
-    # does any file another user left.
+    # Builds of older sources for this instruction set are never loaded again, nor are those named before
+    # libraries were keyed by instruction set (row_kernels_<16 hex>.so); other sets' builds stay, and so does any
+    # file another user left.
     isa_prefix = out.name.rsplit("_", 1)[0] + "_"
-    for stale in out.parent.glob(f"{isa_prefix}*.so"):
+    older = [*out.parent.glob(f"{isa_prefix}*.so"), *out.parent.glob("row_kernels_" + "[0-9a-f]" * 16 + ".so")]
+    for stale in older:
         if stale != out and _private(stale, stat.S_IFREG):
             stale.unlink(missing_ok=True)
     return None
@@ -170,12 +184,13 @@ def load(name: str) -> ctypes.CDLL | None:
         directory = _private_cache()
         with tempfile.TemporaryDirectory(prefix="qinfer-kernels-") as spare:
             found = None if directory is None else _find_or_build(compiler, name, directory)
-            if found is None:
+            if directory is not None and found is None:
                 print(
-                    f"qinfer: the kernel cache {cache_dir()} is not this user's alone (a link, another owner, or "
+                    f"qinfer: a kernel library in {directory} is not this user's alone (a link, another owner, or "
                     "writable by others); building the kernels in a private temporary directory",
                     file=sys.stderr,
                 )
+            if found is None:
                 found = _find_or_build(compiler, name, Path(spare))
             if not isinstance(found, Path):
                 print(

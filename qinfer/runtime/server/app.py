@@ -35,7 +35,7 @@ CLOSE = {"Connection": "close"}
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """What one client may cost the server: create_app enforces the key and the body's limits, server_thread's
+    """What one client may cost the server: create_app enforces the key and the body's limits, thread.py's
     protocol the deadline for request heads and the connection limits."""
 
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <api_key>"

@@ -61,7 +61,9 @@ class SamplingFields(BaseModel):
     @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _unsupported(cls, value: bool | int | None) -> None:
-        if value:
+        # Legacy completions read logprobs=0 as "the chosen tokens' log-probabilities": only None and false are
+        # requests for none.
+        if value is not None and value is not False:
             raise PydanticCustomError("unsupported", "log-probabilities are not supported; leave the field out")
         return None
 

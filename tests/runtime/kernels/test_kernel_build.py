@@ -156,12 +156,23 @@ def test_a_library_planted_in_the_cache_is_never_loaded(
 
 
 @needs_compiler
-def test_a_cache_directory_others_may_write_is_not_used(fresh_kernel: Path) -> None:
+def test_an_own_cache_directory_others_may_write_is_made_private(fresh_kernel: Path) -> None:
+    """What an older build made under umask 002: this user's, so it is made 0700 and used."""
     fresh_kernel.mkdir(parents=True)
     fresh_kernel.chmod(0o777)
     lib = row_kernels.kernel()
+    assert lib is not None and _loaded_from(lib).parent == fresh_kernel
+    assert stat.S_IMODE(fresh_kernel.stat().st_mode) == 0o700
+
+
+@needs_compiler
+@pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another owner needs root")
+def test_another_users_cache_directory_is_not_used(fresh_kernel: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fresh_kernel.mkdir(parents=True)
+    os.chown(fresh_kernel, 4242, 4242)
+    lib = row_kernels.kernel()
     assert lib is not None and not _loaded_from(lib).is_relative_to(fresh_kernel)
-    assert not list(fresh_kernel.iterdir())
+    assert not list(fresh_kernel.iterdir()) and "not this user's alone" in capsys.readouterr().err
 
 
 @needs_compiler
