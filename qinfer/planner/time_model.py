@@ -78,10 +78,14 @@ class TimeModel:
         return self.batch / self.step_seconds(placement)
 
 
-def seconds(n_bytes: float | np.ndarray, flops: float | np.ndarray, device: DeviceProfile) -> np.ndarray:
+def seconds(n_bytes: float | np.ndarray, flops: float | np.ndarray, device: DeviceProfile) -> float | np.ndarray:
     """The cost model, the planner's and the runtime's split alike (runtime/ffn/split_cost.py): reading a part's
     bytes and computing its FLOPs overlap, so the slower of the two counts."""
-    return np.maximum(np.asarray(n_bytes) / device.bandwidth, np.asarray(flops) / device.flops)
+    read, compute = n_bytes / device.bandwidth, flops / device.flops
+    if isinstance(read, np.ndarray) or isinstance(compute, np.ndarray):
+        return np.maximum(read, compute)
+    # The runtime's split asks for one neuron per layer and step: plain floats keep numpy's per-call cost off it.
+    return max(read, compute)
 
 
 def build_time_model(

@@ -42,7 +42,7 @@ class SplitCosts:
     @property
     def gather(self) -> float:
         """The CPU's time to read one neuron's rows for shipping."""
-        return self.cpu_scale * self.neuron_bytes / self.cpu.bandwidth
+        return self.cpu_scale * float(seconds(self.neuron_bytes, 0.0, self.cpu))
 
     @property
     def ship(self) -> float:
@@ -62,28 +62,48 @@ class SplitCosts:
         self.cpu_scale = min(max(scale, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
 
 
+@dataclass(frozen=True)
+class _PerNeuron:
+    """One step's costs of one neuron, worked out once per step rather than once per candidate move."""
+
+    cpu: float
+    gpu: float
+    gather: float
+    ship: float
+    ship_latency: float
+
+    @classmethod
+    def of(cls, costs: SplitCosts, batch: int) -> _PerNeuron:
+        return cls(costs.cpu_per_neuron(batch), costs.gpu_per_neuron(batch), costs.gather, costs.ship,
+                   costs.ship_latency)  # fmt: skip
+
+    def times(self, n_gpu: int, n_cpu: int, move: int) -> tuple[float, float]:
+        c, g = self.cpu, self.gpu
+        if move >= 0:
+            latency = self.ship_latency if move else 0.0
+            return n_gpu * g + move * (self.ship + g) + latency, (n_cpu - move) * c + move * self.gather
+        return (n_gpu + move) * g, (n_cpu - move) * c
+
+
 def step_times(costs: SplitCosts, n_gpu: int, n_cpu: int, batch: int, move: int) -> tuple[float, float]:
     """(GPU seconds, CPU seconds) for one layer after moving `move` neurons (see `balance`)."""
-    c, g = costs.cpu_per_neuron(batch), costs.gpu_per_neuron(batch)
-    if move >= 0:
-        latency = costs.ship_latency if move else 0.0
-        return n_gpu * g + move * (costs.ship + g) + latency, (n_cpu - move) * c + move * costs.gather
-    return (n_gpu + move) * g, (n_cpu - move) * c
+    return _PerNeuron.of(costs, batch).times(n_gpu, n_cpu, move)
 
 
 def balance(costs: SplitCosts, n_gpu: int, n_cpu: int, batch: int) -> int:
     """Signed number of active neurons to move this step: > 0 ships that many CPU neurons to the GPU, < 0 computes
     that many GPU neurons on the CPU; the integer that minimises the slower side's time."""
-    c, g, gather = costs.cpu_per_neuron(batch), costs.gpu_per_neuron(batch), costs.gather
+    one = _PerNeuron.of(costs, batch)
+    c, g = one.cpu, one.gpu
     gpu_t, cpu_t = n_gpu * g, n_cpu * c
     if cpu_t > gpu_t:
         # Ship m: n_gpu*g + m*(ship+g) + latency = (n_cpu-m)*c + m*gather.
-        denom = costs.ship + g + c - gather
-        ideal = (cpu_t - gpu_t - costs.ship_latency) / denom if denom > 0 else 0.0
+        denom = one.ship + g + c - one.gather
+        ideal = (cpu_t - gpu_t - one.ship_latency) / denom if denom > 0 else 0.0
         candidates = {max(1, min(n_cpu, int(ideal) + d)) for d in (0, 1)} if n_cpu else set()
     else:
         # Give m GPU neurons to the CPU: (n_gpu-m)*g = (n_cpu+m)*c.
         ideal = (gpu_t - cpu_t) / (g + c) if g + c > 0 else 0.0
         candidates = {-max(0, min(n_gpu, int(ideal) + d)) for d in (0, 1)}
     candidates.add(0)
-    return min(sorted(candidates), key=lambda m: (max(step_times(costs, n_gpu, n_cpu, batch, m)), abs(m)))
+    return min(sorted(candidates), key=lambda m: (max(one.times(n_gpu, n_cpu, m)), abs(m)))
