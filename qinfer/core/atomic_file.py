@@ -24,11 +24,12 @@ _PARTIAL_SUFFIX = ".partial"
 # then the eight random characters of mkstemp or mkdtemp.
 _PARTIAL_MIDDLE = re.compile(r"(?:(\d+)-)?[a-z0-9_]{8}")
 _STARTED = time.time()  # the import, early in the run, stands for the process's start
-# Errors of the disk that an output is written to, which a user fixes there rather than in the command.
+# Errors of the disk that an output is written to, which a user fixes there rather than in the command: the cause,
+# and what to do about it.
 _DISK_ERRORS = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is used up",
-    errno.EROFS: "the file system is read-only",
+    errno.ENOSPC: "the disk is full; free some space or pick another directory",
+    errno.EDQUOT: "the disk quota is used up; free some space or pick another directory",
+    errno.EROFS: "the file system is read-only; pick another directory",
 }
 
 
@@ -60,8 +61,8 @@ def check_writable(path: Path) -> None:
         existing = existing.parent
     if not os.access(existing, os.W_OK):
         read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
-        cause = _DISK_ERRORS[errno.EROFS] if read_only else f"{existing} is not writable"
-        raise UserError(f"cannot write {path}: {cause}; pick another directory")
+        problem = _DISK_ERRORS[errno.EROFS] if read_only else f"{existing} is not writable; pick another directory"
+        raise UserError(f"cannot write {path}: {problem}")
 
 
 @contextlib.contextmanager
@@ -98,7 +99,7 @@ def disk_errors(path: Path) -> Iterator[None]:
         cause = _DISK_ERRORS.get(errno.ENOSPC if short_write else exc.errno)
         if cause is None:
             raise
-        raise UserError(f"cannot write {path}: {cause}; free some space or pick another directory") from exc
+        raise UserError(f"cannot write {path}: {cause}") from exc
 
 
 def _umask() -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from qinfer.core.names import KEY_TYPES, Key
+from qinfer.core.names import KEY_TYPES, Key, Tensor, tensor_name
 
 MAGICS = (b"GGUF", b"PWRI")
 # The longest token or merge rule accepted, in bytes: real vocabularies' longest are a few hundred bytes (runs of
@@ -243,9 +243,10 @@ def check_vocabulary(
     if Key.TOKENS not in vocabulary:
         return
     n = vocabulary[Key.TOKENS][1]
-    embedding = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    embedding_name = tensor_name(Tensor.TOKEN_EMBD)
+    embedding = next((t for t in tensors if t.name == embedding_name), None)
     if embedding is not None and len(embedding.ne) == 2 and embedding.ne[1] != n:
-        raise LayoutError(f"the vocabulary has {n} tokens but token_embd.weight has {embedding.ne[1]} rows")
+        raise LayoutError(f"the vocabulary has {n} tokens but {embedding_name} has {embedding.ne[1]} rows")
     for key in (Key.SCORES, Key.TOKEN_TYPE):
         if key in keys and keys[key].value != n:
             raise LayoutError(f"{key} has {keys[key].value} entries for {n} tokens")

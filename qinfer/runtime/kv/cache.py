@@ -72,26 +72,25 @@ def make_kv_cache(
 ) -> Cache:
     """The cache that `policy` (qinfer.core.kv_policy; default full) describes, for `slots` sequences of `ctx`;
     refused in one line, before anything is allocated, where the host cannot hold its K and V."""
-    windowed = policy is not None and policy.windowed
-    rows = policy.split(ctx).rows if policy is not None and windowed else ctx
+    window = policy if policy is not None and policy.windowed else None
+    rows = window.split(ctx).rows if window is not None else ctx
     lower = "lower the sequences (--parallel, --slots) or --ctx-size"
     if torch.device(device).type == "cpu":
         # float32 K and V; a window's positions and masses are a few bytes a row more.
-        needed = 2 * cfg.layers * slots * cfg.kv_heads * rows * cfg.head_dim * 4
-        if needed > _host_memory():
+        needed, free = 2 * cfg.layers * slots * cfg.kv_heads * rows * cfg.head_dim * 4, _host_memory()
+        if needed > free:
             raise UserError(
                 f"the KV cache for {slots} sequences of {ctx} tokens needs {needed / 2**30:.1f} GiB, more than the "
-                f"{_host_memory() / 2**30:.1f} GiB this machine has free; {lower}"
+                f"{free / 2**30:.1f} GiB this machine has free; {lower}"
             )
     try:
-        if policy is not None and windowed:
-            return WindowKVCache(cfg, ctx, slots, device, policy)
+        if window is not None:
+            return WindowKVCache(cfg, ctx, slots, device, window)
         return KVCache(cfg, ctx, slots, device)
     except RuntimeError as exc:  # torch's allocators, on the host and on a GPU, fail with RuntimeErrors
         if "alloc" not in str(exc) and "out of memory" not in str(exc):
             raise
         raise UserError(f"the KV cache for {slots} sequences of {ctx} tokens does not fit in memory; {lower}") from None
-
 
 def _host_memory() -> int:
     """Bytes the host can give now (Linux's MemAvailable), else its physical memory."""

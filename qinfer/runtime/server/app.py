@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qinfer.core.errors import UserError
 from qinfer.runtime.engine.engine import Request as EngineRequest
 from qinfer.runtime.engine.worker import EngineWorker, Job
 from qinfer.runtime.server.openai_schema import ChatRequest, CompletionRequest, SamplingFields
@@ -304,10 +303,7 @@ class _Routes:
 async def submit(worker: EngineWorker, body: SamplingFields, prompt: str) -> tuple[Job, int]:
     """Queue the request on the engine; return its job and the prompt's length in tokens."""
     # A long prompt takes seconds to tokenize; on the event loop that would stall every other client meanwhile.
-    try:
-        ids = await asyncio.to_thread(worker.engine.tokenizer.encode, prompt)
-    except UserError as exc:
-        raise ApiError(400, str(exc), param="prompt") from None
+    ids = await asyncio.to_thread(worker.engine.tokenizer.encode, prompt)
     ctx_size = worker.engine.ctx_size
     room = ctx_size - len(ids)
     if room < 1:
