@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map
 
 from qinfer.core.errors import UserError
-from qinfer.core.model_spec import ModelSpec
+from qinfer.core.model_spec import ModelSpec, RopeScaling
 from qinfer.core.names import BIAS, WEIGHT, Key, Tensor, tensor_name
 
 if TYPE_CHECKING:
@@ -33,17 +33,30 @@ Transform = Callable[["torch.Tensor"], "torch.Tensor"]
 
 @dataclass(frozen=True)
 class FfnForm:
-    """What one neuron computes: relu(gate) * up (gated), relu(gate) * relu(up), or relu(up) alone, each row of
-    down_t scaled by it; `biased`: up and down carry biases (OPT)."""
+    """What one neuron computes: act(gate) * up (gated), act(gate) * relu(up) (dReLU), or relu(up) alone, each row
+    of down_t scaled by it; act is relu or silu (SwiGLU); `biased`: up and down carry biases (OPT).
+
+    A neuron fires for a token where |act(gate)| exceeds its layer's gate threshold: 0 for ReLU (relu(gate) > 0),
+    a calibrated one for a SwiGLU model made sparse (docs/formats.md#gate-thresholds)."""
 
     gated: bool
     relu_up: bool
     biased: bool = False
+    act: Literal["relu", "silu"] = "relu"
 
     @property
     def matrices(self) -> int:
         """FFN matrices with one row per neuron."""
         return 3 if self.gated else 2
+
+
+# The activations a gated family's file may declare (Key.FFN_ACTIVATION), by name: relu(gate) * up (ReluLLaMA),
+# relu(gate) * relu(up) (dReLU: Bamboo, TurboSparse), silu(gate) * up (SwiGLU: Llama-3, Mistral, Qwen2).
+ACTIVATIONS: dict[str, FfnForm] = {
+    "relu": FfnForm(gated=True, relu_up=False),
+    "drelu": FfnForm(gated=True, relu_up=True),
+    "silu": FfnForm(gated=True, relu_up=False, act="silu"),
+}
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,6 @@ class HfModules:
     up: str  # from a layer
     gate: str | None = None
     llama_config: bool = False  # config.json is read as a LlamaConfig (Bamboo's model_type is unknown to transformers)
-    relu_up_hook: bool = False  # the transformers class lacks the ReLU on up that the family applies
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,10 @@ class Architecture:
     add_metadata: Callable[[GGUFWriter, ModelSpec], None]  # the {arch}.* keys after feed_forward_length
     norm_eps_key: str | None  # metadata key template of the norms' epsilon; None: not written (default_norm_eps)
     block: str  # the decoder block's layout; the runtime maps it to its forward (runtime/model/loader.py)
+    # A file's FFN activation where it does not say (Key.FFN_ACTIVATION), (for a PowerInfer file, for a dense one):
+    # PowerInfer's llama files are ReLU, llama.cpp's are SwiGLU. None: the family has one form, `ffn`.
+    unstated_activation: tuple[str, str] | None = None
+    qkv_bias: bool = False  # q, k and v carry biases (Qwen2)
     default_norm_eps: float = LAYER_NORM_EPS
     position_offset: int = 0  # rows of a learned position table before position 0 (OPT: 2)
     output_is_embedding: bool = False  # the head multiplies by token_embd: the file has no output tensor (OPT)
@@ -83,20 +99,53 @@ class Architecture:
         """Rotated dimensions per head where the file does not say: whole heads, or none without rope."""
         return 0 if self.rope == "none" else hidden // heads
 
-    def tensors(self, spec: ModelSpec, predictor_ranks: list[int] | None) -> Shapes:
+    def form(self, activation: str | None) -> FfnForm:
+        """The FFN form of a model of this family with `activation` (None: the family's own)."""
+        if activation is None or self.unstated_activation is None:
+            if activation not in (None, "relu"):
+                raise UserError(f"a {self.name} model's FFN is relu(up), not {activation!r}")
+            return self.ffn
+        if activation not in ACTIVATIONS:
+            raise UserError(f"FFN activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        return ACTIVATIONS[activation]
+
+    def stated_activation(self, activation: str | None, row_layout: bool) -> str | None:
+        """What a file of this layout must say of its activation (Key.FFN_ACTIVATION): None where the unstated
+        reading is already right, so PowerInfer's and llama.cpp's own files are written as they write them."""
+        if self.unstated_activation is None or activation is None:
+            return None
+        return None if activation == self.unstated_activation[0 if row_layout else 1] else activation
+
+    def file_activation(self, stated: object, row_layout: bool, where: object) -> str | None:
+        """The activation of a file of this family that states `stated` (None: nothing), checked."""
+        if stated is None:
+            return None if self.unstated_activation is None else self.unstated_activation[0 if row_layout else 1]
+        if not isinstance(stated, str) or stated not in ACTIVATIONS:
+            raise UserError(f"{where}: FFN activation {stated!r} is not one of {', '.join(ACTIVATIONS)}; re-convert it")
+        self.form(stated)
+        return stated
+
+    def tensors(self, spec: ModelSpec, predictor_ranks: list[int] | None, row_layout: bool = False) -> Shapes:
         """Every tensor of a converted file in file order: a PowerInfer GGUF when `predictor_ranks` (P per layer)
-        is given, else a dense GGUF."""
+        is given, else a dense GGUF; `row_layout` writes down as neuron rows (ffn_down_t) without predictors too (a
+        calibrated SwiGLU model)."""
         shapes = self.global_tensors(spec)
+        if spec.rope_scaling is not None:
+            shapes[tensor_name(Tensor.ROPE_FREQS)] = (spec.rope_dim // 2,)
         e, f = spec.hidden, spec.ffn
+        rows = row_layout or predictor_ranks is not None
         for i in range(spec.layers):
             shapes |= self.block_tensors(spec, i)
+            if self.qkv_bias:
+                for part, size in ((Tensor.ATTN_Q, e), (Tensor.ATTN_K, spec.kv_dim), (Tensor.ATTN_V, spec.kv_dim)):
+                    shapes[tensor_name(part, i, BIAS)] = (size,)
             if self.ffn.gated:
                 shapes[tensor_name(Tensor.FFN_GATE, i)] = (f, e)
             shapes[tensor_name(Tensor.FFN_UP, i)] = (f, e)
             if self.ffn.biased:
                 shapes[tensor_name(Tensor.FFN_UP, i, BIAS)] = (f,)
-            down = Tensor.FFN_DOWN if predictor_ranks is None else Tensor.FFN_DOWN_T
-            shapes[tensor_name(down, i)] = (e, f) if predictor_ranks is None else (f, e)
+            down = Tensor.FFN_DOWN_T if rows else Tensor.FFN_DOWN
+            shapes[tensor_name(down, i)] = (f, e) if rows else (e, f)
             if self.ffn.biased:
                 shapes[tensor_name(down, i, BIAS)] = (e,)
             if predictor_ranks is not None:
@@ -115,24 +164,62 @@ def _rope_theta(cfg: dict[str, Any]) -> float | None:
     return None if theta is None else float(theta)
 
 
-def _llama_config(arch: str, cfg: dict[str, Any], path: Path) -> ModelSpec:
-    if cfg.get("hidden_act", "relu") != "relu":
-        raise UserError(f"{path} has hidden_act={cfg['hidden_act']!r}; only ReLU models (hidden_act=relu) are sparse")
+# config.json's hidden_act -> the FFN activation it means; "drelu" declares ReLU on gate and up (dReLU) for a
+# LLaMA- or Mistral-shaped checkpoint, whose transformers class has no such option.
+_HIDDEN_ACTS = {"relu": "relu", "silu": "silu", "swish": "silu", "drelu": "drelu"}
+
+
+def _rope_scaling(cfg: dict[str, Any], path: Path) -> RopeScaling | None:
+    # transformers 5 folds rope_scaling into rope_parameters, which then always names a type.
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise UserError(f"{path} uses rope scaling {kind!r}; only Llama-3.1's 'llama3' scaling is supported")
+    try:
+        return RopeScaling(
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path}: llama3 rope scaling lacks or misstates {exc}") from None
+
+
+def _sliding_window(cfg: dict[str, Any], context: int, path: Path) -> int | None:
+    """Mistral's window, honoured by every stage; a window as long as the context changes nothing."""
+    window = cfg.get("sliding_window")
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        return None  # Qwen2 states a window it does not use
+    if window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= context):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UserError(f"{path}: sliding_window {window!r} is not a positive number of tokens")
+    if cfg.get("max_window_layers") not in (None, cfg.get("num_hidden_layers")):
+        raise UserError(f"{path}: a sliding window on only some layers (max_window_layers) is not supported")
+    return window
+
+
+def _gated_config(arch: str, cfg: dict[str, Any], path: Path, qkv_bias: bool = False) -> ModelSpec:
+    """LLaMA-shaped configs: ReluLLaMA, Bamboo, Llama-3, Mistral, Qwen2 (whose q/k/v carry biases)."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in _HIDDEN_ACTS:
+        raise UserError(f"{path} has hidden_act={act!r}; supported: {', '.join(_HIDDEN_ACTS)}")
     for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise UserError(f"{path} sets {flag}; the GGUF layout of this family has no biases")
-    rope_type = (cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise UserError(f"{path} uses rope scaling {rope_type!r}, which this converter does not support")
+        if cfg.get(flag) and not (flag == "attention_bias" and qkv_bias):
+            raise UserError(f"{path} sets {flag}; the GGUF layout of this family has no such biases")
     heads = int(cfg["num_attention_heads"])
     if cfg.get("head_dim") not in (None, int(cfg["hidden_size"]) // heads):
         raise UserError(f"{path}: head_dim {cfg['head_dim']} is not hidden_size / num_attention_heads")
     hidden = int(cfg["hidden_size"])
+    context = int(cfg.get("max_position_embeddings", 2048))
     return ModelSpec(
         arch=arch,
         name=path.parent.resolve().name,
         vocab_size=int(cfg["vocab_size"]),
-        context_length=int(cfg.get("max_position_embeddings", 2048)),
+        context_length=context,
         hidden=hidden,
         layers=int(cfg["num_hidden_layers"]),
         ffn=int(cfg["intermediate_size"]),
@@ -142,6 +229,9 @@ def _llama_config(arch: str, cfg: dict[str, Any], path: Path) -> ModelSpec:
         rope_dim=hidden // heads,
         rope_theta=_rope_theta(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        activation=_HIDDEN_ACTS[act] if arch != "bamboo" else "drelu",
+        sliding_window=_sliding_window(cfg, context, path),
+        rope_scaling=_rope_scaling(cfg, path),
     )
 
 
@@ -378,6 +468,8 @@ def _llama_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
     writer.add_head_count_kv(spec.kv_heads)
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     _rope_freq(writer, spec)
+    if spec.sliding_window is not None:
+        writer.add_sliding_window(spec.sliding_window)
 
 
 def _falcon_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
@@ -397,37 +489,56 @@ def _opt_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
 _LLAMA_HF = HfModules(
     "LlamaForCausalLM", "model.layers", "post_attention_layernorm", "mlp.up_proj", "mlp.gate_proj", llama_config=True
 )
-_LLAMA_COMMON: dict[str, Any] = dict(
+_GATED_COMMON: dict[str, Any] = dict(
     norm="rms",
-    rope="pairs",
     block_tensors=_llama_block,
     global_tensors=_llama_globals,
-    hf_names=partial(_gguf_name_map, MODEL_ARCH.LLAMA),
     add_metadata=_llama_metadata,
     norm_eps_key=Key.LAYERNORM_RMS_EPS,
     block="llama",
-    transforms=_llama_transforms,
+)
+_LLAMA_COMMON: dict[str, Any] = dict(
+    rope="pairs", hf_names=partial(_gguf_name_map, MODEL_ARCH.LLAMA), transforms=_llama_transforms, **_GATED_COMMON
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
+        # ReluLLaMA and ProSparse (relu), Llama-3 and Mistral (SwiGLU; llama.cpp writes both as llama), and dReLU
+        # models of their shape: one tensor layout, told apart by the activation.
         Architecture(
             name="llama",
-            hf_classes=("LlamaForCausalLM",),
-            ffn=FfnForm(gated=True, relu_up=False),
+            hf_classes=("LlamaForCausalLM", "MistralForCausalLM"),
+            ffn=ACTIVATIONS["relu"],
             hf=_LLAMA_HF,
-            read_config=partial(_llama_config, "llama"),
+            read_config=partial(_gated_config, "llama"),
+            unstated_activation=("relu", "silu"),
             **_LLAMA_COMMON,
         ),
         # Mistral-shaped with LLaMA's tensor names and relu on gate and up.
         Architecture(
             name="bamboo",
             hf_classes=("BambooForCausalLM",),
-            ffn=FfnForm(gated=True, relu_up=True),
-            hf=replace(_LLAMA_HF, relu_up_hook=True),
-            read_config=partial(_llama_config, "bamboo"),
+            ffn=ACTIVATIONS["drelu"],
+            hf=_LLAMA_HF,
+            read_config=partial(_gated_config, "bamboo"),
+            unstated_activation=("drelu", "drelu"),
             **_LLAMA_COMMON,
+        ),
+        # Qwen2: LLaMA's block with biases on q, k and v, and rotate-half rope (q/k rows as Hugging Face has them).
+        Architecture(
+            name="qwen2",
+            hf_classes=("Qwen2ForCausalLM",),
+            ffn=ACTIVATIONS["silu"],
+            rope="neox",
+            hf=HfModules(
+                "Qwen2ForCausalLM", "model.layers", "post_attention_layernorm", "mlp.up_proj", "mlp.gate_proj"
+            ),
+            read_config=partial(_gated_config, "qwen2", qkv_bias=True),
+            hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN2),
+            unstated_activation=("silu", "silu"),
+            qkv_bias=True,
+            **_GATED_COMMON,
         ),
         # ReluFalcon-40B: Falcon-40B's new decoder (fused QKV, grouped kv heads, two LayerNorms feeding attention
         # and FFN in parallel) with relu as the MLP activation.

@@ -42,12 +42,33 @@ def predictor_ranks(spec: ModelSpec, entries: Entries, path: Path) -> list[int]:
     return ranks
 
 
+def gate_thresholds(spec: ModelSpec, meta: Mapping[str, Any], path: Path) -> list[float] | None:
+    """A calibrated model's per-layer thresholds on |act(gate)| (Key.GATE_THRESHOLDS), checked; None where the file
+    has none."""
+    values = meta.get(Key.GATE_THRESHOLDS)
+    if values is None:
+        return None
+    if not isinstance(values, list) or len(values) != spec.layers:
+        raise UserError(
+            f"{path}: {Key.GATE_THRESHOLDS} must hold one threshold per layer ({spec.layers}); re-convert it"
+        )
+    if not all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in values):
+        raise UserError(f"{path}: {Key.GATE_THRESHOLDS} holds a negative or non-finite value; re-convert it")
+    return [float(v) for v in values]
+
+
 def check_model(spec: ModelSpec, powerinfer: bool, entries: Entries, meta: Mapping[str, Any], path: Path) -> None:
     """Exactly the tensors the family's table names for this spec, each with that shape and a type we compute with,
     and special token ids inside the vocabulary. An extra tensor is refused as llama.cpp's loader refuses one: a
     block count lowered by one would otherwise run a model with a layer silently missing."""
-    ranks = predictor_ranks(spec, entries, path) if powerinfer else None
-    expected = architecture(spec.arch).tensors(spec, ranks)
+    thresholds = gate_thresholds(spec, meta, path)
+    # A calibrated model's file has the PowerInfer layout, and predictors only where some were trained for it.
+    predicted = powerinfer and (thresholds is None or tensor_name(Tensor.FC1, 0) in entries)
+    ranks = predictor_ranks(spec, entries, path) if predicted else None
+    expected = architecture(spec.arch).tensors(spec, ranks, row_layout=powerinfer)
+    rope_freqs = tensor_name(Tensor.ROPE_FREQS)
+    if rope_freqs in entries and spec.rope_dim:
+        expected[rope_freqs] = (spec.rope_dim // 2,)  # a scaled rope's divisors, which only the file knows of
     missing = [name for name in expected if name not in entries]
     if missing:
         raise UserError(f"{path} lacks {len(missing)} tensors of a {spec.arch} model ({missing[0]} ...); re-convert it")

@@ -8,6 +8,17 @@ DEFAULT_ROPE_BASE = 10000.0
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1's "llama3" rope scaling: long wavelengths slowed by `factor`, short ones kept, the band between
+    blended; a converter turns it into the file's per-frequency divisors (rope_freqs)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context: int
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     arch: str  # general.architecture: a key of qinfer.core.architectures.ARCHITECTURES
     name: str
@@ -22,6 +33,10 @@ class ModelSpec:
     rope_dim: int = 0  # rotated dimensions per head; 0 where the model has no rope (opt)
     rope_theta: float | None = None  # None: not given, the default base applies
     tie_word_embeddings: bool = False
+    # What the FFN's neurons compute (a key of architectures.ACTIVATIONS); None: the family's own.
+    activation: str | None = None
+    sliding_window: int | None = None  # each token attends to its last this-many positions (Mistral); None: all
+    rope_scaling: RopeScaling | None = None  # from config.json only; a file holds its result, rope_freqs
 
     @property
     def head_dim(self) -> int:

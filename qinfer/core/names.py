@@ -32,6 +32,7 @@ class Tensor(StrEnum):
     FFN_UP = "ffn_up"
     FFN_DOWN = "ffn_down"  # dense GGUF: [E, F] as ggml ne
     FFN_DOWN_T = "ffn_down_t"  # PowerInfer GGUF: down transposed, so that row i of every FFN matrix is neuron i
+    ROPE_FREQS = "rope_freqs"  # llama.cpp's per-frequency divisors of a scaled rope (Llama-3.1's "llama3" type)
     FC1 = "fc1"  # the layer's predictor, fc2(relu(fc1(h)))
     FC2 = "fc2"
     GPU_IDX = "gpu_idx"  # .gpuidx: 0/1 per neuron (no .weight suffix)
@@ -82,6 +83,7 @@ class Key:
     LAYERNORM_RMS_EPS = Keys.Attention.LAYERNORM_RMS_EPS
     ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
     ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
+    SLIDING_WINDOW = Keys.Attention.SLIDING_WINDOW
 
     TOKENIZER_PREFIX = "tokenizer."
     TOKENS = Keys.Tokenizer.LIST
@@ -99,6 +101,10 @@ class Key:
     VRAM_CAPACITY = "split.vram_capacity"
     # Ours: a .gpuidx's provenance, after the engine's keys so that its reader is unaffected.
     PLAN_PREFIX = "qinfer.plan."
+    # Ours, in a model file (docs/formats.md#metadata-keys): what the FFN's neurons compute, and the per-layer
+    # thresholds on |act(gate)| below which a calibrated model's neuron is skipped.
+    FFN_ACTIVATION = "qinfer.feed_forward.activation"
+    GATE_THRESHOLDS = "qinfer.feed_forward.gate_thresholds"
 
 
 # Special token ids, each naming a token of the vocabulary.
@@ -160,7 +166,10 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
         for key in (Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.ADD_EOS, Keys.Tokenizer.ADD_SEP, Keys.Tokenizer.ADD_PREFIX)
     },
     Keys.Tokenizer.MODEL: (_S, None),
+    Key.SLIDING_WINDOW: (_U32, None),
     Key.SPARSE_THRESHOLD: (_F32, None),
+    Key.FFN_ACTIVATION: (_S, None),
+    Key.GATE_THRESHOLDS: (_ARRAY, _F32),
     Key.GPU_INDEX_BLOCK_COUNT: (_U32, None),
     Key.VRAM_CAPACITY: (_U64, None),
     **{Key.PLAN_PREFIX + name: (kind, None) for name, (kind, _) in PLAN_KEYS.items()},

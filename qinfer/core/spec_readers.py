@@ -51,9 +51,10 @@ def _check_shape(spec: ModelSpec, path: Path) -> None:
         raise UserError(f"{path}: rope dimension {spec.rope_dim} does not fit heads of {spec.head_dim}; re-convert it")
 
 
-def spec_from_metadata(meta: dict[str, Any], path: Path) -> ModelSpec:
+def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> ModelSpec:
     """The spec a GGUF's metadata declares, every value checked for its type and range; the vocabulary size is the
-    token list's length (0 when absent)."""
+    token list's length (0 when absent). `row_layout`: a PowerInfer file (PWRI magic), whose unstated activation is
+    PowerInfer's (Architecture.unstated_activation)."""
     arch = architecture(meta.get(Key.ARCHITECTURE), path)
 
     def key(template: str, default: Any = None) -> Any:
@@ -70,6 +71,7 @@ def spec_from_metadata(meta: dict[str, Any], path: Path) -> ModelSpec:
     hidden = count(Key.EMBEDDING_LENGTH)
     tokens = meta.get(Key.TOKENS)
     theta = meta.get(arch_key(Key.ROPE_FREQ_BASE, arch.name))
+    window = meta.get(arch_key(Key.SLIDING_WINDOW, arch.name))
     eps = arch.default_norm_eps
     if arch.norm_eps_key is not None:
         eps = _real(key(arch.norm_eps_key), arch_key(arch.norm_eps_key, arch.name), path, 1e-12, 1.0)
@@ -87,6 +89,8 @@ def spec_from_metadata(meta: dict[str, Any], path: Path) -> ModelSpec:
         rope_dim=0 if arch.rope == "none" else count(Key.ROPE_DIMENSION_COUNT, arch.default_rope_dim(hidden, heads)),
         rope_theta=None if theta is None else _real(theta, arch_key(Key.ROPE_FREQ_BASE, arch.name), path, 1e-6, 1e12),
         tie_word_embeddings=arch.output_is_embedding,
+        activation=arch.file_activation(meta.get(Key.FFN_ACTIVATION), row_layout, path),
+        sliding_window=None if window is None else _count(window, arch_key(Key.SLIDING_WINDOW, arch.name), path),
     )
     if spec.context_length <= 0:
         raise UserError(f"{path}: the context length leaves no position; the file is corrupt, re-convert it")

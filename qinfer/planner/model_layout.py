@@ -83,9 +83,11 @@ def read_model_layout(path: Path) -> ModelLayout:
     """Sizes of a PowerInfer GGUF's tensors, grouped into FFN neurons, predictors, attention, output, embeddings."""
     reader = open_gguf(path)
     if not reader.is_powerinfer:
-        raise UserError(f"{path} is a dense GGUF; plan a PowerInfer one (`qinfer prep convert` with a predictor dir)")
+        raise UserError(
+            f"{path} is a dense GGUF; plan a PowerInfer one (`qinfer prep convert` with --predictor or --calibration)"
+        )
     meta = metadata(reader)
-    spec = spec_from_metadata(meta, path)
+    spec = spec_from_metadata(meta, path, reader.is_powerinfer)
     check_model(spec, True, tensor_entries(reader), meta, path)
     per_layer: dict[int, dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
     output_bytes = output_weights = embedding_bytes = 0

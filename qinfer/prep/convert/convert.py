@@ -1,4 +1,7 @@
-"""Convert a Hugging Face ReLU checkpoint (any family of qinfer.core.architectures) to a PowerInfer or dense GGUF."""
+"""Convert a Hugging Face checkpoint (any family of qinfer.core.architectures) to a PowerInfer or dense GGUF.
+
+A PowerInfer GGUF holds FFN neurons as rows (ffn_down_t) and either predictors or a calibration's gate thresholds
+(or both); a dense GGUF is laid out as llama.cpp lays it out."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 from gguf import GGUFWriter
 
 from qinfer.core.architectures import Architecture, Shapes, architecture
+from qinfer.core.calibration_dir import Calibration, read_calibration
 from qinfer.core.errors import UserError
 from qinfer.core.gguf_writer import TensorPlan, write_gguf
 from qinfer.core.model_spec import ModelSpec
@@ -19,6 +23,7 @@ from qinfer.core.names import PREDICTOR, Key, Tensor, split_tensor_name, tensor_
 from qinfer.core.predictor_dir import FC1, FC2, PredictorDir, load_layer, open_predictors
 from qinfer.core.spec_readers import spec_from_hf_dir
 from qinfer.prep.convert.hf_checkpoint import TensorRef, index_checkpoint, load_tensor
+from qinfer.prep.convert.rope_factors import llama3_rope_factors
 from qinfer.prep.convert.tokenizer_vocab import add_vocab
 
 OUTTYPES = {"f32": (np.dtype(np.float32), 0), "f16": (np.dtype(np.float16), 1)}
@@ -87,13 +92,17 @@ def plan_tensors(
     refs: dict[str, TensorRef],
     predictors: PredictorDir | None,
     outtype: np.dtype,
+    row_layout: bool = False,
 ) -> list[TensorPlan]:
-    shapes = arch.tensors(spec, None if predictors is None else predictors.ranks)
+    shapes = arch.tensors(spec, None if predictors is None else predictors.ranks, row_layout)
     sources = _map_sources(arch, spec, refs, shapes)
     plans: list[TensorPlan] = []
     for name, shape in shapes.items():
         dtype = _dtype_for(shape, outtype)
         layer, part, kind = split_tensor_name(name) or (None, "", "")
+        if part == Tensor.ROPE_FREQS:
+            plans.append(TensorPlan(name, shape, dtype, partial(llama3_rope_factors, spec)))
+            continue
         if part in PREDICTOR:
             assert predictors is not None and layer is not None
             key = FC1 if part == Tensor.FC1 else FC2
@@ -117,7 +126,13 @@ def plan_tensors(
 
 
 def _metadata_writer(
-    arch: Architecture, spec: ModelSpec, model_dir: Path, file_type: int, threshold: float | None
+    arch: Architecture,
+    spec: ModelSpec,
+    model_dir: Path,
+    file_type: int,
+    threshold: float | None,
+    calibration: Calibration | None,
+    row_layout: bool,
 ) -> Callable[[GGUFWriter], None]:
     def add(writer: GGUFWriter) -> None:
         writer.add_name(spec.name)
@@ -130,6 +145,11 @@ def _metadata_writer(
         add_vocab(writer, model_dir, spec.vocab_size)
         if threshold is not None:
             writer.add_float32(Key.SPARSE_THRESHOLD, threshold)
+        activation = arch.stated_activation(spec.activation, row_layout)
+        if activation is not None:
+            writer.add_string(Key.FFN_ACTIVATION, activation)
+        if calibration is not None:
+            writer.add_array(Key.GATE_THRESHOLDS, calibration.thresholds)
 
     return add
 
@@ -139,10 +159,11 @@ def convert(
     outfile: Path,
     predictor_dir: Path | None = None,
     outtype: str = "f16",
+    calibration_dir: Path | None = None,
     on_plan: Callable[[list[TensorPlan]], None] | None = None,
     on_tensor: Callable[[TensorPlan], None] | None = None,
 ) -> ConvertResult:
-    """Write a PowerInfer GGUF when `predictor_dir` is given, else a dense GGUF.
+    """Write a PowerInfer GGUF when `predictor_dir` or `calibration_dir` is given, else a dense GGUF.
 
     Everything that can be checked (config, tensor names and shapes, predictors, vocabulary) is
     checked before the first byte is written; tensors are then streamed one at a time.
@@ -159,10 +180,19 @@ def convert(
     predictors = None
     if predictor_dir is not None:
         predictors = open_predictors(predictor_dir, spec.layers, spec.hidden, spec.ffn)
-    plans = plan_tensors(arch, spec, index_checkpoint(model_dir), predictors, dtype)
+    calibration = None
+    if calibration_dir is not None:
+        calibration = read_calibration(calibration_dir, spec.layers)
+        if calibration.activation != spec.activation:
+            raise UserError(
+                f"{calibration_dir} was calibrated for a {calibration.activation} FFN, but {model_dir} is "
+                f"{spec.activation}; calibrate this model"
+            )
+    row_layout = predictors is not None or calibration is not None
+    plans = plan_tensors(arch, spec, index_checkpoint(model_dir), predictors, dtype, row_layout)
     if on_plan is not None:
         on_plan(plans)
     threshold = predictors.sparse_threshold if predictors is not None else None
-    add_metadata = _metadata_writer(arch, spec, model_dir, file_type, threshold)
-    write_gguf(outfile, spec.arch, add_metadata, plans, powerinfer=predictors is not None, on_tensor=on_tensor)
+    add_metadata = _metadata_writer(arch, spec, model_dir, file_type, threshold, calibration, row_layout)
+    write_gguf(outfile, spec.arch, add_metadata, plans, powerinfer=row_layout, on_tensor=on_tensor)
     return ConvertResult(outfile, spec.arch, len(plans), sum(plan.nbytes for plan in plans))

@@ -142,7 +142,7 @@ def quantize_gguf(
     reader = open_gguf(infile)
     # A file the runtime would refuse is refused here too, rather than passed on as a valid-looking quantized one.
     meta = metadata(reader)
-    spec = spec_from_metadata(meta, infile)
+    spec = spec_from_metadata(meta, infile, reader.is_powerinfer)
     check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, infile)
     plans, kept_f16 = _plan(infile, reader, qtype)
     if on_plan is not None:

@@ -144,6 +144,11 @@ def profile_activations(
     if shard is not None:
         _use_local_gpu(shard, device)
     loaded = load_relu_model(model_dir, dtype, device)
+    if loaded.form.act != "relu":
+        raise UserError(
+            f"{model_dir} is a {loaded.form.act} model: its neurons never stop firing on their own; calibrate a "
+            "sparsity for it with `qinfer prep calibrate`"
+        )
     spec = loaded.spec
     rank, world_size = (0, 1) if shard is None else (shard.rank, shard.world_size)
     key = fingerprint(model_dir, files, seq_len, batch_size, tokens, loaded.dtype, shard)
@@ -161,7 +166,7 @@ def profile_activations(
         tell = on_progress or (lambda _t, _n, _w: None)
         tell(start.tokens, tokens, start.windows)
         position, since_checkpoint = start, 0
-        with torch.inference_mode(), firing_counts(loaded.layers, loaded.arch, counts):
+        with torch.inference_mode(), firing_counts(loaded.layers, loaded.arch, loaded.form, counts):
             for batch in itertools.islice(stream, start.batches, None):
                 mine = position.batches % world_size == rank
                 position = position.after(batch)

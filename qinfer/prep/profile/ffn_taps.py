@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from qinfer.core.architectures import Architecture
+from qinfer.core.architectures import Architecture, FfnForm
 
 
 def submodule(root: nn.Module, path: str) -> nn.Module:
@@ -45,12 +45,14 @@ def counted_module(arch: Architecture) -> str:
 
 
 @contextlib.contextmanager
-def firing_counts(layers: list[nn.Module], arch: Architecture, counts: torch.Tensor) -> Iterator[None]:
+def firing_counts(
+    layers: list[nn.Module], arch: Architecture, form: FfnForm, counts: torch.Tensor
+) -> Iterator[None]:
     """While active, every forward pass adds, per layer i and neuron j, the number of tokens on which neuron j
     fired to counts[i, j] (int64, [L, F]). Only counts, never per-token activations, are kept."""
     gates: dict[int, torch.Tensor] = {}
     # relu(gate) * relu(up) fires only where both do: the gate's mask waits for up's output, computed next.
-    both = arch.hf.gate is not None and arch.ffn.relu_up
+    both = arch.hf.gate is not None and form.relu_up
 
     def on_counted(i: int) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:

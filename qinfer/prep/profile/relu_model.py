@@ -1,11 +1,12 @@
-"""Load a ReLU checkpoint of any family in qinfer.core.architectures with transformers, for profiling and predictor
-training, on CPU or CUDA."""
+"""Load a checkpoint of any family in qinfer.core.architectures with transformers, for profiling, calibration and
+predictor training, on CPU or CUDA."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -13,7 +14,7 @@ from torch import nn
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from qinfer.core.architectures import Architecture, architecture
+from qinfer.core.architectures import Architecture, FfnForm, architecture
 from qinfer.core.errors import UserError
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.spec_readers import spec_from_hf_dir
@@ -28,6 +29,7 @@ class ReluModel:
     model: PreTrainedModel
     spec: ModelSpec
     arch: Architecture
+    form: FfnForm
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
@@ -55,23 +57,34 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _llama_config(model_dir: Path) -> LlamaConfig:
-    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    # A Bamboo config names a model_type transformers does not know; its keys are LLaMA's.
+def _llama_config(cfg: dict[str, Any]) -> LlamaConfig:
+    # A Bamboo config names a model_type transformers does not know; its keys are LLaMA's. dReLU is relu on gate
+    # (the class's activation) and on up (a hook).
+    cfg = {**cfg, "architectures": ["LlamaForCausalLM"]}
     cfg.pop("model_type", None)
-    cfg["architectures"] = ["LlamaForCausalLM"]
+    if cfg.get("hidden_act") == "drelu":
+        cfg["hidden_act"] = "relu"
     return LlamaConfig(**cfg)
 
 
+def _model_class(arch: Architecture, cfg: dict[str, Any]) -> tuple[type[PreTrainedModel], LlamaConfig | None]:
+    """The checkpoint's own transformers class where it is one of the family's (MistralForCausalLM keeps Mistral's
+    sliding window), else the family's, with the config read as LLaMA's where the family says so."""
+    named = (cfg.get("architectures") or [None])[0]
+    if named in arch.hf_classes and hasattr(transformers, named) and cfg.get("hidden_act") != "drelu":
+        return getattr(transformers, named), None
+    model_class: type[PreTrainedModel] = getattr(transformers, arch.hf.model_class)
+    return model_class, _llama_config(cfg) if arch.hf.llama_config else None
+
+
 def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "auto") -> ReluModel:
-    """The model in eval mode, without gradients. A family whose transformers class lacks its ReLU on up (Bamboo,
-    loaded as LLaMA) gets a hook that adds it."""
+    """The model in eval mode, without gradients. A model whose transformers class lacks its ReLU on up (dReLU:
+    Bamboo, loaded as LLaMA) gets a hook that adds it."""
     spec = spec_from_hf_dir(model_dir)
     arch = architecture(spec.arch)
     where, fell_back = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, where)
-    model_class: type[PreTrainedModel] = getattr(transformers, arch.hf.model_class)
-    config = _llama_config(model_dir) if arch.hf.llama_config else None
+    model_class, config = _model_class(arch, json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # unused-weight notices for tied or extra tensors are not the user's concern
     hf_logging.disable_progress_bar()  # the commands draw their own progress
@@ -88,20 +101,21 @@ def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "au
     # Documents are tokenised whole and then cut into windows, so their length is no concern of the tokenizer's.
     tokenizer.model_max_length = 1 << 60
     model.to(where).eval().requires_grad_(False)
-    loaded = ReluModel(model, spec, arch, tokenizer, where, torch_dtype, fell_back)
-    if arch.hf.relu_up_hook:
+    form = arch.form(spec.activation)
+    loaded = ReluModel(model, spec, arch, form, tokenizer, where, torch_dtype, fell_back)
+    if form.gated and form.relu_up:
         for layer in loaded.layers:
             submodule(layer, arch.hf.up).register_forward_hook(lambda _m, _a, out: torch.relu(out))
     return loaded
 
 
-def fires(layer: nn.Module, residual: torch.Tensor, arch: Architecture) -> torch.Tensor:
+def fires(layer: nn.Module, residual: torch.Tensor, arch: Architecture, form: FfnForm) -> torch.Tensor:
     """Which FFN neurons of `layer` fire for the predictor's input (the input of the norm before the FFN):
     [..., E] -> bool [..., F]."""
     x = submodule(layer, arch.hf.ffn_norm)(residual)
     if arch.hf.gate is None:
         return submodule(layer, arch.hf.up)(x) > 0
     active = submodule(layer, arch.hf.gate)(x) > 0
-    if arch.ffn.relu_up:
+    if form.relu_up:
         active &= submodule(layer, arch.hf.up)(x) != 0  # up carries the ReLU hook, so "fires" means positive
     return active

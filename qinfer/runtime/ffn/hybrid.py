@@ -19,7 +19,7 @@ from qinfer.core.architectures import FfnForm
 from qinfer.core.errors import UserError
 from qinfer.runtime.ffn.neuron_cache import CachePolicy, NeuronCache
 from qinfer.runtime.ffn.runners import active_ids
-from qinfer.runtime.ffn.sparse import FFNWeights, activations, predicted_mask, sparse_rows
+from qinfer.runtime.ffn.sparse import FFNWeights, activations, gate_mask, predicted_mask, sparse_rows
 from qinfer.runtime.ffn.split_cost import SplitCosts, balance
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
 from qinfer.runtime.kernels.weight_rows import rows_to, weighted_row_sum
@@ -172,7 +172,10 @@ class HybridRunner:
     def _decode(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
         batch = x.shape[0]
-        if s.fc1 is None:
+        if not w.has_predictor:
+            # A calibrated model without predictors: its gate decides, over every row (the mapped ones, on the CPU).
+            mask = gate_mask(w, x.cpu())
+        elif s.fc1 is None:
             # The plan gave this layer no GPU neuron, so it budgeted no room for its predictor there either.
             mask = predicted_mask(w, h.cpu(), self.threshold)
         else:

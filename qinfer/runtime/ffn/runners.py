@@ -7,9 +7,11 @@ from typing import Literal
 
 import torch
 
-from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, predicted_mask, sparse_rows, true_mask
+from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, gate_mask, predicted_mask, sparse_rows, true_mask
 
-Selector = Literal["predictor", "oracle"]
+# predictor: fc2(relu(fc1(h))) over the threshold; gate: a calibrated model's |act(gate)| over its layer's threshold;
+# oracle: the true active set (testing).
+Selector = Literal["predictor", "gate", "oracle"]
 
 
 class DenseRunner:
@@ -25,7 +27,9 @@ class DenseRunner:
 
 
 def select(w: FFNWeights, x: torch.Tensor, h: torch.Tensor, threshold: float, selector: Selector) -> torch.Tensor:
-    """Per-token neuron selection [T, F]: the predictor's, or the true active set (oracle)."""
+    """Per-token neuron selection [T, F]: the predictor's, the gate's, or the true active set (oracle)."""
+    if selector == "gate":
+        return gate_mask(w, x)
     return true_mask(w, x) if selector == "oracle" else predicted_mask(w, h, threshold)
 
 
@@ -43,7 +47,10 @@ class SparseRunner:
         self.selector = selector
 
     def native_rows(self) -> tuple[Sequence[FFNWeights], float | None] | None:
-        """For the native layer step (kernels/decode_layer.py): the predictor's neurons; not the oracle's."""
+        """For the native layer step (kernels/decode_layer.py): the predictor's neurons, or every neuron whose gate
+        passes its threshold (the step's dense path skips the others); not the oracle's."""
+        if self.selector == "gate":
+            return self.layers, None
         return (self.layers, self.threshold) if self.selector == "predictor" else None
 
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:

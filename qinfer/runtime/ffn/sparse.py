@@ -1,10 +1,9 @@
-"""ReLU FFN of one layer, dense or over a subset of neurons, for each FFN form of qinfer.core.architectures.
+"""The FFN of one layer, dense or over a subset of neurons, for each FFN form of qinfer.core.architectures.
 
-Neuron i is row i of gate, up and down_t. Forms: relu(gate) * up, relu(gate) * relu(up), relu(up + up_bias) (no
-gate). A neuron contributes only where it is selected for that token (`mask`), so a selection from the predictor
-gives the predictor's output and the true active set gives the dense output. down's bias, where there is one, is
-the block's to add: it belongs to no neuron.
-"""
+Neuron i is row i of gate, up and down_t. Forms: act(gate) * up and act(gate) * relu(up), act relu or silu, and
+relu(up + up_bias) (no gate). A neuron contributes only where it is selected for that token (`mask`), so a
+selection from the predictor gives the predictor's output and the true active set gives the dense output. down's
+bias, where there is one, is the block's to add: it belongs to no neuron."""
 
 from __future__ import annotations
 
@@ -30,6 +29,8 @@ class FFNWeights:
     fc1: torch.Tensor | None = None
     fc2: torch.Tensor | None = None
     up_bias: torch.Tensor | None = None
+    # A neuron fires where |act(gate)| exceeds it: 0 for ReLU and for a dense run, calibrated for a sparse SwiGLU one.
+    gate_threshold: float = 0.0
 
     @property
     def neurons(self) -> int:
@@ -51,8 +52,19 @@ def activations(
         return F.relu(u)
     if gate is None:
         raise UserError("this FFN form needs ffn_gate, which the model file lacks; re-convert it")
-    g = F.relu(linear(x, gate))
+    g = gate_act(form, linear(x, gate))
     return g * (F.relu(u) if form.relu_up else u)
+
+
+def gate_act(form: FfnForm, g: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) if form.act == "silu" else F.relu(g)
+
+
+def gate_mask(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
+    """The neurons whose |act(gate)| exceeds the layer's threshold for each token of x [T, E], as bool [T, F]: a
+    calibrated model's exact selection, made from the whole gate product (CATS)."""
+    assert w.gate is not None
+    return gate_act(w.form, linear(x, w.gate)).abs() > w.gate_threshold
 
 
 def dense_ffn(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:

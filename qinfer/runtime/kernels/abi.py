@@ -14,12 +14,24 @@ import ctypes
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from qinfer.core.architectures import FfnForm
+
 # Weight types as the kernels number them (C names them as gguf does); F16 rows are 0.
 F16_CODE = 0
 TYPE_CODES = {GGMLQuantizationType.Q4_0: 1, GGMLQuantizationType.Q8_0: 2}
-# FFN forms by their C names, each (gated, relu on up): relu(gate) * up, relu(gate) * relu(up), relu(up).
-FORMS = {"FORM_GATED": (True, False), "FORM_GATED_RELU_UP": (True, True), "FORM_UP": (False, True)}
+# FFN forms by their C names, each (gated, relu on up, the gate's activation): relu(gate) * up,
+# relu(gate) * relu(up), relu(up), silu(gate) * up.
+FORMS = {
+    "FORM_GATED": (True, False, "relu"),
+    "FORM_GATED_RELU_UP": (True, True, "relu"),
+    "FORM_UP": (False, True, "relu"),
+    "FORM_GATED_SILU": (True, False, "silu"),
+}
 FORM_CODES = {form: code for code, form in enumerate(FORMS.values())}
+
+
+def form_code(form: FfnForm) -> int:
+    return FORM_CODES[form.gated, form.relu_up, form.act]
 # The kernels take tokens a block at a time (each row read once per block). The sparse FFN and the weighted row sum
 # take at most one block per call; F16 products also stop at one block, past which torch's float32 matmul over
 # converted rows is as fast. Quantized products take any number of tokens.
@@ -40,19 +52,27 @@ class Layer(ctypes.Structure):
         *((name, Matrix) for name in MATRICES),
         ("attn_norm", ptr),
         ("ffn_norm", ptr),
+        ("q_bias", ptr),
+        ("k_bias", ptr),
+        ("v_bias", ptr),
         ("k_cache", ptr),
         ("v_cache", ptr),
+        ("gate_threshold", f32),
     ]
 
 
 class Dims(ctypes.Structure):
     _fields_ = [
-        *((name, i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest")),
+        *(
+            (name, i64)
+            for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest", "window")
+        ),
         ("eps", f32),
         ("threshold", f32),
         ("form", i32),
         ("sparse", i32),
         ("down_rows", i32),
+        ("rope_neox", i32),
     ]
 
 

@@ -1,6 +1,7 @@
-/* One decode step of one LLaMA-family layer (llama, bamboo) for one token, in one native call: attention norm, the
- * q/k/v products, rope, the KV-cache write, attention over the cached positions, the output product and residual,
- * the FFN norm, the predictor (fc1, relu, fc2, threshold), the sparse or dense FFN, and its residual.
+/* One decode step of one LLaMA-shaped layer (llama, bamboo, qwen2) for one token, in one native call: attention
+ * norm, the q/k/v products (and their biases), rope, the KV-cache write, attention over the cached positions (the
+ * last `window` of them where the model slides one), the output product and residual, the FFN norm, the predictor
+ * (fc1, relu, fc2, threshold), the sparse or dense FFN, and its residual.
  *
  * A decode step in torch is some thirty small operator calls per layer, each with its own dispatch and allocation:
  * about 1 ms a layer on two cores, a third of the time a 7B layer's sparse Q4_0 rows take to read. Here the
@@ -9,8 +10,9 @@
  *
  * Weights are rows as in row_kernels.c (F16, Q4_0, Q8_0); products over quantized rows take the input quantized
  * to Q8_0 blocks. The float math follows the runtime's torch path (model/llama.py, ffn/sparse.py): RMSNorm,
- * rope on adjacent pairs with the caller's cos/sin, softmax attention scaled by 1/sqrt(head_dim) with grouped kv
- * heads, neurons selected where fc2(relu(fc1(h))) >= threshold.
+ * rope on adjacent pairs or on halves (neox) with the caller's cos/sin, softmax attention scaled by 1/sqrt(head_dim)
+ * with grouped kv heads, neurons selected where fc2(relu(fc1(h))) >= threshold or, without a predictor, where
+ * |act(gate)| exceeds the layer's gate threshold (0 for ReLU; calibrated for a sparse SwiGLU model).
  *
  * The caller (qinfer/runtime/kernels/decode_layer.py) checks every shape against the tensors once, when it builds the
  * layer descriptions; qinfer_decode_layer checks again that the matrices fit the dimensions before reading.
@@ -29,17 +31,21 @@ typedef struct {
 typedef struct {
     matrix q, k, v, o, gate, up, down, fc1, fc2;
     const float *attn_norm, *ffn_norm;
-    float *k_cache, *v_cache; /* this layer's and slot's [kv_heads, ctx, head_dim] */
+    const float *q_bias, *k_bias, *v_bias; /* NULL where the family has none */
+    float *k_cache, *v_cache;              /* this layer's and slot's [kv_heads, ctx, head_dim] */
+    float gate_threshold;                  /* without a predictor: a neuron fires where |act(gate)| exceeds it */
 } layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn, ctx;
     int64_t predictor; /* the largest predictor rank of any layer (each layer's is its fc1's rows) */
     int64_t widest;    /* floats the quantized-input scratch holds: max(E, F, predictor) */
+    int64_t window;    /* a token attends to its last `window` positions; 0: to all of them */
     float eps, threshold;
-    int32_t form;       /* FORM_GATED or FORM_GATED_RELU_UP */
-    int32_t sparse;     /* 1: the neurons the predictor selects; 0: every neuron (dense) */
+    int32_t form;       /* FORM_GATED, FORM_GATED_RELU_UP or FORM_GATED_SILU */
+    int32_t sparse;     /* 1: the neurons the predictor selects; 0: every neuron whose gate passes its threshold */
     int32_t down_rows;  /* 1: down holds neuron rows [F, E] (PowerInfer); 0: a matrix [E, F] (dense GGUF) */
+    int32_t rope_neox;  /* 1: rope rotates x[i] against x[i + d/2]; 0: adjacent pairs */
 } dims;
 
 /* Scratch, made once by the caller in the sizes qinfer_scratch_sizes gives. */
@@ -90,15 +96,22 @@ static void rms_norm(const float *h, const float *w, int64_t n, float eps, float
     for (int64_t i = 0; i < n; i++) out[i] = h[i] * scale * w[i];
 }
 
-static void rope(float *x, int64_t heads, int64_t hd, const float *cos, const float *sin) {
+static void rope(float *x, int64_t heads, int64_t hd, const float *cos, const float *sin, int neox) {
+    /* Dimension i turns with dimension i + half (neox) or with its neighbour (pairs). */
+    int64_t half = hd / 2, step = neox ? 1 : 2, partner = neox ? half : 1;
     for (int64_t h = 0; h < heads; h++) {
         float *p = x + h * hd;
-        for (int64_t i = 0; i < hd / 2; i++) {
-            float even = p[2 * i], odd = p[2 * i + 1];
-            p[2 * i] = even * cos[i] - odd * sin[i];
-            p[2 * i + 1] = even * sin[i] + odd * cos[i];
+        for (int64_t i = 0; i < half; i++) {
+            float *a = p + i * step, *b = a + partner, first = *a, second = *b;
+            *a = first * cos[i] - second * sin[i];
+            *b = first * sin[i] + second * cos[i];
         }
     }
+}
+
+static void add_bias(float *x, const float *bias, int64_t n) {
+    if (bias)
+        for (int64_t i = 0; i < n; i++) x[i] += bias[i];
 }
 
 static float dot_f32(const float *a, const float *b, int64_t n) {
@@ -126,19 +139,20 @@ static void axpy_f32(float *out, float a, const float *v, int64_t n) {
 /* Head h attends its kv head's positions 0..pos; the heads are shared among the threads. */
 static void attend(const dims *d, const layer *w, const scratch *s, int64_t pos) {
     int64_t hd = d->head_dim, group = d->heads / d->kv_heads;
+    int64_t first = d->window > 0 && pos - d->window + 1 > 0 ? pos - d->window + 1 : 0;
     float scale = 1.0f / sqrtf((float)hd);
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < d->heads; h++) {
         const float *q = s->q + h * hd, *kc = w->k_cache + h / group * d->ctx * hd;
         const float *vc = w->v_cache + h / group * d->ctx * hd;
         float *sc = s->scores + h * d->ctx, *o = s->att + h * hd, top = -INFINITY, total = 0.0f;
-        for (int64_t p = 0; p <= pos; p++) {
+        for (int64_t p = first; p <= pos; p++) {
             sc[p] = dot_f32(q, kc + p * hd, hd) * scale;
             top = fmaxf(top, sc[p]);
         }
-        for (int64_t p = 0; p <= pos; p++) total += sc[p] = expf(sc[p] - top);
+        for (int64_t p = first; p <= pos; p++) total += sc[p] = expf(sc[p] - top);
         memset(o, 0, (size_t)hd * sizeof(float));
-        for (int64_t p = 0; p <= pos; p++) axpy_f32(o, sc[p] / total, vc + p * hd, hd);
+        for (int64_t p = first; p <= pos; p++) axpy_f32(o, sc[p] / total, vc + p * hd, hd);
     }
 }
 
@@ -150,7 +164,8 @@ static int quantized(int type) { return type != F16; }
 int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *h, int64_t pos, const float *cos,
                         const float *sin, int threads) {
     int64_t e = d->hidden, f = d->ffn, hd = d->head_dim, kv = d->kv_heads * hd;
-    if (d->kv_heads < 1 || d->heads % d->kv_heads || hd % 2 || (d->form != FORM_GATED && d->form != FORM_GATED_RELU_UP) ||
+    if (d->kv_heads < 1 || d->heads % d->kv_heads || hd % 2 || d->window < 0 ||
+        (d->form != FORM_GATED && d->form != FORM_GATED_RELU_UP && d->form != FORM_GATED_SILU) ||
         !matrix_fits(&w->q, d->heads * hd, e) || !matrix_fits(&w->k, kv, e) || !matrix_fits(&w->v, kv, e) ||
         !matrix_fits(&w->o, e, d->heads * hd) || !matrix_fits(&w->gate, f, e) || !matrix_fits(&w->up, f, e) ||
         !(d->down_rows ? matrix_fits(&w->down, f, e) : matrix_fits(&w->down, e, f)))
@@ -176,8 +191,11 @@ int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *
         product(&w->v, s->x, &a, s->v);
 #pragma omp single
         {
-            rope(s->q, d->heads, hd, cos, sin);
-            rope(s->k, d->kv_heads, hd, cos, sin);
+            add_bias(s->q, w->q_bias, d->heads * hd);
+            add_bias(s->k, w->k_bias, kv);
+            add_bias(s->v, w->v_bias, kv);
+            rope(s->q, d->heads, hd, cos, sin, d->rope_neox);
+            rope(s->k, d->kv_heads, hd, cos, sin, d->rope_neox);
             for (int64_t j = 0; j < d->kv_heads; j++) {
                 memcpy(w->k_cache + (j * d->ctx + pos) * hd, s->k + j * hd, (size_t)hd * sizeof(float));
                 memcpy(w->v_cache + (j * d->ctx + pos) * hd, s->v + j * hd, (size_t)hd * sizeof(float));
@@ -215,10 +233,11 @@ int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *
                 int64_t id = s->ids[j], next = s->ids[j + 1 < count ? j + 1 : j];
                 const uint8_t *up_row = w->up.data + id * w->up.stride;
                 /* Read ahead as qinfer_sparse_ffn does: this neuron's up row, then the next one's gate row. */
-                float g = dot_row(w->gate.type, w->gate.data + id * w->gate.stride, up_row, s->x, &a, 0, e);
+                const uint8_t *gate_row = w->gate.data + id * w->gate.stride;
+                float g = gate_act(d->form, dot_row(w->gate.type, gate_row, up_row, s->x, &a, 0, e));
                 s->g[j] = 0.0f;
                 /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
-                if (g <= 0.0f) continue;
+                if (g == 0.0f) continue;
                 float u = dot_row(w->up.type, up_row, w->gate.data + next * w->gate.stride, s->x, &a, 0, e);
                 s->g[j] = g * (d->form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u);
             }
@@ -226,13 +245,14 @@ int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *
         } else {
             quantize_input(ffn_type, s->x, e, s, &a);
             product(&w->gate, s->x, &a, s->g);
-            /* Every neuron, but relu(gate) * up is 0 wherever the gate does not fire, whatever up is: those up
-             * rows are not read. The sum is the dense one exactly; a ReLU model reads a fraction of up. */
+            /* Every neuron whose |act(gate)| exceeds the layer's threshold: relu(gate) * up is 0 wherever the gate
+             * does not fire, whatever up is, so with threshold 0 the sum is the dense one exactly and a ReLU model
+             * reads a fraction of up; a calibrated SwiGLU model skips the up rows of its quiet neurons. */
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < f; j++) {
-                float g = s->g[j];
+                float g = gate_act(d->form, s->g[j]);
                 s->g[j] = 0.0f;
-                if (g <= 0.0f) continue;
+                if (!(fabsf(g) > w->gate_threshold)) continue;
                 const uint8_t *row = w->up.data + j * w->up.stride;
                 float u = dot_row(w->up.type, row, j + 1 < f ? row + w->up.stride : row, s->x, &a, 0, e);
                 s->g[j] = g * (d->form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u);
@@ -275,15 +295,17 @@ typedef struct {
 
 static const abi_fact abi_facts[] = {
     FACT(F16), FACT(Q4_0), FACT(Q8_0), FACT(QK), FACT(Q4_0_BYTES), FACT(Q8_0_BYTES),
-    FACT(FORM_GATED), FACT(FORM_GATED_RELU_UP), FACT(FORM_UP), FACT(TOKEN_BLOCK),
+    FACT(FORM_GATED), FACT(FORM_GATED_RELU_UP), FACT(FORM_UP), FACT(FORM_GATED_SILU), FACT(TOKEN_BLOCK),
     SIZE(matrix), FIELD(matrix, data), FIELD(matrix, stride), FIELD(matrix, type), FIELD(matrix, rows),
     FIELD(matrix, cols),
     SIZE(layer), FIELD(layer, q), FIELD(layer, k), FIELD(layer, v), FIELD(layer, o), FIELD(layer, gate),
     FIELD(layer, up), FIELD(layer, down), FIELD(layer, fc1), FIELD(layer, fc2), FIELD(layer, attn_norm),
-    FIELD(layer, ffn_norm), FIELD(layer, k_cache), FIELD(layer, v_cache),
+    FIELD(layer, ffn_norm), FIELD(layer, q_bias), FIELD(layer, k_bias), FIELD(layer, v_bias), FIELD(layer, k_cache),
+    FIELD(layer, v_cache), FIELD(layer, gate_threshold),
     SIZE(dims), FIELD(dims, hidden), FIELD(dims, heads), FIELD(dims, kv_heads), FIELD(dims, head_dim),
-    FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, eps),
-    FIELD(dims, threshold), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
+    FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, window),
+    FIELD(dims, eps), FIELD(dims, threshold), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
+    FIELD(dims, rope_neox),
     SIZE(scratch), FIELD(scratch, x), FIELD(scratch, q), FIELD(scratch, k), FIELD(scratch, v),
     FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out),
     FIELD(scratch, ids), FIELD(scratch, fire), FIELD(scratch, xq), FIELD(scratch, xd), FIELD(scratch, xs),

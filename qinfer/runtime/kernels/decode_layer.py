@@ -1,9 +1,10 @@
-"""One native call per layer for a LLaMA-family decode step of one token on the CPU (decode_layer.c).
+"""One native call per layer for a LLaMA-shaped decode step of one token on the CPU (decode_layer.c).
 
 `DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
 rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
-made in between. It applies to llama and bamboo files whose matrices are F16, Q4_0 or Q8_0 rows, with a dense FFN
-or the predictor's sparse one, a full KV cache on the CPU, and one sequence decoding one token; everything else
+made in between. It applies to llama, bamboo and qwen2 files whose matrices are F16, Q4_0 or Q8_0 rows, with a
+dense FFN, the predictor's sparse one or a calibrated gate's, a full KV cache on the CPU, and one sequence
+decoding one token; everything else
 (prompts, batches of slots, the window cache, the GPU split, the oracle) keeps the torch path, which computes the
 same layer.
 """
@@ -16,11 +17,11 @@ from typing import Protocol
 
 import torch
 
-from qinfer.core.architectures import FfnForm
+from qinfer.core.architectures import FfnForm, architecture
 from qinfer.core.errors import UserError
 from qinfer.core.model_spec import ModelSpec
 from qinfer.runtime.kernels import row_kernels
-from qinfer.runtime.kernels.abi import FORM_CODES, SCRATCH, Dims, Layer, Matrix, Scratch
+from qinfer.runtime.kernels.abi import SCRATCH, Dims, Layer, Matrix, Scratch, form_code
 from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
 
 
@@ -35,6 +36,9 @@ class AttentionRows(Protocol):
     v: Weight
     o: Weight
     ffn_norm: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
 
 
 class FFNRows(Protocol):
@@ -54,6 +58,8 @@ class FFNRows(Protocol):
     def fc2(self) -> Weight | None: ...
     @property
     def has_predictor(self) -> bool: ...
+    @property
+    def gate_threshold(self) -> float: ...
 
 
 class LayerRunner(Protocol):
@@ -149,8 +155,9 @@ class DecodeLayers:
         rank = max(w.fc1.shape[0] for w in ffn) if sparse else 0  # type: ignore[union-attr]
         dims = Dims(
             hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn, ctx=0,
-            predictor=rank, widest=max(cfg.hidden, cfg.ffn, rank), eps=cfg.norm_eps, threshold=threshold,
-            form=FORM_CODES[True, form.relu_up], sparse=int(sparse), down_rows=down_rows.pop(),
+            predictor=rank, widest=max(cfg.hidden, cfg.ffn, rank), window=cfg.sliding_window or 0, eps=cfg.norm_eps,
+            threshold=threshold, form=form_code(form), sparse=int(sparse), down_rows=down_rows.pop(),
+            rope_neox=int(architecture(cfg.arch).rope == "neox"),
         )  # fmt: skip
         return cls(cfg, runner, layers, dims, keep)
 
@@ -164,8 +171,13 @@ class DecodeLayers:
         if down is None or any(m is None for m in matrices.values()):
             return None
         norms = [n.float().contiguous() for n in (a.attn_norm, a.ffn_norm)]
-        keep.extend([*norms, *weights.values(), w.down_t])
-        layer = Layer(**matrices, down=down, attn_norm=norms[0].data_ptr(), ffn_norm=norms[1].data_ptr())
+        biases = {name: getattr(a, name) for name in ("q_bias", "k_bias", "v_bias")}
+        floats = {name: b.float().contiguous() for name, b in biases.items() if b is not None}
+        keep.extend([*norms, *floats.values(), *weights.values(), w.down_t])
+        layer = Layer(
+            **matrices, down=down, attn_norm=norms[0].data_ptr(), ffn_norm=norms[1].data_ptr(),
+            **{name: b.data_ptr() for name, b in floats.items()}, gate_threshold=w.gate_threshold,
+        )  # fmt: skip
         return layer, down_rows
 
     def takes(self, h: torch.Tensor, step: StepRows, cache: CacheRows, runner: object) -> bool:

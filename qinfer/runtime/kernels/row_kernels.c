@@ -1,5 +1,4 @@
-/* Decode-time products over weight rows read straight from the (mapped) file: a sparse ReLU FFN over rows picked
- * by id, and a matrix-vector product over all rows. Rows are F16, Q4_0 or Q8_0 (ggml block layouts, see
+/* Decode-time products over weight rows read straight from the (mapped) file: a sparse FFN over rows picked by id, and a matrix-vector product over all rows. Rows are F16, Q4_0 or Q8_0 (ggml block layouts, see
  * qinfer/runtime/kernels/quant_rows.py), so quantized weights are never expanded into a float copy.
  *
  * torch can only compute on picked rows after gathering them into a new tensor, which writes every byte it
@@ -31,8 +30,14 @@
 #endif
 
 enum { F16 = 0, Q4_0 = 1, Q8_0 = 2 };
-/* relu(gate) * up, relu(gate) * relu(up), relu(up) */
-enum { FORM_GATED = 0, FORM_GATED_RELU_UP = 1, FORM_UP = 2 };
+/* relu(gate) * up, relu(gate) * relu(up), relu(up), silu(gate) * up (SwiGLU) */
+enum { FORM_GATED = 0, FORM_GATED_RELU_UP = 1, FORM_UP = 2, FORM_GATED_SILU = 3 };
+
+/* The gate's activation of a gated form: silu for SwiGLU, relu otherwise (0 means the neuron adds nothing). */
+static inline float gate_act(int form, float g) {
+    if (form == FORM_GATED_SILU) return g / (1.0f + expf(-g));
+    return g > 0.0f ? g : 0.0f;
+}
 
 #if INT_AVX2
 /* The sum of the eight floats of v (the AVX2 vector sum, and the integer kernels' too under AVX-512). */
@@ -629,9 +634,10 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
                     continue;
                 }
                 /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
-                if (f <= 0.0f) continue;
+                float g = gate_act(form, f);
+                if (g == 0.0f) continue;
                 float u = dot_row(up_type, up_row, next_row, x, &xq, t, n);
-                *a = f * (form != FORM_GATED && u < 0.0f ? 0.0f : u);
+                *a = g * (form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u);
             }
         }
         add_weighted_rows(down, down_stride, down_type, ids, k, act, tokens, n, out);

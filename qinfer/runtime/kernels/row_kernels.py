@@ -36,7 +36,7 @@ import torch
 
 from qinfer.core.architectures import FfnForm
 from qinfer.core.errors import UserError
-from qinfer.runtime.kernels.abi import F16_CODE, FORM_CODES, TOKEN_BLOCK, TYPE_CODES, disagreement
+from qinfer.runtime.kernels.abi import F16_CODE, TOKEN_BLOCK, TYPE_CODES, disagreement, form_code
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
 
 # decode_layer.c includes row_kernels.c: one translation unit, so the layer step inlines the row products.
@@ -285,7 +285,7 @@ def sparse_ffn(
     out = torch.empty(tokens, down_t.shape[1])
     check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
         g, gs, gt, gshape, u, us, ut, ushape, d, ds, dt, dshape, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(),
-        ids64.numel(), None if keep is None else keep.data_ptr(), FORM_CODES[form.gated, form.relu_up], act.data_ptr(),
+        ids64.numel(), None if keep is None else keep.data_ptr(), form_code(form), act.data_ptr(),
         out.data_ptr(), torch.get_num_threads(),
     ))  # fmt: skip
     return out

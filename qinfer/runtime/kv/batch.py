@@ -44,13 +44,21 @@ class Step:
     sin: torch.Tensor | None = None
 
 
-def attention_mask(batch: TokenBatch, device: torch.device) -> torch.Tensor | None:
-    """Query t sees cached positions up to and including its own."""
+def attention_mask(batch: TokenBatch, device: torch.device, window: int | None = None) -> torch.Tensor | None:
+    """Query t sees cached positions up to and including its own; with a sliding `window`, only the last `window`
+    of them (Mistral's attention)."""
     n = batch.tokens.shape[0]
+    end = int(batch.positions.max()) + 1
     if batch.single_sequence:
         start = int(batch.positions[0])
         # A single token sees all of them, so it needs no mask (and SDPA then takes its unmasked kernel).
-        return None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
-    positions = batch.positions.to(device)
-    end = int(batch.positions.max()) + 1
-    return (torch.arange(end, device=device)[None, :] <= positions[:, None])[:, None, None, :]
+        if n == 1 and (window is None or end <= window):
+            return None
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+        return mask if window is None else mask.triu(start - window + 1)
+    positions = batch.positions.to(device)[:, None]
+    seen = torch.arange(end, device=device)[None, :]
+    mask = seen <= positions
+    if window is not None:
+        mask &= seen > positions - window
+    return mask[:, None, None, :]

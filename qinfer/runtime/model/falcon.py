@@ -20,6 +20,7 @@ from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.forward import TransformerForward
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import Norm, layer_norm, norm_weights
+from qinfer.runtime.model.rope import rotate_half
 
 
 @dataclass
@@ -28,13 +29,6 @@ class FalconAttention:
     ffn_norm: Norm
     qkv: torch.Tensor
     o: torch.Tensor
-
-
-def apply_neox_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x[i] against x[i + d/2] in each head; x is [T, heads, head_dim]."""
-    first, second = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((first * c - second * s, second * c + first * s), dim=-1)
 
 
 class FalconForward(TransformerForward):
@@ -57,8 +51,8 @@ class FalconForward(TransformerForward):
         assert step.cos is not None and step.sin is not None
         q_rows, kv_rows = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         q, k, v = linear(x, self.attn[i].qkv).split((q_rows, kv_rows, kv_rows), dim=-1)
-        q = apply_neox_rope(q.reshape(n, cfg.heads, cfg.head_dim), step.cos, step.sin)
-        k = apply_neox_rope(k.reshape(n, cfg.kv_heads, cfg.head_dim), step.cos, step.sin)
+        q = rotate_half(q.reshape(n, cfg.heads, cfg.head_dim), step.cos, step.sin)
+        k = rotate_half(k.reshape(n, cfg.kv_heads, cfg.head_dim), step.cos, step.sin)
         v = v.reshape(n, cfg.kv_heads, cfg.head_dim)
         return linear(cache.attend(q, k, v, i, step), self.attn[i].o)
 

@@ -7,7 +7,6 @@ positions) to logits, reading and extending each sequence's rows of the KV cache
 
 from __future__ import annotations
 
-import functools
 from dataclasses import fields, replace
 from typing import Any, Protocol
 
@@ -23,22 +22,12 @@ from qinfer.runtime.kernels.decode_layer import DecodeLayers
 from qinfer.runtime.kv.batch import Step, TokenBatch, attention_mask
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.model_file import ModelFile
-
-
-@functools.cache
-def _inv_freq(theta: float, dim: int, device: torch.device) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-
-
-def rope_tables(cfg: ModelSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # The frequencies depend on the model only: computed once, not per layer and step.
-    angles = positions.float()[:, None] * _inv_freq(cfg.rope_base, cfg.rope_dim, positions.device)[None, :]
-    return angles.cos(), angles.sin()
+from qinfer.runtime.model.rope import inv_freq, rope_tables
 
 
 def ffn_weights(model: ModelFile, i: int) -> FFNWeights:
     """Layer i's FFN rows (neuron i = row i) and predictor, as mapped views, in the form of the model's family."""
-    form = architecture(model.config.arch).ffn
+    form = architecture(model.config.arch).form(model.config.activation)
     t = model.tensor
     # A dense GGUF stores down as [E, F]; its transpose is a free view with the PowerInfer row layout.
     down_t = t(tensor_name(Tensor.FFN_DOWN_T, i)) if model.powerinfer else t(tensor_name(Tensor.FFN_DOWN, i)).T
@@ -50,6 +39,7 @@ def ffn_weights(model: ModelFile, i: int) -> FFNWeights:
         fc1=model.tensors.get(tensor_name(Tensor.FC1, i)),
         fc2=model.tensors.get(tensor_name(Tensor.FC2, i)),
         up_bias=t(tensor_name(Tensor.FFN_UP, i, BIAS)) if form.biased else None,
+        gate_threshold=model.gate_thresholds[i] if model.gate_thresholds is not None else 0.0,
     )
 
 
@@ -59,11 +49,12 @@ def down_bias(model: ModelFile, i: int) -> torch.Tensor:
 
 
 def to_device(weights: Any, device: torch.device) -> Any:
-    """A block's weight dataclass with every tensor (or tuple of them) moved to `device`."""
+    """A block's weight dataclass with every tensor (or tuple of them) moved to `device`; absent ones stay None."""
     moved = {}
     for f in fields(weights):
         value = getattr(weights, f.name)
-        moved[f.name] = tuple(t.to(device) for t in value) if isinstance(value, tuple) else value.to(device)
+        if value is not None:
+            moved[f.name] = tuple(t.to(device) for t in value) if isinstance(value, tuple) else value.to(device)
     return replace(weights, **moved)
 
 
@@ -101,6 +92,7 @@ class TransformerForward:
         self.device = torch.device(device)
         self.attn = [to_device(self.load_block(model, i), self.device) for i in range(self.cfg.layers)]
         self.embed = model.tensor(tensor_name(Tensor.TOKEN_EMBD))
+        self.inv_freq = inv_freq(model) if self.cfg.rope_dim else None
         self.load_head(model)
         self.ffn = ffn or DenseRunner([ffn_weights(model, i) for i in range(self.cfg.layers)])
 
@@ -122,8 +114,8 @@ class TransformerForward:
 
     def step(self, batch: TokenBatch) -> Step:
         positions = batch.positions.to(self.device)
-        cos, sin = rope_tables(self.cfg, positions) if self.cfg.rope_dim else (None, None)
-        return Step(batch, positions, attention_mask(batch, self.device), cos, sin)
+        cos, sin = rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
+        return Step(batch, positions, attention_mask(batch, self.device, self.cfg.sliding_window), cos, sin)
 
     def forward(self, batch: TokenBatch, cache: Cache) -> torch.Tensor:
         """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`."""

@@ -1,8 +1,9 @@
-"""The LLaMA/Bamboo forward block over GGUF tensors.
+"""The forward block of the LLaMA-shaped families (llama, bamboo, qwen2) over GGUF tensors.
 
 Weights stay in the file's dtype (mapped, not copied); each matmul runs in that dtype and the residual stream is
-kept in float32. q/k rows are in ggml's rotary layout (docs/formats.md#qk-permutation-and-falcons-qkv-regrouping),
-so rope rotates adjacent pairs.
+kept in float32. LLaMA's q/k rows are in ggml's rotary layout
+(docs/formats.md#qk-permutation-and-falcons-qkv-regrouping), so its rope rotates adjacent pairs; Qwen2 keeps
+Hugging Face's rows, rotates halves, and adds biases to q, k and v.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.core.names import Tensor, tensor_name
+from qinfer.core.architectures import architecture
+from qinfer.core.names import BIAS, Tensor, tensor_name
 from qinfer.runtime.kernels.decode_layer import DecodeLayers
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step
@@ -19,6 +21,7 @@ from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.forward import FFNRunner, TransformerForward
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import rms_norm
+from qinfer.runtime.model.rope import ROTATIONS
 
 
 @dataclass
@@ -29,14 +32,13 @@ class AttentionWeights:
     v: torch.Tensor
     o: torch.Tensor
     ffn_norm: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head; x is [T, heads, head_dim]."""
-    pairs = x.unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+def _biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.float()
 
 
 class LlamaForward(TransformerForward):
@@ -46,10 +48,17 @@ class LlamaForward(TransformerForward):
 
     def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
         super().__init__(model, ffn, device)
+        self.rotate = ROTATIONS[architecture(self.cfg.arch).rope]
         self.native = DecodeLayers.build(self.cfg, self.attn, self.ffn) if self.device.type == "cpu" else None
 
     def load_block(self, model: ModelFile, i: int) -> AttentionWeights:
         t = model.tensor
+        biases = {}
+        if architecture(model.config.arch).qkv_bias:
+            biases = {
+                f"{name}_bias": t(tensor_name(part, i, BIAS))
+                for name, part in (("q", Tensor.ATTN_Q), ("k", Tensor.ATTN_K), ("v", Tensor.ATTN_V))
+            }
         return AttentionWeights(
             attn_norm=t(tensor_name(Tensor.ATTN_NORM, i)),
             q=t(tensor_name(Tensor.ATTN_Q, i)),
@@ -57,6 +66,7 @@ class LlamaForward(TransformerForward):
             v=t(tensor_name(Tensor.ATTN_V, i)),
             o=t(tensor_name(Tensor.ATTN_OUT, i)),
             ffn_norm=t(tensor_name(Tensor.FFN_NORM, i)),
+            **biases,
         )
 
     def load_head(self, model: ModelFile) -> None:
@@ -66,10 +76,10 @@ class LlamaForward(TransformerForward):
     def attention(self, i: int, x: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
         cfg, n, w = self.cfg, x.shape[0], self.attn[i]
         assert step.cos is not None and step.sin is not None
-        q = linear(x, w.q).view(n, cfg.heads, cfg.head_dim)
-        k = linear(x, w.k).view(n, cfg.kv_heads, cfg.head_dim)
-        v = linear(x, w.v).view(n, cfg.kv_heads, cfg.head_dim)
-        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        q = _biased(linear(x, w.q), w.q_bias).view(n, cfg.heads, cfg.head_dim)
+        k = _biased(linear(x, w.k), w.k_bias).view(n, cfg.kv_heads, cfg.head_dim)
+        v = _biased(linear(x, w.v), w.v_bias).view(n, cfg.kv_heads, cfg.head_dim)
+        q, k = self.rotate(q, step.cos, step.sin), self.rotate(k, step.cos, step.sin)
         return linear(cache.attend(q, k, v, i, step), w.o)
 
     def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ dynamic schedule. Without a GPU the plan is still made or checked, and everythin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,7 +21,7 @@ from qinfer.planner.budget import GIB
 from qinfer.planner.device_profiles import load_profile
 from qinfer.planner.model_layout import ModelLayout
 from qinfer.runtime.ffn.hybrid import HybridRunner, require_split_support
-from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
+from qinfer.runtime.ffn.runners import DenseRunner, Selector, SparseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.ffn.split_cost import SplitCosts
 from qinfer.runtime.kernels import row_kernels
@@ -73,12 +73,20 @@ class LoadedRuntime:
 def ffn_mode(model: ModelFile, requested: str, layers: list[FFNWeights]) -> str:
     if requested not in FFN_MODES:
         raise UserError(f"unknown FFN mode {requested!r}; use one of {', '.join(FFN_MODES)}")
-    has_predictors = all(w.has_predictor for w in layers)
-    if requested == "sparse" and not has_predictors:
-        raise UserError(f"{model.path} has no predictors (fc1/fc2); sparse decoding needs a PowerInfer GGUF")
+    selects = all(w.has_predictor for w in layers) or model.gate_thresholds is not None
+    if requested == "sparse" and not selects:
+        raise UserError(
+            f"{model.path} has neither predictors (fc1/fc2) nor gate thresholds; sparse decoding needs a PowerInfer "
+            "GGUF (`qinfer prep convert` with --predictor or --calibration)"
+        )
     if requested == "auto":
-        return "sparse" if has_predictors else "dense"
+        return "sparse" if selects else "dense"
     return requested
+
+
+def selector(layers: list[FFNWeights]) -> Selector:
+    """How a sparse run picks neurons: by predictor where the file has them, else by a calibrated gate threshold."""
+    return "predictor" if all(w.has_predictor for w in layers) else "gate"
 
 
 def gpu_device(requested: str | None) -> torch.device | None:
@@ -167,11 +175,13 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     row_kernels.enabled()
     cpu = torch.device("cpu")
     if mode == "dense":
+        # Dense means every neuron: a calibrated model's thresholds are not applied.
+        layers = [replace(w, gate_threshold=0.0) for w in layers]
         unused = [] if options.vram_budget_gib is None else ["dense FFN: the VRAM budget is not used; all on the CPU"]
         return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static", notes=unused)
     threshold = model.sparse_threshold
     if options.vram_budget_gib is None or mode == "oracle":
-        runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else "predictor")
+        runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else selector(layers))
         return LoadedRuntime(make_forward(model, runner, cpu), mode, "static")
     device = gpu_device(options.device)
     if device is not None:
@@ -185,7 +195,7 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     placed = _placement(model, options, plan_options, notes)
     if device is None:
         notes.append("no GPU: the plan is kept for a GPU machine; everything runs sparse on the CPU")
-        forward = make_forward(model, SparseRunner(layers, threshold), cpu)
+        forward = make_forward(model, SparseRunner(layers, threshold, selector(layers)), cpu)
         return LoadedRuntime(forward, mode, "static", placed.plan, notes)
     # With the index disabled nothing may live on the GPU, so neither may neurons be shipped there.
     dynamic = options.schedule != "static" and not options.disable_gpu_index

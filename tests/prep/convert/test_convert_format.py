@@ -118,6 +118,9 @@ def test_dense_file_differs_only_where_design_says(gguf_files: dict[str, Path]) 
     plain = gguf.GGUFReader(dense_path)  # the gguf package's own reader accepts it as is
     dense_meta = metadata(plain)
     pi_meta = metadata(open_gguf(pi_path))
+    # A dense llama file is read as llama.cpp reads one (SwiGLU) unless it says otherwise: a ReLU one says so.
+    assert dense_meta.pop("qinfer.feed_forward.activation") == "relu"
+    assert "qinfer.feed_forward.activation" not in pi_meta  # PowerInfer's own llama files are ReLU
     assert list(dense_meta) == [k for k in POWERINFER_KEYS if k != "powerinfer.sparse_threshold"]
     assert {k: v for k, v in pi_meta.items() if k != "powerinfer.sparse_threshold"} == dense_meta
     assert tensor_table(dense_path) == expected_tensors(False, F32)

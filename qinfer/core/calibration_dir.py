@@ -1,0 +1,52 @@
+"""Read and write a calibration directory's thresholds: `gate_thresholds.json` beside the activation counts
+(`activation_{i}.pt`, `summary.json`) that `qinfer prep calibrate` writes (docs/formats.md#calibration-directories)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from qinfer.core.atomic_file import atomic_output
+from qinfer.core.errors import UserError
+
+THRESHOLDS_FILE = "gate_thresholds.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per layer, the |act(gate)| below which a neuron is skipped, chosen so that `sparsity` of the (token, neuron)
+    pairs of the calibration corpus fall below it."""
+
+    activation: str
+    sparsity: float
+    tokens: int
+    thresholds: list[float]
+
+
+def write_calibration(directory: Path, calibration: Calibration) -> Path:
+    path = directory / THRESHOLDS_FILE
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(asdict(calibration), indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def read_calibration(directory: Path, layers: int) -> Calibration:
+    """The thresholds of `directory`, checked to be one finite, non-negative number per layer of this model."""
+    path = directory / THRESHOLDS_FILE
+    fix = "calibrate the model with `qinfer prep calibrate`"
+    if not path.is_file():
+        raise UserError(f"{path} not found; {fix}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        calibration = Calibration(
+            str(raw["activation"]), float(raw["sparsity"]), int(raw["tokens"]), [float(t) for t in raw["thresholds"]]
+        )
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path} is not a calibration file ({exc}); {fix}") from None
+    if len(calibration.thresholds) != layers:
+        raise UserError(f"{path} has {len(calibration.thresholds)} thresholds for a {layers}-layer model; {fix}")
+    if not all(math.isfinite(t) and t >= 0 for t in calibration.thresholds):
+        raise UserError(f"{path} holds a negative or non-finite threshold; {fix}")
+    return calibration
