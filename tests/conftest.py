@@ -9,6 +9,7 @@ import pytest
 
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth
+from qinfer.prep.synth.swiglu import FAMILIES, build_swiglu
 from qinfer.runtime.kernels import row_kernels
 
 TINY = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=256, predictor_rank=32)
@@ -30,6 +31,18 @@ def gguf_files(tiny: SynthReport, tmp_path_factory: pytest.TempPathFactory) -> d
             tiny.model_dir, out / f"tiny-{outtype}.powerinfer.gguf", tiny.predictor_dir, outtype
         ).outfile
         files[f"dense-{outtype}"] = convert(tiny.model_dir, out / f"tiny-{outtype}.gguf", None, outtype).outfile
+    return files
+
+
+@pytest.fixture(scope="session")
+def swiglu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """A tiny untrained checkpoint of each SwiGLU family (weights large enough that small errors show in the
+    logits) and its dense f32 GGUF, by family."""
+    out = tmp_path_factory.mktemp("swiglu")
+    files = {}
+    for family in FAMILIES:
+        model = build_swiglu(out / family, family, init_std=0.1)
+        files[family] = {"model": model, "dense-f32": convert(model, out / f"{family}.gguf", None, "f32").outfile}
     return files
 
 

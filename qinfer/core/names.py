@@ -166,6 +166,7 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
         for key in (Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.ADD_EOS, Keys.Tokenizer.ADD_SEP, Keys.Tokenizer.ADD_PREFIX)
     },
     Keys.Tokenizer.MODEL: (_S, None),
+    Keys.Tokenizer.PRE: (_S, None),
     Key.SLIDING_WINDOW: (_U32, None),
     Key.SPARSE_THRESHOLD: (_F32, None),
     Key.FFN_ACTIVATION: (_S, None),

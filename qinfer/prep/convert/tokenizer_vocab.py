@@ -1,7 +1,9 @@
 """Put a Hugging Face model's vocabulary into GGUF metadata the way llama.cpp's converter does.
 
-Two kinds: a SentencePiece vocabulary ("llama": LLaMA, Bamboo, the synth models) and a GPT-2 byte-level BPE
-("gpt2": OPT, ReluFalcon-40B), written as PowerInfer's `_set_vocab_gpt2` writes it so PowerInfer reads our files.
+Two kinds: a SentencePiece vocabulary ("llama": LLaMA, Mistral, Bamboo, the synth models) and a GPT-2 byte-level
+BPE ("gpt2": OPT, ReluFalcon-40B, Llama-3, Qwen2), written as PowerInfer's `_set_vocab_gpt2` writes it so PowerInfer
+reads our files. A BPE vocabulary whose text splitting is Llama-3's or Qwen2's is named by llama.cpp's name for it
+(tokenizer.ggml.pre), which llama.cpp and transformers both need to split text as the model's merges expect.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ from typing import Any
 
 from gguf import GGUFWriter, TokenType
 from gguf.vocab import LlamaHfVocab, SentencePieceVocab, SpecialVocab, Vocab
+from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
 from qinfer.core.errors import UserError
+
+# llama.cpp's names (tokenizer.ggml.pre) for the text splits we write, by the regular expression of each.
+PRE_TOKENIZER_SPLITS = {name: GGUF_PRE_TOKENIZER_SPLITS[name] for name in ("llama-bpe", "qwen2")}
 
 
 def _open_vocab(model_dir: Path) -> Vocab:
@@ -32,6 +38,30 @@ def _has_byte_level(pre_tokenizer: Any) -> bool:
     if pre_tokenizer.get("type") == "ByteLevel":
         return True
     return any(_has_byte_level(p) for p in pre_tokenizer.get("pretokenizers") or ())
+
+
+def _split_regex(pre_tokenizer: Any) -> str | None:
+    """The regular expression of the first Split in a tokenizer.json pre-tokenizer (Llama-3 and Qwen2 have one)."""
+    if not isinstance(pre_tokenizer, dict):
+        return None
+    pattern = pre_tokenizer.get("pattern")
+    if pre_tokenizer.get("type") == "Split" and isinstance(pattern, dict) and isinstance(pattern.get("Regex"), str):
+        return pattern["Regex"]
+    return next(filter(None, (_split_regex(p) for p in pre_tokenizer.get("pretokenizers") or ())), None)
+
+
+def pre_tokenizer_name(model_dir: Path) -> str | None:
+    """llama.cpp's name for how this byte-level vocabulary splits text, where it is one we know; None otherwise
+    (GPT-2's own split, which a file states by saying nothing)."""
+    tokenizer_json = model_dir / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        return None
+    try:
+        spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{tokenizer_json} is not readable JSON ({exc})") from exc
+    regex = _split_regex(spec.get("pre_tokenizer")) if isinstance(spec, dict) else None
+    return next((name for name, split in PRE_TOKENIZER_SPLITS.items() if split == regex), None)
 
 
 def _is_byte_level_bpe(model_dir: Path) -> bool:
@@ -116,6 +146,9 @@ def _add_gpt2_vocab(writer: GGUFWriter, model_dir: Path, vocab_size: int) -> Non
     if not special.merges:
         raise UserError(f"no BPE merges in {model_dir} (merges.txt or tokenizer.json): the GGUF needs them")
     writer.add_tokenizer_model("gpt2")
+    pre = pre_tokenizer_name(model_dir)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     special.add_to_gguf(writer, quiet=True)

@@ -1,0 +1,144 @@
+"""Llama-3, Mistral and Qwen2 (SwiGLU) through convert and the runtime, against transformers: logits, tokenizer
+ids, what the file says, and each family's own feature (llama3 rope scaling, a sliding window, q/k/v biases)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qinfer.core.errors import UserError
+from qinfer.core.kv_policy import KVPolicy
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.convert.quantize import quantize_gguf
+from qinfer.prep.synth.swiglu import FAMILIES
+from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.cache import KVCache, make_kv_cache
+from qinfer.runtime.model.loader import RuntimeOptions, load_forward
+from qinfer.runtime.model.model_file import open_model
+from tests.support.runtime_logits import our_logits
+
+TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
+TRICKY = [
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # recursion\n",
+    "Pi is 3.14159265358979, e is 2.718; 1234567890 and 0x7FFF_FFFF.",
+    "東京都は日本の首都であり、北京是中国的首都。서울은 한국의 수도입니다.",
+    "Emoji: 🙂🚀👍🏽 and a family 👨‍👩‍👧‍👦, flags 🇯🇵.",
+    "Spaces   run\t\ttabs\n\n\n  and trailing   ",
+    " leading space, CamelCaseWords, don't, we'll, I'M, <|im_start|> literal",
+]
+
+
+def reference_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def hf_ids(model_dir: Path, text: str) -> list[int]:
+    return AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_ids_equal_transformers(swiglu: dict[str, dict[str, Path]], family: str) -> None:
+    tokenizer = GGUFTokenizer(open_model(swiglu[family]["dense-f32"]).metadata)
+    for text in TRICKY:
+        assert tokenizer.encode(text) == hf_ids(swiglu[family]["model"], text), text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(swiglu: dict[str, dict[str, Path]], family: str) -> None:
+    """A prompt, then token by token through the KV cache; the text is longer than Mistral's window, and long
+    enough for Llama-3's scaled frequencies."""
+    ids = hf_ids(swiglu[family]["model"], TEXT)
+    assert len(ids) > 24
+    expected = reference_logits(swiglu[family]["model"], ids)
+    assert expected.abs().max() > 1.0  # large enough that an error of 1e-3 is one in a thousand
+    assert (our_logits(swiglu[family]["dense-f32"], ids, "dense") - expected).abs().max().item() < 1e-3
+
+
+def decode_logits(path: Path, ids: list[int], native: bool) -> torch.Tensor:
+    forward = load_forward(open_model(path), RuntimeOptions(ffn="dense")).forward
+    assert forward.native is not None
+    forward.native = forward.native if native else None
+    cache = KVCache(forward.cfg, 64)
+    with torch.inference_mode():
+        return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
+
+
+@pytest.mark.usefixtures("kernel_build")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_step_gives_the_torch_paths_logits(
+    swiglu: dict[str, dict[str, Path]], family: str, tmp_path: Path
+) -> None:
+    """f16 rows, one native call per layer (biases, rotate-half rope, the window, silu) against the torch path."""
+    f16 = convert(swiglu[family]["model"], tmp_path / "f16.gguf", None, "f16").outfile
+    ids = hf_ids(swiglu[family]["model"], TEXT)
+    diff = (decode_logits(f16, ids, native=True) - decode_logits(f16, ids, native=False)).abs().max().item()
+    assert diff < 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_slots_match_transformers(swiglu: dict[str, dict[str, Path]], family: str) -> None:
+    """Two sequences decoded together, one token of each per step (the torch path's masks), each as alone."""
+    model = swiglu[family]["model"]
+    first, second = hf_ids(model, TEXT)[:30], hf_ids(model, "The dog ran fast and the cat slept under a tree.")
+    n = min(len(first), len(second))
+    forward = load_forward(open_model(swiglu[family]["dense-f32"]), RuntimeOptions()).forward
+    cache = KVCache(forward.cfg, 64, slots=2)
+    with torch.inference_mode():
+        steps = [forward.forward(TokenBatch.decode([first[j], second[j]], [j, j], [0, 1]), cache) for j in range(n)]
+    ours = torch.stack(steps, dim=1)
+    for slot, ids in enumerate((first[:n], second[:n])):
+        assert (ours[slot] - reference_logits(model, ids)).abs().max().item() < 1e-3
+
+
+def test_each_family_writes_what_llama_cpp_reads(swiglu: dict[str, dict[str, Path]]) -> None:
+    metas = {family: open_model(files["dense-f32"]).metadata for family, files in swiglu.items()}
+    assert {f: m["general.architecture"] for f, m in metas.items()} == {
+        "llama3": "llama", "mistral": "llama", "qwen2": "qwen2"
+    }  # fmt: skip
+    assert metas["llama3"]["tokenizer.ggml.pre"] == "llama-bpe"
+    assert metas["qwen2"]["tokenizer.ggml.pre"] == "qwen2"
+    assert {f: m["tokenizer.ggml.model"] for f, m in metas.items()} == {
+        "llama3": "gpt2", "mistral": "llama", "qwen2": "gpt2"
+    }  # fmt: skip
+    assert metas["mistral"]["llama.attention.sliding_window"] == 16
+    # SwiGLU is what llama.cpp reads into a dense llama or qwen2 file that says nothing of its FFN.
+    assert not any("qinfer.feed_forward.activation" in m for m in metas.values())
+    model = open_model(swiglu["llama3"]["dense-f32"])
+    hf = AutoModelForCausalLM.from_pretrained(swiglu["llama3"]["model"])
+    base = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    factors = model.tensors["rope_freqs.weight"].float()
+    np.testing.assert_allclose(base / factors, hf.model.rotary_emb.inv_freq, rtol=1e-6)
+    assert factors[0] == 1.0 and factors[-1] == 8.0  # short wavelengths kept, long ones slowed by the factor
+    qwen = open_model(swiglu["qwen2"]["dense-f32"])
+    np.testing.assert_array_equal(
+        qwen.tensors["blk.0.attn_q.bias"], hf_state(swiglu["qwen2"]["model"])["model.layers.0.self_attn.q_proj.bias"]
+    )
+
+
+def hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(model_dir / "model.safetensors")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q4_0_native_step_stays_close(swiglu: dict[str, dict[str, Path]], family: str, tmp_path: Path) -> None:
+    """Q4_0 rows through the native step (its input quantized to Q8_0 blocks, as ggml does) against the torch path
+    over the same rows expanded to floats: apart only by the input's rounding."""
+    q4 = quantize_gguf(swiglu[family]["dense-f32"], tmp_path / "q4.gguf", "Q4_0").outfile
+    ids = hf_ids(swiglu[family]["model"], TEXT)
+    diff = (decode_logits(q4, ids, native=True) - decode_logits(q4, ids, native=False)).abs()
+    assert 0 < diff.mean().item() < 0.03 and diff.max().item() < 0.3
+
+
+def test_a_windowed_cache_is_refused_for_a_sliding_window_model(swiglu: dict[str, dict[str, Path]]) -> None:
+    cfg = open_model(swiglu["mistral"]["dense-f32"]).config
+    with pytest.raises(UserError, match="sliding window"):
+        make_kv_cache(cfg, 64, policy=KVPolicy("window", 32))
