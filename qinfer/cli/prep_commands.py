@@ -107,14 +107,16 @@ def tensor_progress(stage: str) -> Iterator[tuple[Callable[[list[TensorPlan]], N
         bar.stop()
 
 
-def _convert(model_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str) -> None:
+def _convert(
+    model_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str, calibration: Path | None = None
+) -> None:
     from qinfer.core.atomic_file import check_output_file
     from qinfer.prep.convert.convert import convert
 
     # Checked before the progress bar starts, so that the error is the only output.
     check_output_file(outfile)
     with tensor_progress("convert") as (planned, done):
-        result = convert(model_dir, outfile, predictor_dir, outtype, on_plan=planned, on_tensor=done)
+        result = convert(model_dir, outfile, predictor_dir, outtype, calibration, on_plan=planned, on_tensor=done)
     err.print(f"wrote {result.outfile} ({result.arch}, {result.tensor_count} tensors, {result.nbytes / 2**20:.1f} MiB)")
 
 
@@ -124,12 +126,26 @@ OutType = Annotated[str, typer.Option(help="Type of 2-D weights: f16 or f32 (nor
 @prep.command("convert")
 def convert_cmd(
     model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, safetensors or .bin).")],
-    predictor_dir: Annotated[Path, typer.Argument(help="Predictor directory with model_{i}.pt per layer.")],
     outfile: Annotated[Path, typer.Option(help="Output file, by convention NAME.powerinfer.gguf.")],
+    predictor_dir: Annotated[
+        Path | None, typer.Argument(help="Predictor directory with model_{i}.pt per layer.")
+    ] = None,
     outtype: OutType = "f16",
+    calibration: Annotated[
+        Path | None,
+        typer.Option(help="Calibration directory of `qinfer prep calibrate`: its gate thresholds go into the file."),
+    ] = None,
 ) -> None:
-    """Write a PowerInfer GGUF (sparse: transposed down weights plus the activation predictors)."""
-    _convert(model_dir, predictor_dir, outfile, outtype)
+    """Write a PowerInfer GGUF (sparse: transposed down weights plus the activation predictors, a calibration's
+    gate thresholds, or both)."""
+    from qinfer.core.errors import UserError
+
+    if predictor_dir is None and calibration is None:
+        raise UserError(
+            "convert needs a predictor directory or --calibration DIR to make a sparse file; "
+            "for a dense one use `qinfer prep convert-dense`"
+        )
+    _convert(model_dir, predictor_dir, outfile, outtype, calibration)
 
 
 @prep.command("convert-dense")

@@ -1,4 +1,4 @@
-"""`qinfer prep profile` and `qinfer prep train-predictor`: activation statistics and predictors for any ReLU model."""
+"""`qinfer prep profile`, `calibrate` and `train-predictor`: activation statistics, gate thresholds and predictors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from qinfer.cli.app import err, prep, progress_bar
@@ -197,3 +197,58 @@ def train_predictor_cmd(
     share = report.params / (report.budget / 0.1)
     note = "" if report.within_budget else " - over the 10% budget: rank 32 per layer is the minimum"
     err.print(f"predictors: {report.params} parameters, {share:.1%} of the FFN's{note}")
+
+
+SPARSITY = Real(0.0, 1.0, high_open=True)
+
+
+@prep.command("calibrate")
+def calibrate_cmd(
+    model_dir: ModelDir,
+    data: Data,
+    sparsity: Annotated[
+        float,
+        typer.Option(parser=SPARSITY, help=f"Share of (token, neuron) pairs to skip in every layer ({SPARSITY})."),
+    ] = 0.5,
+    out: Annotated[Path | None, typer.Option(help="Output directory; default MODEL_DIR/calibration.")] = None,
+    tokens: Annotated[
+        int | None, typer.Option(min=1, help="Calibrate on this many tokens; default the whole corpus.")
+    ] = None,
+    seq_len: SeqLen = 512,
+    batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 4,
+    dtype: DType = None,
+    device: Device = "auto",
+) -> None:
+    """Make a SwiGLU model sparse without training (CATS): per layer, the threshold on |silu(gate)| under which
+    --sparsity of the corpus's activations fall. Writes gate_thresholds.json and, as `prep profile` does,
+    activation_{i}.pt per layer and summary.json; `prep convert --calibration DIR` puts the thresholds in the file.
+    """
+    from qinfer.prep.profile.gate_calibration import calibrate_gate
+
+    out = out if out is not None else model_dir / "calibration"
+    if model_dir.is_dir():
+        _make_output_directory(out)
+    bar = Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,.0f} tokens"),
+        TimeElapsedColumn(), console=err,
+    )  # fmt: skip
+    tasks: dict[str, TaskID] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar.start()
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        bar.update(tasks[stage], completed=done)
+
+    try:
+        result = calibrate_gate(
+            model_dir, data, sparsity, out, tokens=tokens, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
+            device=device, on_progress=progress,
+        )  # fmt: skip
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+    calibration = result.calibration
+    err.print(f"wrote {result.out} ({calibration.tokens} tokens, {result.dtype} on {result.device})")
+    for i, (threshold, achieved) in enumerate(zip(calibration.thresholds, result.achieved, strict=True)):
+        err.print(f"layer {i}: threshold {threshold:.4g}, sparsity {achieved:.1%}")

@@ -13,7 +13,7 @@ from qinfer.core.errors import UserError
 from qinfer.core.gguf_reader import metadata, open_gguf
 from qinfer.core.model_check import check_model, tensor_entries
 from qinfer.core.model_spec import ModelSpec
-from qinfer.core.names import FFN_ROWS, PREDICTOR, WEIGHT, Tensor, split_tensor_name, tensor_name
+from qinfer.core.names import FFN_ROWS, PREDICTOR, WEIGHT, Key, Tensor, split_tensor_name, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
 
 
@@ -63,8 +63,11 @@ def _classify(name: str) -> tuple[int, str] | None:
     return layer, "attention"
 
 
-def _layer_layout(path: Path, index: int, parts: dict[str, list[tuple[int, int]]], ffn: int) -> LayerLayout:
-    if not parts["ffn"] or not parts["predictor"]:
+def _layer_layout(
+    path: Path, index: int, parts: dict[str, list[tuple[int, int]]], ffn: int, calibrated: bool
+) -> LayerLayout:
+    # A calibrated model's gate selects its neurons; predictors are optional there.
+    if not parts["ffn"] or not (parts["predictor"] or calibrated):
         raise UserError(f"{path}: layer {index} lacks FFN or predictor tensors; re-convert it with a predictor dir")
     if any(w % ffn for _, w in parts["ffn"]):
         raise UserError(f"{path}: layer {index} has FFN tensors that are not {ffn} neurons; re-convert it")
@@ -114,7 +117,9 @@ def read_model_layout(path: Path) -> ModelLayout:
         raise UserError(f"{path} has no complete run of blk.N tensors; re-convert it with `qinfer prep convert`")
     return ModelLayout(
         spec=spec,
-        layers=tuple(_layer_layout(path, i, per_layer[i], spec.ffn) for i in range(len(per_layer))),
+        layers=tuple(
+            _layer_layout(path, i, per_layer[i], spec.ffn, Key.GATE_THRESHOLDS in meta) for i in range(len(per_layer))
+        ),
         output_bytes=output_bytes,
         output_weights=output_weights,
         embedding_bytes=embedding_bytes,

@@ -90,7 +90,9 @@ def _byte_level_tokenizer(family: str, text: str, vocab: int, context: int) -> P
     if specials.bos is not None:
         bos_id = tokenizer.token_to_id(specials.bos)
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{specials.bos} $A", pair=f"{specials.bos} $A {specials.bos} $B", special_tokens=[(specials.bos, bos_id)]
+            single=f"{specials.bos} $A",
+            pair=f"{specials.bos} $A {specials.bos} $B",
+            special_tokens=[(specials.bos, bos_id)],
         )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -125,7 +127,8 @@ def _config(
                 "high_freq_factor": 4.0, "original_max_position_embeddings": shape.context // 4}  # fmt: skip
         return LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
     if family == "mistral":
-        return MistralConfig(**common, sliding_window=shape.context // 16, rope_theta=10000.0, tie_word_embeddings=False)
+        window = shape.context // 16
+        return MistralConfig(**common, sliding_window=window, rope_theta=10000.0, tie_word_embeddings=False)
     return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)
 
 

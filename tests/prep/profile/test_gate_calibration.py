@@ -1,0 +1,157 @@
+"""`prep calibrate` (CATS): thresholds that skip the asked share of a SwiGLU model's activations, counts the
+planner reads, and a calibrated file whose sparse logits equal transformers' with the same thresholds applied."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qinfer.core.activation_files import read_activations
+from qinfer.core.errors import UserError
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.profile.activation_profile import profile_activations
+from qinfer.prep.profile.corpus_reader import corpus_files, token_windows
+from qinfer.prep.profile.gate_calibration import calibrate_gate
+from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.cache import KVCache
+from qinfer.runtime.model.loader import RuntimeOptions, load_forward
+from qinfer.runtime.model.model_file import open_model
+from tests.support.cli_in_process import run_in_process
+
+TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
+SEQ_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "stories.txt"
+    path.write_text(synth_corpus(5, 20_000, "calibrate"), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def calibrated(swiglu: dict[str, dict[str, Path]], corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("calibrated")
+    # Named as the planner looks for the counts beside a model file.
+    result = calibrate_gate(swiglu["llama3"]["model"], corpus, 0.5, out / "activation", seq_len=SEQ_LEN, device="cpu")
+    files = {
+        fmt: convert(swiglu["llama3"]["model"], out / f"l3-{fmt}.powerinfer.gguf", None, fmt, result.out).outfile
+        for fmt in ("f32", "f16")
+    }
+    return {"result": result, **files}
+
+
+def gate_values(model_dir: Path, corpus: Path) -> list[torch.Tensor]:
+    """Every |silu(gate)| of every layer over the corpus windows, computed independently of the calibrator."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    values: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    handles = [
+        layer.mlp.gate_proj.register_forward_hook(lambda _m, _a, out, i=i: values[i].append(F.silu(out).abs().flatten()))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    with torch.inference_mode():
+        for window in token_windows(tokenizer, corpus_files(corpus), SEQ_LEN):
+            model.model(input_ids=window[None])
+    for handle in handles:
+        handle.remove()
+    return [torch.cat(v) for v in values]
+
+
+def test_thresholds_skip_the_asked_share(calibrated: dict, swiglu: dict[str, dict[str, Path]], corpus: Path) -> None:
+    result = calibrated["result"]
+    thresholds = result.calibration.thresholds
+    for layer, values in enumerate(gate_values(swiglu["llama3"]["model"], corpus)):
+        assert result.calibration.tokens * 192 == values.numel()
+        # A threshold from a sample of the values: its share within a percent of the asked one, on all of them.
+        assert abs((values <= thresholds[layer]).float().mean().item() - 0.5) < 0.01
+        assert result.achieved[layer] == pytest.approx((values <= thresholds[layer]).float().mean().item(), abs=1e-6)
+    counts = read_activations(result.out)
+    assert [int(c.sum()) for c in counts] == [
+        round((1 - a) * result.calibration.tokens * 192) for a in result.achieved
+    ]
+    saved = json.loads((result.out / "gate_thresholds.json").read_text())
+    assert saved == {"activation": "silu", "sparsity": 0.5, "tokens": result.calibration.tokens, "thresholds": thresholds}
+
+
+def cats_reference(model_dir: Path, thresholds: list[float], ids: list[int]) -> torch.Tensor:
+    """transformers' Llama with every MLP computing only the neurons whose |silu(gate)| passes its threshold."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for layer, threshold in zip(model.model.layers, thresholds, strict=True):
+        mlp = layer.mlp
+
+        def forward(x: torch.Tensor, mlp=mlp, t=threshold) -> torch.Tensor:
+            g = F.silu(mlp.gate_proj(x))
+            return mlp.down_proj(g * (g.abs() > t) * mlp.up_proj(x))
+
+        mlp.forward = forward
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def decode(path: Path, ids: list[int], options: RuntimeOptions, native: bool = True) -> torch.Tensor:
+    forward = load_forward(open_model(path), options).forward
+    if not native:
+        forward.native = None
+    cache = KVCache(forward.cfg, 64)
+    with torch.inference_mode():
+        return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
+
+
+def test_sparse_decode_equals_transformers_with_the_thresholds(
+    calibrated: dict, swiglu: dict[str, dict[str, Path]]
+) -> None:
+    model_dir = swiglu["llama3"]["model"]
+    ids = AutoTokenizer.from_pretrained(model_dir)(TEXT)["input_ids"]
+    thresholds = calibrated["result"].calibration.thresholds
+    sparse = decode(calibrated["f32"], ids, RuntimeOptions())  # auto: the file's thresholds select
+    expected = cats_reference(model_dir, thresholds, ids)
+    assert (sparse - expected).abs().max().item() < 1e-3
+    dense = decode(calibrated["f32"], ids, RuntimeOptions(ffn="dense"))  # every neuron: the model itself
+    assert (dense - cats_reference(model_dir, [0.0, 0.0], ids)).abs().max().item() < 1e-3
+    assert (dense - sparse).abs().max().item() > 0.05  # the thresholds do change the logits
+
+
+@pytest.mark.usefixtures("kernel_build")
+def test_native_step_skips_the_same_neurons(calibrated: dict, swiglu: dict[str, dict[str, Path]]) -> None:
+    ids = AutoTokenizer.from_pretrained(swiglu["llama3"]["model"])(TEXT)["input_ids"]
+    forward = load_forward(open_model(calibrated["f16"]), RuntimeOptions()).forward
+    assert forward.native is not None and forward.native.dims.sparse == 0  # the gate, not a predictor, selects
+    native, torch_path = (decode(calibrated["f16"], ids, RuntimeOptions(), native) for native in (True, False))
+    assert (native - torch_path).abs().max().item() < 1e-3
+
+
+def test_gpu_split_of_a_calibrated_model(calibrated: dict, swiglu: dict[str, dict[str, Path]]) -> None:
+    """The planner places a calibrated model from its counts, and the split (a simulated GPU) gives the CPU's
+    sparse logits."""
+    ids = AutoTokenizer.from_pretrained(swiglu["llama3"]["model"])(TEXT)["input_ids"]
+    split = RuntimeOptions(vram_budget_gib=0.2505, device="cpu", reset_gpu_index=True)
+    loaded = load_forward(open_model(calibrated["f32"]), split)
+    assert loaded.plan is not None and 0 < loaded.plan.gpu_activation_share < 1
+    diff = decode(calibrated["f32"], ids, split) - decode(calibrated["f32"], ids, RuntimeOptions())
+    assert diff.abs().max().item() < 1e-4
+
+
+def test_refusals(swiglu: dict[str, dict[str, Path]], corpus: Path, calibrated: dict, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="calibrate"):
+        profile_activations(swiglu["qwen2"]["model"], corpus, tmp_path / "act", device="cpu")
+    with pytest.raises(UserError, match="sparsity"):
+        calibrate_gate(swiglu["qwen2"]["model"], corpus, 1.0, tmp_path / "cal")
+    # Thresholds of a 2-layer model for a model of other shape are refused before anything is written.
+    other = calibrated["result"].out
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps(
+        {"activation": "silu", "sparsity": 0.5, "tokens": 1, "thresholds": [0.1]}
+    ))  # fmt: skip
+    with pytest.raises(UserError, match="1 thresholds for a 2-layer model"):
+        convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad")
+    assert not (tmp_path / "x.gguf").exists()
+    result = run_in_process("prep", "convert", str(swiglu["qwen2"]["model"]), "--outfile", str(tmp_path / "y.gguf"))
+    assert result.returncode != 0 and "--calibration" in result.stderr and "Traceback" not in result.stderr
+    assert other.is_dir()
