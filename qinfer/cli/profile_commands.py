@@ -152,6 +152,10 @@ def train_predictor_cmd(
     force: Annotated[
         bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier predictor directory.")
     ] = False,
+    calibration: Annotated[
+        Path | None,
+        typer.Option(help="A SwiGLU model's calibration directory: predict the neurons over its gate thresholds."),
+    ] = None,
 ) -> None:
     """Train the low-rank predictor fc2(relu(fc1(h))) per layer and pick sparse_threshold for the recall target."""
     from qinfer.core.errors import UserError
@@ -169,6 +173,7 @@ def train_predictor_cmd(
         seed=seed,
         dtype=dtype,
         device=device,
+        calibration=calibration,
     )
     bar = progress_bar()
     tasks: dict[str, int] = {}

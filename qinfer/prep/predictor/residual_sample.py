@@ -48,7 +48,8 @@ def collect_residuals(
             for i, layer in enumerate(layers):
                 h = captured.pop(i).flatten(0, -2)
                 residuals[i].append(h.to("cpu", torch.float16))
-                active = fires(layer, h, loaded.arch, loaded.form).cpu().numpy()
+                threshold = loaded.gate_thresholds[i] if loaded.gate_thresholds is not None else 0.0
+                active = fires(layer, h, loaded.arch, loaded.form, threshold).cpu().numpy()
                 fired_bits[i].append(np.packbits(active, axis=1))
             if on_tokens:
                 on_tokens(batch.numel())

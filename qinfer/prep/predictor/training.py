@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from qinfer.core.atomic_file import OutputKind, atomic_directory, check_replaceable
+from qinfer.core.calibration_dir import read_calibration
 from qinfer.core.errors import UserError
 from qinfer.core.predictor_dir import FC1, FC2
 from qinfer.prep.predictor.quality import LayerQuality, Predictor, layer_quality, predictor_logits
@@ -54,6 +55,7 @@ class TrainSettings:
     seed: int = 0
     dtype: str | None = None
     device: str = "auto"
+    calibration: Path | None = None  # a calibrated model's thresholds: the predictors learn the mask they make
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,13 @@ def train_predictors(
     files = corpus_files(data)
     loaded = load_relu_model(model_dir, settings.dtype, settings.device)
     hidden, ffn = loaded.spec.hidden, loaded.spec.ffn
+    if settings.calibration is not None:
+        loaded.gate_thresholds = read_calibration(settings.calibration, loaded.spec.layers).thresholds
+    elif loaded.form.act != "relu":
+        raise UserError(
+            f"{model_dir} is a {loaded.form.act} model, whose neurons fire only over a calibrated threshold; pass "
+            "--calibration DIR (from `qinfer prep calibrate`)"
+        )
 
     train_windows, heldout_windows = _split_windows(token_windows(loaded.tokenizer, files, settings.seq_len), settings)
     if not heldout_windows:

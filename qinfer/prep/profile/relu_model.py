@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -34,6 +35,8 @@ class ReluModel:
     device: torch.device
     dtype: torch.dtype
     fell_back: bool  # CUDA was asked for but is not available, so the model runs on the CPU
+    # A calibrated model's per-layer thresholds on |act(gate)|: where a neuron fires (qinfer.core.calibration_dir).
+    gate_thresholds: list[float] | None = None
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -109,13 +112,17 @@ def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "au
     return loaded
 
 
-def fires(layer: nn.Module, residual: torch.Tensor, arch: Architecture, form: FfnForm) -> torch.Tensor:
+def fires(
+    layer: nn.Module, residual: torch.Tensor, arch: Architecture, form: FfnForm, threshold: float = 0.0
+) -> torch.Tensor:
     """Which FFN neurons of `layer` fire for the predictor's input (the input of the norm before the FFN):
-    [..., E] -> bool [..., F]."""
+    [..., E] -> bool [..., F]. A gated neuron fires where |act(gate)| exceeds the layer's threshold (0 for ReLU:
+    where the gate is positive)."""
     x = submodule(layer, arch.hf.ffn_norm)(residual)
     if arch.hf.gate is None:
         return submodule(layer, arch.hf.up)(x) > 0
-    active = submodule(layer, arch.hf.gate)(x) > 0
+    gate = submodule(layer, arch.hf.gate)(x)
+    active = (F.silu(gate).abs() if form.act == "silu" else gate) > threshold
     if form.relu_up:
         active &= submodule(layer, arch.hf.up)(x) != 0  # up carries the ReLU hook, so "fires" means positive
     return active

@@ -182,7 +182,9 @@ def build_swiglu(
         ids = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
         # transformers' classes know relu, not dReLU: a dReLU model is saved as relu and declared after.
         hf_act = "relu" if activation == "drelu" else activation
-        model = _CLASSES[family](_config(family, shape, hf_act, len(tokenizer), ids, init_std)).eval()
+        # The embedding may be wider than the vocabulary learned from the stories, as real ones are rounded up.
+        vocab = max(shape.vocab, len(tokenizer))
+        model = _CLASSES[family](_config(family, shape, hf_act, vocab, ids, init_std)).eval()
         with torch.no_grad():
             for module in model.modules():  # transformers starts biases at 0, which would hide Qwen2's
                 if isinstance(module, torch.nn.Linear) and module.bias is not None:
