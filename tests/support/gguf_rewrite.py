@@ -10,13 +10,19 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from qinfer.core.names import Key
 
 
-def rewrite_gguf(source: Path, target: Path, replace: dict[str, tuple[Any, GGUFValueType | None]]) -> Path:
-    """`source` (a dense GGUF) as `target`, each key of `replace` holding its new (value, array item type) instead,
-    every other key and every tensor as it was."""
+def rewrite_gguf(
+    source: Path,
+    target: Path,
+    replace: dict[str, tuple[Any, GGUFValueType | None]] | None = None,
+    drop_keys: frozenset[str] | set[str] = frozenset(),
+) -> Path:
+    """`source` (a dense GGUF) as `target`, each key of `replace` holding its new (value, array item type) instead
+    and the keys of `drop_keys` left out, every other key and every tensor as it was."""
+    replace = replace or {}
     reader = GGUFReader(source)
     writer = GGUFWriter(target, str(reader.get_field(Key.ARCHITECTURE).contents()))
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == Key.ARCHITECTURE:
+        if key.startswith("GGUF.") or key == Key.ARCHITECTURE or key in drop_keys:
             continue
         kind = GGUFValueType(field.types[0])
         if key in replace:

@@ -4,6 +4,7 @@ planner reads, and a calibrated file whose sparse logits equal transformers' wit
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,10 +55,11 @@ def gate_values(model_dir: Path, corpus: Path) -> list[torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     values: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
-    handles = [
-        layer.mlp.gate_proj.register_forward_hook(lambda _m, _a, out, i=i: values[i].append(F.silu(out).abs().flatten()))
-        for i, layer in enumerate(model.model.layers)
-    ]
+
+    def keep(i: int) -> Callable[..., None]:
+        return lambda _m, _a, out: values[i].append(F.silu(out).abs().flatten())
+
+    handles = [layer.mlp.gate_proj.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
     with torch.inference_mode():
         for window in token_windows(tokenizer, corpus_files(corpus), SEQ_LEN):
             model.model(input_ids=window[None])
@@ -79,7 +81,8 @@ def test_thresholds_skip_the_asked_share(calibrated: dict, swiglu: dict[str, dic
         round((1 - a) * result.calibration.tokens * 192) for a in result.achieved
     ]
     saved = json.loads((result.out / "gate_thresholds.json").read_text())
-    assert saved == {"activation": "silu", "sparsity": 0.5, "tokens": result.calibration.tokens, "thresholds": thresholds}
+    tokens = result.calibration.tokens
+    assert saved == {"activation": "silu", "sparsity": 0.5, "tokens": tokens, "thresholds": thresholds}
 
 
 def cats_reference(model_dir: Path, thresholds: list[float], ids: list[int]) -> torch.Tensor:

@@ -20,6 +20,7 @@ from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache, make_kv_cache
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
+from tests.support.cli_in_process import run_in_process
 from tests.support.runtime_logits import our_logits
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
@@ -142,3 +143,17 @@ def test_a_windowed_cache_is_refused_for_a_sliding_window_model(swiglu: dict[str
     cfg = open_model(swiglu["mistral"]["dense-f32"]).config
     with pytest.raises(UserError, match="sliding window"):
         make_kv_cache(cfg, 64, policy=KVPolicy("window", 32))
+
+
+def test_run_and_perplexity_commands(swiglu: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    """The commands take the new families as they take the old: text out, a perplexity near the vocabulary's
+    size for an untrained model."""
+    ran = run_in_process("run", "-m", str(swiglu["qwen2"]["dense-f32"]), "-p", "Once upon a time", "-n", "8",
+                         "--temp", "0")  # fmt: skip
+    assert ran.returncode == 0 and "decode: 8 tokens" in ran.stderr, ran.stderr
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 8, encoding="utf-8")
+    scored = run_in_process("perplexity", "-m", str(swiglu["mistral"]["dense-f32"]), "-f", str(text), "-c", "64")
+    assert scored.returncode == 0, scored.stderr
+    ppl = float(scored.stdout.split("PPL = ")[1].split()[0])
+    assert 50 < ppl < 100_000

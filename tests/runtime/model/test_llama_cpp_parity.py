@@ -1,0 +1,59 @@
+"""Our dense files are the ecosystem's: llama.cpp (the `peers` extra, llama-cpp-python) loads each SwiGLU family's
+convert-dense output, tokenizes text to the ids transformers gives, and computes the logits we and transformers
+compute, within the rounding of its f16 products. Skipped where the extra is not installed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.synth.swiglu import FAMILIES
+from qinfer.runtime.model.model_file import open_model
+from tests.support.gguf_rewrite import rewrite_gguf
+from tests.support.runtime_logits import our_logits
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
+CODE = "def f(x):\n    return x ** 2  # 12345 東京 🙂   spaces"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_runs_our_dense_file(swiglu: dict[str, dict[str, Path]], family: str, tmp_path: Path) -> None:
+    model_dir = swiglu[family]["model"]
+    f16 = convert(model_dir, tmp_path / f"{family}.f16.gguf", None, "f16").outfile
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    llm = llama_cpp.Llama(model_path=str(f16), n_ctx=128, n_threads=2, logits_all=True, verbose=False)
+    for text in (TEXT, CODE):
+        assert llm.tokenize(text.encode(), add_bos=tokenizer.bos_token_id is not None, special=False) == tokenizer(
+            text
+        )["input_ids"], text
+    ids = tokenizer(TEXT)["input_ids"]
+    llm.eval(ids)
+    theirs = torch.tensor(llm.scores[: len(ids)], dtype=torch.float32)
+    ours = our_logits(f16, ids, "dense")
+    with torch.inference_mode():
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    scale = reference.abs().max().item()
+    # llama.cpp runs a llama file's attention over every position: it ignores Mistral's window, which we honour,
+    # so only the positions inside the first window compare; past it llama.cpp equals our run without the window.
+    window = open_model(f16).config.sliding_window or len(ids)
+    # f16 weights on both sides; llama.cpp also rounds each product's input to f16 (ggml's CPU path), we keep f32.
+    assert (theirs - ours)[:window].abs().max().item() < 0.01 * scale
+    assert (theirs - reference)[:window].abs().max().item() < 0.01 * scale
+    assert (ours - reference).abs().max().item() < 0.002 * scale
+    if window < len(ids):
+        assert (theirs - ours)[window:].abs().max().item() > 0.1 * scale
+        unwindowed = our_logits(without_window(f16, tmp_path), ids, "dense")
+        assert (theirs - unwindowed).abs().max().item() < 0.01 * scale
+
+
+def without_window(path: Path, tmp_path: Path) -> Path:
+    """The file with its sliding-window key dropped: the same model, attending to every position."""
+    out = tmp_path / "no-window.gguf"
+    rewrite_gguf(path, out, drop_keys={"llama.attention.sliding_window"})
+    return out
