@@ -137,7 +137,8 @@ def limit_bytes(path: Path, kept: float) -> float:
 
 
 def speed(work: Path, sparsities: list[float], rounds: int, tokens: int, console: Console) -> None:
-    files = slice_files(work, [0.0, *sparsities], console)
+    sparsities = sorted({0.0, *sparsities})
+    files = slice_files(work, sparsities, console)
     tokenizer = GGUFTokenizer(open_model(files["dense"]).metadata)
     prompt = tokenizer.encode("Once upon a time there was a little dog " * 4)
     bandwidth = read_bandwidth()
@@ -148,12 +149,12 @@ def speed(work: Path, sparsities: list[float], rounds: int, tokens: int, console
     for quant in ("", " Q4_0"):
         runs = {"dense": runtime_decoder(files["dense" + quant], "dense", prompt, tokens, 256)}
         runs |= {
-            f"{s:.0%}": runtime_decoder(files[f"{s:.0%}" + quant], "auto", prompt, tokens, 256)
-            for s in [0.0, *sparsities]
+            f"{s:.0%}": runtime_decoder(files[f"{s:.0%}" + quant], "auto", prompt, tokens, 256) for s in sparsities
         }
         if peers:
             runs["llama.cpp"] = llama_cpp_decoder(files["dense" + quant], prompt, tokens, threads, 256)
         best: dict[str, Speed] = {name: NOT_RUN for name in runs}
+        console.print(f"timing{quant or ' f16'}: {len(runs)} decoders, {rounds} interleaved rounds")
         for _ in range(rounds):
             for name, run in runs.items():
                 result = run()
@@ -188,7 +189,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("-t", "--threads", type=int, default=0)
-    parser.add_argument("--sparsities", default="0.3,0.5,0.7")
+    parser.add_argument("--sparsities", default="0,0.3,0.5,0.7")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

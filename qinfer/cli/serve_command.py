@@ -58,12 +58,18 @@ def serve_cmd(
         int, typer.Option(min=1, help="Seconds a kept-alive connection may wait for its next request.")
     ] = 5,
     max_connections: Annotated[int, typer.Option(min=1, help="Open connections served at once; more get a 503.")] = 256,
+    chat_template: Annotated[
+        Path | None,
+        typer.Option(help="A Jinja chat template file to use instead of the model file's tokenizer.chat_template."),
+    ] = None,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions (streaming with server-sent events), /v1/models and /health.
 
-    Chat messages are rendered as a plain "System: / User: / Assistant:" transcript, since the supported base models
-    have no chat template; generation stops before the next "User:" line.
+    Chat messages are rendered with the model's chat template (the file's tokenizer.chat_template, or
+    --chat-template) in a sandbox; a model without one gets a plain "System: / User: / Assistant:" transcript, and
+    generation stops before the next "User:" line.
     """
+    from qinfer.runtime.engine.chat_template import load_chat_template
     from qinfer.runtime.engine.engine import Engine
     from qinfer.runtime.engine.worker import EngineWorker
     from qinfer.runtime.server.app import ServerOptions, create_app
@@ -83,8 +89,15 @@ def serve_cmd(
         idle_timeout_s=idle_timeout,
         max_connections=max_connections,
     )
-    server = uvicorn_server(create_app(EngineWorker(engine), model.name, options), options, host, port)
+    tokenizer = engine.tokenizer
+    template = load_chat_template(tokenizer.chat_template, tokenizer.special_tokens, chat_template)
+    app = create_app(EngineWorker(engine), model.name, options, template)
+    server = uvicorn_server(app, options, host, port)
     guarded = ", API key required" if api_key else ""
-    err.print(f"serving {model.name} on http://{host}:{port}/v1 ({slots} slots, context {engine.ctx_size}{guarded})")
+    chat = "its chat template" if template is not None else "a plain transcript (no chat template)"
+    err.print(
+        f"serving {model.name} on http://{host}:{port}/v1 ({slots} slots, context {engine.ctx_size}{guarded}); "
+        f"chat turns through {chat}"
+    )
     # uvicorn logs a failed start (a port in use) and exits with its own code.
     server.run()

@@ -93,6 +93,10 @@ class Key:
     MERGES = Keys.Tokenizer.MERGES
     SCORES = Keys.Tokenizer.SCORES
     TOKEN_TYPE = Keys.Tokenizer.TOKEN_TYPE
+    UNK_ID = Keys.Tokenizer.UNK_ID
+    PAD_ID = Keys.Tokenizer.PAD_ID
+    EOT_ID = Keys.Tokenizer.EOT_ID
+    CHAT_TEMPLATE = Keys.Tokenizer.CHAT_TEMPLATE
 
     # PowerInfer's own keys.
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
@@ -114,6 +118,7 @@ TOKEN_ID_KEYS = (
     Keys.Tokenizer.UNK_ID,
     Keys.Tokenizer.SEP_ID,
     Keys.Tokenizer.PAD_ID,
+    Keys.Tokenizer.EOT_ID,
 )
 
 _S, _U32, _F32 = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32
@@ -167,6 +172,7 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     },
     Keys.Tokenizer.MODEL: (_S, None),
     Keys.Tokenizer.PRE: (_S, None),
+    Keys.Tokenizer.CHAT_TEMPLATE: (_S, None),
     Key.SLIDING_WINDOW: (_U32, None),
     Key.SPARSE_THRESHOLD: (_F32, None),
     Key.FFN_ACTIVATION: (_S, None),

@@ -63,7 +63,9 @@ class Specials:
 
 
 _SPECIALS = {
-    "llama3": Specials("<|begin_of_text|>", "<|end_of_text|>", ("<|start_header_id|>", "<|end_header_id|>")),
+    "llama3": Specials(
+        "<|begin_of_text|>", "<|end_of_text|>", ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    ),
     "qwen2": Specials(None, "<|endoftext|>", ("<|im_start|>", "<|im_end|>")),
 }
 _SPLITS = {"llama3": PRE_TOKENIZER_SPLITS["llama-bpe"], "qwen2": PRE_TOKENIZER_SPLITS["qwen2"]}
@@ -162,10 +164,12 @@ def build_swiglu(
     train_steps: int = 0,
     activation: str = "silu",
     init_std: float = 0.02,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a Hugging Face checkpoint of `family` with its tokenizer to `out` (replaced whole when complete).
     `activation` is the config's hidden_act: silu, or drelu for a dReLU model of this shape. A larger `init_std`
-    than transformers' 0.02 makes an untrained model's logits large enough for a parity test to see small errors."""
+    than transformers' 0.02 makes an untrained model's logits large enough for a parity test to see small errors.
+    `chat_template` is saved as the tokenizer's (chat_template.jinja), as an instruct model ships one."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
     torch.manual_seed(seed)
@@ -203,4 +207,6 @@ def build_swiglu(
                 hf_logging.enable_progress_bar()
         if family != "mistral":  # Mistral's SentencePiece files are in place already
             tokenizer.save_pretrained(tmp)
+        if chat_template is not None:
+            (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     return out

@@ -145,7 +145,7 @@ class Engine:
                 outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}"))
                 del self._active[slot]
                 continue
-            if token == self.tokenizer.eos_id and not seq.request.ignore_eos:
+            if token in self.tokenizer.end_ids and not seq.request.ignore_eos:
                 outputs.append(StepOutput(slot, None, True, "stop"))
                 del self._active[slot]
                 continue

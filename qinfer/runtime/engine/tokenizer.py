@@ -14,6 +14,10 @@ from qinfer.core.names import Key
 
 SUPPORTED = ("llama", "gpt2")
 _PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
+# Control tokens that end a chat turn, by text, as llama.cpp recognises them where a file names no eot id: a chat
+# template ends the assistant's turn with one of these rather than with EOS.
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+CONTROL = 3  # tokenizer.ggml.token_type of a control token
 
 
 def _drop_foreign_added_tokens(backend: Tokenizer, n_vocab: int) -> Tokenizer:
@@ -68,15 +72,34 @@ class GGUFTokenizer:
         )
         self.bos_id: int | None = meta.get(Key.BOS_ID)
         self.eos_id: int | None = meta.get(Key.EOS_ID)
+        # Generation ends at EOS or at the end of a chat turn.
+        types = spec.get("token_type") or [0] * len(spec["tokens"])
+        pairs = enumerate(zip(spec["tokens"], types, strict=True))
+        turn_ends = {i for i, (text, kind) in pairs if kind == CONTROL and text in END_OF_TURN}
+        self.end_ids: frozenset[int] = frozenset(
+            {i for i in (self.eos_id, meta.get(Key.EOT_ID)) if i is not None} | turn_ends
+        )
+        tokens = spec["tokens"]
+        # The special tokens' texts, by the names a chat template knows them by; and the template itself.
+        names = {"bos_token": Key.BOS_ID, "eos_token": Key.EOS_ID, "unk_token": Key.UNK_ID, "pad_token": Key.PAD_ID}
+        ids = {name: meta.get(key) for name, key in names.items()}
+        self.special_tokens: dict[str, str] = {
+            name: tokens[i] for name, i in ids.items() if isinstance(i, int) and 0 <= i < len(tokens)
+        }
+        template = meta.get(Key.CHAT_TEMPLATE)
+        self.chat_template: str | None = template if isinstance(template, str) else None
         # llama.cpp's rule for a file that does not say: SentencePiece vocabularies add BOS, BPE ones do not.
         self.add_bos: bool = bool(meta.get(Key.ADD_BOS, kind == "llama"))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Ids of `text`, with BOS first where the file asks for it (or `add_bos` says); special tokens written in
+        the text (a chat template's) are read as those tokens."""
         require_utf8(text)
         # encode_batch releases the GIL while it works (encode does not), so a server's event loop keeps answering
         # while a long prompt is tokenized in a worker thread.
         ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
-        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+        bos = self.add_bos if add_bos is None else add_bos
+        return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)

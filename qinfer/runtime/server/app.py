@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError
 from qinfer.runtime.engine.engine import Request as EngineRequest
 from qinfer.runtime.engine.worker import EngineWorker, Job
 from qinfer.runtime.server.openai_schema import ChatRequest, CompletionRequest, SamplingFields
@@ -210,7 +211,13 @@ async def pieces(worker: EngineWorker, job: Job, stops: list[str]) -> AsyncItera
             yield Piece(text, None, event.completion_tokens)
 
 
-def create_app(worker: EngineWorker, model_id: str, options: ServerOptions = DEFAULT_OPTIONS) -> FastAPI:
+def create_app(
+    worker: EngineWorker,
+    model_id: str,
+    options: ServerOptions = DEFAULT_OPTIONS,
+    chat_template: ChatTemplate | None = None,
+) -> FastAPI:
+    """The app over `worker`; chat turns go through `chat_template` where there is one, else a plain transcript."""
     # With a key, the schema and its pages (not under /v1) are not served to whoever asks.
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if options.api_key else {}
     app = FastAPI(title="qinfer", lifespan=_lifespan(worker), **docs)
@@ -222,7 +229,7 @@ def create_app(worker: EngineWorker, model_id: str, options: ServerOptions = DEF
     if options.api_key:
         # Added last, so it runs first: a stranger's body is never read.
         app.add_middleware(ApiKeyGuard, api_key=options.api_key)
-    routes = _Routes(worker, model_id)
+    routes = _Routes(worker, model_id, chat_template)
     app.get("/health")(routes.health)
     app.get("/v1/models")(routes.models)
     app.post("/v1/completions", response_model=None)(routes.completions)
@@ -271,6 +278,7 @@ async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
 class _Routes:
     worker: EngineWorker
     model_id: str
+    template: ChatTemplate | None
 
     async def health(self) -> dict[str, object]:
         return {"status": "ok", "model": self.model_id, **self.worker.stats()}
@@ -284,26 +292,34 @@ class _Routes:
             prompt = body.prompt_text()
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt") from exc
-        return await self._answer(http, body, prompt, chat=False)
+        return await self._answer(http, body, prompt, body.stop_list(), chat=False)
 
     async def chat_completions(self, http: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
-        return await self._answer(http, body, body.prompt_text(), chat=True)
+        try:
+            prompt = body.prompt_text(self.template)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        return await self._answer(http, body, prompt, body.chat_stops(self.template), chat=True)
 
     async def _answer(
-        self, http: Request, body: SamplingFields, prompt: str, chat: bool
+        self, http: Request, body: SamplingFields, prompt: str, stops: list[str], chat: bool
     ) -> JSONResponse | StreamingResponse:
-        job, prompt_tokens = await submit(self.worker, body, prompt)
+        # A rendered chat template holds the BOS its model wants, as transformers tokenizes it.
+        add_bos = False if chat and self.template is not None else None
+        job, prompt_tokens = await submit(self.worker, body, prompt, add_bos)
         head = response_head(self.model_id, chat, body.stream)
-        completion = Completion(job, prompt_tokens, chat, body.stream, body.stop_list(), head)
+        completion = Completion(job, prompt_tokens, chat, body.stream, stops, head)
         if body.stream:
             return StreamingResponse(stream_events(self.worker, completion), media_type="text/event-stream")
         return await collect_response(http, self.worker, completion)
 
 
-async def submit(worker: EngineWorker, body: SamplingFields, prompt: str) -> tuple[Job, int]:
+async def submit(
+    worker: EngineWorker, body: SamplingFields, prompt: str, add_bos: bool | None = None
+) -> tuple[Job, int]:
     """Queue the request on the engine; return its job and the prompt's length in tokens."""
     # A long prompt takes seconds to tokenize; on the event loop that would stall every other client meanwhile.
-    ids = await asyncio.to_thread(worker.engine.tokenizer.encode, prompt)
+    ids = await asyncio.to_thread(worker.engine.tokenizer.encode, prompt, add_bos)
     ctx_size = worker.engine.ctx_size
     room = ctx_size - len(ids)
     if room < 1:

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI completions and chat API (the fields we honour), and the chat prompt template."""
+"""Request bodies of the OpenAI completions and chat API (the fields we honour), and the plain transcript a chat
+becomes where the model has no chat template."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from qinfer.runtime.engine.chat_template import ChatTemplate
 from qinfer.runtime.engine.sampling import SamplingParams
 
-# The synth and ReLU base models have no chat template, so chat turns are rendered as a plain transcript.
+# Base models (the synth and ReLU ones) have no chat template: their chat turns are a plain transcript.
 CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 CHAT_STOP = "\nUser:"
 # Each stop string is searched for after every token, so their number and length bound a request's cost.
@@ -110,11 +112,15 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
 
-    def prompt_text(self) -> str:
-        return chat_prompt(self.messages)
+    def prompt_text(self, template: ChatTemplate | None) -> str:
+        if template is None:
+            return chat_prompt(self.messages)
+        return template.render([m.model_dump() for m in self.messages], add_generation_prompt=True)
 
-    def stop_list(self) -> list[str]:
-        return [*super().stop_list(), CHAT_STOP]
+    def chat_stops(self, template: ChatTemplate | None) -> list[str]:
+        """The request's stops; a plain transcript also ends before the next user turn (a template's turn ends
+        with its own end-of-turn token)."""
+        return self.stop_list() if template is not None else [*self.stop_list(), CHAT_STOP]
 
 
 def chat_prompt(messages: list[ChatMessage]) -> str:

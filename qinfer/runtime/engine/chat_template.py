@@ -1,0 +1,88 @@
+"""Chat turns rendered with the model's own Jinja chat template, as transformers' `apply_chat_template` renders
+them, in jinja2's sandbox: a template comes from a file off the internet and must not reach Python's internals.
+
+The template is the GGUF's `tokenizer.chat_template` (llama.cpp's key, which converters copy from the checkpoint's
+tokenizer config), or a file given with `--chat-template`. It sees what transformers passes: `messages`,
+`add_generation_prompt`, `tools`, and the special tokens' texts (`bos_token`, `eos_token`, ...); the rendered text
+already holds the BOS a model wants, so it is tokenized without adding another.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from qinfer.core.errors import UserError
+
+MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few KiB; tool-calling ones up to some tens
+
+
+class ChatTemplateError(UserError):
+    """The template refused the conversation (its own raise_exception) or broke while rendering it."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    # transformers' own tojson: jinja2's escapes HTML characters, which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.cache
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+    special_tokens: dict[str, str]  # bos_token, eos_token, ...: the texts of the model's special tokens
+
+    def __post_init__(self) -> None:
+        try:
+            _environment().parse(self.source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise UserError(f"the chat template does not parse (line {exc.lineno}: {exc.message})") from None
+
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+    ) -> str:
+        try:
+            return _environment().from_string(self.source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
+            )
+        except jinja2.TemplateError as exc:  # the sandbox's SecurityError is one too
+            raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None
+
+
+def load_chat_template(
+    own: str | None, special_tokens: dict[str, str], override: Path | None = None
+) -> ChatTemplate | None:
+    """The template of `override` (a file), else the model file's own (`own`); None where there is neither."""
+    if override is not None:
+        try:
+            if override.stat().st_size > MAX_TEMPLATE_BYTES:
+                raise UserError(f"{override} is over {MAX_TEMPLATE_BYTES >> 10} KiB; is it a chat template?")
+            source = override.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read the chat template {override} ({exc})") from None
+    elif own is None or not own.strip():
+        return None
+    else:
+        source = own
+    return ChatTemplate(source, special_tokens)
