@@ -120,6 +120,11 @@ def slice_files(work: Path, sparsities: list[float], console: Console) -> dict[s
                                  device="cpu")  # fmt: skip
             convert(model_dir, path, None, "f16", cal.out)
         files[f"{sparsity:.0%}"] = path
+        if sparsity:
+            dense_layout = root / f"cats-dense-{sparsity}.gguf"
+            if not dense_layout.exists():
+                convert(model_dir, dense_layout, None, "f16", root / f"cal-{sparsity}", dense=True)
+            files[f"{sparsity:.0%} dense layout"] = dense_layout
     for name, path in list(files.items()):
         q4 = path.with_name(path.name.replace(".gguf", ".q4_0.gguf"))
         if not q4.exists():
@@ -128,12 +133,13 @@ def slice_files(work: Path, sparsities: list[float], console: Console) -> dict[s
     return files
 
 
-def limit_bytes(path: Path, kept: float) -> float:
-    """Attention, head and every layer's gate, plus up and down of the kept share of neurons."""
+def limit_bytes(path: Path, kept: float, whole_down: bool = False) -> float:
+    """Attention, head and every layer's gate, plus up (and down, unless all of it is read) of the kept share of
+    neurons."""
     layout = read_model_layout(path)
     shared = layout.output_bytes + sum(layer.attention_bytes for layer in layout.layers)
     ffn = sum(layer.ffn_neurons * layer.neuron_bytes for layer in layout.layers)
-    return shared + ffn * (1 + 2 * kept) / 3
+    return shared + ffn * ((2 + kept) if whole_down else (1 + 2 * kept)) / 3
 
 
 def speed(work: Path, sparsities: list[float], rounds: int, tokens: int, console: Console) -> None:
@@ -151,6 +157,9 @@ def speed(work: Path, sparsities: list[float], rounds: int, tokens: int, console
         runs |= {
             f"{s:.0%}": runtime_decoder(files[f"{s:.0%}" + quant], "auto", prompt, tokens, 256) for s in sparsities
         }
+        for s in sparsities[1:]:
+            name = f"{s:.0%} dense layout"
+            runs[name] = runtime_decoder(files[name + quant], "auto", prompt, tokens, 256)
         if peers:
             runs["llama.cpp"] = llama_cpp_decoder(files["dense" + quant], prompt, tokens, threads, 256)
         best: dict[str, Speed] = {name: NOT_RUN for name in runs}
@@ -165,8 +174,12 @@ def speed(work: Path, sparsities: list[float], rounds: int, tokens: int, console
             table.add_column(column, justify="right")
         llama = best.get("llama.cpp", NOT_RUN).decode
         for name, result in best.items():
-            kept = 1.0 if name in ("dense", "llama.cpp") else 1.0 - float(name.rstrip("%")) / 100
-            limit = bandwidth / limit_bytes(files[(name if name != "llama.cpp" else "dense") + quant], kept)
+            dense = name in ("dense", "llama.cpp")
+            share = 0.0 if dense else float(name.split("%")[0]) / 100
+            # The dense files hold the same tensors as the calibrated ones, down laid out the other way; a dense
+            # layout reads all of down.
+            kept = 1.0 - share
+            limit = bandwidth / limit_bytes(files["0%" + quant], kept, whole_down=dense or "layout" in name)
             table.add_row(name, _cell(result.decode), _ratio(result.decode, best["dense"].decode),
                           _ratio(result.decode, llama), f"{limit:.2f}", f"{result.decode / limit:.0%}")  # fmt: skip
         console.print(table)

@@ -160,10 +160,12 @@ def convert(
     predictor_dir: Path | None = None,
     outtype: str = "f16",
     calibration_dir: Path | None = None,
+    dense: bool = False,
     on_plan: Callable[[list[TensorPlan]], None] | None = None,
     on_tensor: Callable[[TensorPlan], None] | None = None,
 ) -> ConvertResult:
-    """Write a PowerInfer GGUF when `predictor_dir` or `calibration_dir` is given, else a dense GGUF.
+    """Write a PowerInfer GGUF when `predictor_dir` or `calibration_dir` is given, else a dense GGUF; `dense`
+    keeps llama.cpp's layout for a calibrated model too (its thresholds ride along, for our runtime).
 
     Everything that can be checked (config, tensor names and shapes, predictors, vocabulary) is
     checked before the first byte is written; tensors are then streamed one at a time.
@@ -188,7 +190,9 @@ def convert(
                 f"{calibration_dir} was calibrated for a {calibration.activation} FFN, but {model_dir} is "
                 f"{spec.activation}; calibrate this model"
             )
-    row_layout = predictors is not None or calibration is not None
+    if dense and predictors is not None:
+        raise UserError("a dense file has no predictors; convert with the predictor directory to a PowerInfer file")
+    row_layout = predictors is not None or (calibration is not None and not dense)
     plans = plan_tensors(arch, spec, index_checkpoint(model_dir), predictors, dtype, row_layout)
     if on_plan is not None:
         on_plan(plans)

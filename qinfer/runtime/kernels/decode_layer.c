@@ -247,19 +247,43 @@ int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *
             product(&w->gate, s->x, &a, s->g);
             /* Every neuron whose |act(gate)| exceeds the layer's threshold: relu(gate) * up is 0 wherever the gate
              * does not fire, whatever up is, so with threshold 0 the sum is the dense one exactly and a ReLU model
-             * reads a fraction of up; a calibrated SwiGLU model skips the up rows of its quiet neurons. */
+             * reads a fraction of up; a calibrated SwiGLU model skips the up rows of its quiet neurons. The firing
+             * neurons are listed first (ids, their activations packed into the front of g), so that each up row
+             * read ahead is one that will be used. */
+#pragma omp single
+            {
+                count = 0;
+                for (int64_t j = 0; j < f; j++) {
+                    float g = gate_act(d->form, s->g[j]);
+                    if (!(fabsf(g) > w->gate_threshold)) continue;
+                    s->ids[count] = j;
+                    s->g[count++] = g; /* count <= j: g[j] is read before anything is written there */
+                }
+            }
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < f; j++) {
-                float g = gate_act(d->form, s->g[j]);
-                s->g[j] = 0.0f;
-                if (!(fabsf(g) > w->gate_threshold)) continue;
-                const uint8_t *row = w->up.data + j * w->up.stride;
-                float u = dot_row(w->up.type, row, j + 1 < f ? row + w->up.stride : row, s->x, &a, 0, e);
-                s->g[j] = g * (d->form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u);
+            for (int64_t k = 0; k < count; k++) {
+                const uint8_t *row = w->up.data + s->ids[k] * w->up.stride;
+                const uint8_t *next = w->up.data + s->ids[k + 1 < count ? k + 1 : k] * w->up.stride;
+                float u = dot_row(w->up.type, row, next, s->x, &a, 0, e);
+                s->g[k] *= d->form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u;
             }
             if (d->down_rows) {
-                add_weighted_rows(w->down.data, w->down.stride, w->down.type, NULL, f, s->g, 1, e, s->out);
+                add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, 1, e, s->out);
             } else {
+#pragma omp single
+                {
+                    /* Back to one activation per neuron, from the last: ids[k] >= k, so each packed value is read
+                     * before its place is overwritten. */
+                    int64_t end = f;
+                    for (int64_t k = count - 1; k >= 0; k--) {
+                        int64_t id = s->ids[k];
+                        float v = s->g[k];
+                        for (int64_t j = id + 1; j < end; j++) s->g[j] = 0.0f;
+                        s->g[id] = v;
+                        end = id;
+                    }
+                    for (int64_t j = 0; j < end; j++) s->g[j] = 0.0f;
+                }
                 quantize_input(w->down.type, s->g, f, s, &a);
                 product(&w->down, s->g, &a, s->out);
             }

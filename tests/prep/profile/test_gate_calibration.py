@@ -182,3 +182,18 @@ def test_predictors_learn_the_thresholded_mask(
     # An untrained model's mask is hard to predict: its misses and extras move the logits about as far as the
     # thresholds themselves do (0.16 on average here), not more.
     assert (decode(both, ids, RuntimeOptions()) - expected).abs().mean().item() < 0.3
+
+
+def test_a_dense_layout_file_skips_the_same_neurons(
+    calibrated: dict, swiglu: dict[str, dict[str, Path]], tmp_path: Path
+) -> None:
+    """convert-dense --calibration: llama.cpp's layout with the thresholds beside it, sparse in our runtime (the
+    native step's dense-layout down product) with the PowerInfer file's logits."""
+    model_dir = swiglu["llama3"]["model"]
+    ids = AutoTokenizer.from_pretrained(model_dir)(TEXT)["input_ids"]
+    path = convert(model_dir, tmp_path / "d.gguf", None, "f16", calibrated["result"].out, dense=True).outfile
+    model = open_model(path)
+    assert not model.powerinfer and model.gate_thresholds == calibrated["result"].calibration.thresholds
+    forward = load_forward(model, RuntimeOptions()).forward
+    assert forward.native is not None and forward.native.dims.down_rows == 0
+    assert (decode(path, ids, RuntimeOptions()) - decode(calibrated["f16"], ids, RuntimeOptions())).abs().max() < 1e-3
