@@ -21,6 +21,7 @@ class Sequence:
     output: TokenText
     cancelled: bool = False
     prompt_seconds: float = 0.0  # the time its prompt took to enter the cache
+    decode_started: float = 0.0  # time.perf_counter() once it did
 
 
 S = TypeVar("S", bound=Sequence)
@@ -74,7 +75,8 @@ class Admission(Generic[S]):
             except Exception as exc:  # noqa: BLE001 - a request the engine refuses must fail only itself
                 done.append(Delivery(sequence, "", None, exc))
                 continue
-            sequence.prompt_seconds = time.perf_counter() - started
+            sequence.decode_started = time.perf_counter()
+            sequence.prompt_seconds = sequence.decode_started - started
             self.running[slot] = sequence
         if done or not self.running:
             return done

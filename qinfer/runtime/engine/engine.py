@@ -108,6 +108,14 @@ class Engine:
     def free_slots(self) -> int:
         return self.slots - len(self._active)
 
+    def positions(self) -> dict[int, int]:
+        """Tokens in the KV cache of each busy slot."""
+        return {slot: seq.position for slot, seq in list(self._active.items())}
+
+    def rows_in_use(self) -> int:
+        """KV-cache rows holding a token, over all slots."""
+        return sum(self.positions().values())
+
     def active_slots(self) -> list[int]:
         return sorted(self._active)
 

@@ -80,6 +80,7 @@ class GGUFTokenizer:
             {i for i in (self.eos_id, meta.get(Key.EOT_ID)) if i is not None} | turn_ends
         )
         tokens = spec["tokens"]
+        self.vocab_size = len(tokens)
         # The special tokens' texts, by the names a chat template knows them by; and the template itself.
         names = {"bos_token": Key.BOS_ID, "eos_token": Key.EOS_ID, "unk_token": Key.UNK_ID, "pad_token": Key.PAD_ID}
         ids = {name: meta.get(key) for name, key in names.items()}

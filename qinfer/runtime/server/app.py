@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP API over an EngineWorker: /v1/completions, /v1/chat/completions (both with server-sent
-event streaming), /v1/models and /health. Every error uses OpenAI's shape: {"error": {"message", "type", "param",
-"code"}}. An optional API key guards /v1/*; request bodies are capped in size and in how long they may stall."""
+event streaming), /v1/models and /health, and llama.cpp's operations endpoints: /metrics (Prometheus), /props,
+/slots, /tokenize and /detokenize. Every response carries `usage` and llama.cpp's `timings`. Every error uses
+OpenAI's shape: {"error": {"message", "type", "param", "code"}}. An optional API key guards everything but
+/health; request bodies are capped in size and in how long they may stall."""
 
 from __future__ import annotations
 
@@ -11,19 +13,27 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError
 from qinfer.runtime.engine.engine import Request as EngineRequest
 from qinfer.runtime.engine.worker import EngineWorker, Job
-from qinfer.runtime.server.openai_schema import ChatRequest, CompletionRequest, SamplingFields
+from qinfer.runtime.server.metrics import ServerMetrics
+from qinfer.runtime.server.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
 
 # The slowest body upload accepted, on average: a full 8 MiB body may take about two minutes.
 MIN_BODY_BYTES_PER_S = 64 * 1024
@@ -31,6 +41,8 @@ MIN_BODY_BYTES_PER_S = 64 * 1024
 DISCONNECT_POLL_S = 0.25
 # Sent with errors that leave part of the request unread, so that the rest is never read.
 CLOSE = {"Connection": "close"}
+# Paths besides /v1/* that an API key guards: they cost work or tell about the model.
+OPERATIONS = ("/metrics", "/props", "/slots", "/tokenize", "/detokenize")
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,8 @@ def error_response(
 
 
 class ApiKeyGuard:
-    """ASGI middleware: every /v1 path, routed or not, needs the key, so that not even a 404 answers a stranger."""
+    """ASGI middleware: every /v1 path, routed or not, and the operations endpoints need the key, so that not even
+    a 404 answers a stranger."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -75,7 +88,8 @@ class ApiKeyGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(scope):
+        guarded = path == "/v1" or path.startswith("/v1/") or path in OPERATIONS
+        if scope["type"] == "http" and guarded and not self._authorized(scope):
             message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
             # Closing spares reading a body that the client may go on sending.
             headers = {"WWW-Authenticate": "Bearer", **CLOSE}
@@ -229,8 +243,13 @@ def create_app(
     if options.api_key:
         # Added last, so it runs first: a stranger's body is never read.
         app.add_middleware(ApiKeyGuard, api_key=options.api_key)
-    routes = _Routes(worker, model_id, chat_template)
+    routes = _Routes(worker, model_id, chat_template, ServerMetrics(worker))
     app.get("/health")(routes.health)
+    app.get("/metrics")(routes.metrics)
+    app.get("/props")(routes.props)
+    app.get("/slots")(routes.slots)
+    app.post("/tokenize")(routes.tokenize)
+    app.post("/detokenize")(routes.detokenize)
     app.get("/v1/models")(routes.models)
     app.post("/v1/completions", response_model=None)(routes.completions)
     app.post("/v1/chat/completions", response_model=None)(routes.chat_completions)
@@ -279,9 +298,43 @@ class _Routes:
     worker: EngineWorker
     model_id: str
     template: ChatTemplate | None
+    counters: ServerMetrics
 
     async def health(self) -> dict[str, object]:
         return {"status": "ok", "model": self.model_id, **self.worker.stats()}
+
+    async def metrics(self) -> Response:
+        return Response(self.counters.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def props(self) -> dict[str, object]:
+        engine = self.worker.engine
+        return {
+            "model_path": self.model_id,
+            "total_slots": engine.slots,
+            "n_ctx": engine.ctx_size,
+            "chat_template": self.template.source if self.template is not None else "",
+            **engine.tokenizer.special_tokens,
+            "default_generation_settings": {"n_ctx": engine.ctx_size, **asdict(SamplingFields().sampling())},
+        }
+
+    async def slots(self) -> list[dict[str, object]]:
+        engine = self.worker.engine
+        busy = engine.positions()
+        return [
+            {"id": slot, "n_ctx": engine.ctx_size, "is_processing": slot in busy, "n_past": busy.get(slot, 0)}
+            for slot in range(engine.slots)
+        ]
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, object]:
+        tokenizer = self.worker.engine.tokenizer
+        ids = await asyncio.to_thread(tokenizer.encode, body.content, None if body.add_special else False)
+        return {"tokens": ids}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, object]:
+        tokenizer = self.worker.engine.tokenizer
+        if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
+            raise ApiError(400, f"token ids must lie in [0, {tokenizer.vocab_size})", param="tokens")
+        return {"content": await asyncio.to_thread(tokenizer.decode, body.tokens)}
 
     async def models(self) -> dict[str, object]:
         model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "qinfer"}
@@ -308,7 +361,7 @@ class _Routes:
         add_bos = False if chat and self.template is not None else None
         job, prompt_tokens = await submit(self.worker, body, prompt, add_bos)
         head = response_head(self.model_id, chat, body.stream)
-        completion = Completion(job, prompt_tokens, chat, body.stream, stops, head)
+        completion = Completion(job, prompt_tokens, chat, body.stream, stops, head, self.counters)
         if body.stream:
             return StreamingResponse(stream_events(self.worker, completion), media_type="text/event-stream")
         return await collect_response(http, self.worker, completion)
@@ -349,6 +402,7 @@ class Completion:
     stream: bool
     stops: list[str]
     head: dict[str, object]
+    counters: ServerMetrics
 
     def choice(self, text: str, reason: str | None, first: bool = False) -> dict[str, object]:
         if not self.chat:
@@ -365,6 +419,26 @@ class Completion:
             "total_tokens": self.prompt_tokens + completion_tokens,
         }
 
+    def finish(self, completion_tokens: int) -> dict[str, object]:
+        """The last chunk's or the response's `usage` and llama.cpp's `timings` (the prompt's time in the engine,
+        the generation's since), counted into the metrics."""
+        prompt_s = self.job.prompt_seconds
+        predicted_s = time.perf_counter() - self.job.decode_started if self.job.decode_started else 0.0
+        self.counters.answered(self.prompt_tokens, completion_tokens, prompt_s, predicted_s)
+
+        def per_second(n: int, seconds: float) -> float:
+            return n / seconds if seconds > 0 else 0.0
+
+        timings = {
+            "prompt_n": self.prompt_tokens,
+            "prompt_ms": prompt_s * 1000,
+            "prompt_per_second": per_second(self.prompt_tokens, prompt_s),
+            "predicted_n": completion_tokens,
+            "predicted_ms": predicted_s * 1000,
+            "predicted_per_second": per_second(completion_tokens, predicted_s),
+        }
+        return {"usage": self.usage(completion_tokens), "timings": timings}
+
 
 async def stream_events(worker: EngineWorker, completion: Completion) -> AsyncIterator[str]:
     """The completion as server-sent events, ending with [DONE] or an error event."""
@@ -376,7 +450,7 @@ async def stream_events(worker: EngineWorker, completion: Completion) -> AsyncIt
         async for piece in pieces(worker, job, completion.stops):
             chunk = {**head, "choices": [completion.choice(piece.text, piece.finish_reason)]}
             if piece.finish_reason is not None:
-                chunk["usage"] = completion.usage(piece.completion_tokens)
+                chunk |= completion.finish(piece.completion_tokens)
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
     except ApiError as exc:
@@ -397,7 +471,7 @@ async def collect_response(http: Request, worker: EngineWorker, completion: Comp
         text, reason, tokens = answer.result()
     finally:
         worker.cancel(completion.job)
-    body = {**completion.head, "choices": [completion.choice(text, reason)], "usage": completion.usage(tokens)}
+    body = {**completion.head, "choices": [completion.choice(text, reason)], **completion.finish(tokens)}
     return JSONResponse(body)
 
 

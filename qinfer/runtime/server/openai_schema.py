@@ -123,6 +123,19 @@ class ChatRequest(SamplingFields):
         return self.stop_list() if template is not None else [*self.stop_list(), CHAT_STOP]
 
 
+class TokenizeRequest(BaseModel):
+    """llama.cpp's /tokenize: the ids of `content`, with BOS where the model adds one if `add_special`."""
+
+    content: str
+    add_special: bool = False
+
+    _valid_content = field_validator("content")(_valid_unicode)
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """ "System: ...\\nUser: ...\\nAssistant: ...\\n" for each turn, then "Assistant:" for the model to continue."""
     turns = [f"{CHAT_ROLES[m.role]}: {m.content}" for m in messages]

@@ -268,11 +268,11 @@ def test_health_answers_at_once_while_a_prompt_tokenizes(local: Local, monkeypat
     encode = tokenizer.encode
     started, release = threading.Event(), threading.Event()
 
-    def long_encode(text: str) -> list[int]:
+    def long_encode(text: str, add_bos: bool | None = None) -> list[int]:
         # A long prompt's tokenization, lasting until the test has asked for /health.
         started.set()
         release.wait(10)
-        return encode(text)
+        return encode(text, add_bos)
 
     monkeypatch.setattr(tokenizer, "encode", long_encode)
     latencies = []
