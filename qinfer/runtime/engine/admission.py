@@ -22,6 +22,7 @@ class Sequence:
     cancelled: bool = False
     prompt_seconds: float = 0.0  # the time its prompt took to enter the cache
     decode_started: float = 0.0  # time.perf_counter() once it did
+    cached_tokens: int = 0  # of its prompt, the tokens whose rows a slot held already (not computed again)
 
 
 S = TypeVar("S", bound=Sequence)
@@ -77,6 +78,7 @@ class Admission(Generic[S]):
                 continue
             sequence.decode_started = time.perf_counter()
             sequence.prompt_seconds = sequence.decode_started - started
+            sequence.cached_tokens = self.engine.reused_tokens(slot)
             self.running[slot] = sequence
         if done or not self.running:
             return done

@@ -2,6 +2,11 @@
 
 `submit` runs a prompt (dense prefill) into a free slot; `step` samples the next token of every active
 sequence and, for those that go on, runs one batched decode forward over all of them at their own positions.
+
+A slot keeps the tokens whose keys and values it holds after its sequence ends, and a prompt goes to the free slot
+whose tokens share the longest prefix with it: those rows are reused and only the rest is prefilled, so a chat's
+next turn, which resends the conversation, costs only its new tokens (llama.cpp's prompt cache). The window cache
+keeps rows by importance rather than position, so there nothing is reused.
 """
 
 from __future__ import annotations
@@ -47,6 +52,17 @@ class _Sequence:
     generated: int
     logits: torch.Tensor  # for the next token, on the CPU
     generator: torch.Generator
+    tokens: list[int]  # the tokens in the KV cache, position by position
+    reused: int  # of the prompt's, those whose rows were already in the slot
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Engine:
@@ -67,6 +83,8 @@ class Engine:
         self.ctx_size = ctx_size
         self.cache = make_kv_cache(forward.cfg, ctx_size, slots, cache_device, kv_policy)
         self._active: dict[int, _Sequence] = {}
+        # Per slot, the tokens whose rows it holds from its last sequence (reused by the next prompt they begin).
+        self._kept: list[list[int]] = [[] for _ in range(slots)]
         self.runtime: LoadedRuntime | None = None  # how `open` set the model up (FFN mode, plan, schedule)
 
     @classmethod
@@ -130,15 +148,30 @@ class Engine:
         free = [s for s in range(self.slots) if s not in self._active]
         if not free:
             raise UserError(f"all {self.slots} slots are busy")
-        slot = free[0]
+        prompt = request.prompt_ids
+        shared = {s: _shared_prefix(self._kept[s], prompt) if self.cache.rows_by_position else 0 for s in free}
+        slot = max(free, key=lambda s: shared[s])
+        # At least the prompt's last token is computed again: its logits give the first new token.
+        reused = min(shared[slot], len(prompt) - 1)
+        self._kept[slot] = []  # its rows are rewritten from `reused` on
         with torch.inference_mode():
-            logits = self.forward.forward(TokenBatch.prompt(torch.tensor(request.prompt_ids), 0, slot), self.cache)
+            suffix = torch.tensor(prompt[reused:])
+            logits = self.forward.forward(TokenBatch.prompt(suffix, reused, slot), self.cache)
         generator = torch.Generator().manual_seed(request.seed)
-        self._active[slot] = _Sequence(request, len(request.prompt_ids), 0, logits[-1].cpu(), generator)
+        self._active[slot] = _Sequence(request, len(prompt), 0, logits[-1].cpu(), generator, list(prompt), reused)
         return slot
 
+    def reused_tokens(self, slot: int) -> int:
+        """Of the prompt of the sequence in `slot`, the tokens whose rows were already there."""
+        return self._active[slot].reused
+
     def cancel(self, slot: int) -> None:
-        self._active.pop(slot, None)
+        self._end(slot)
+
+    def _end(self, slot: int) -> None:
+        seq = self._active.pop(slot, None)
+        if seq is not None:
+            self._kept[slot] = seq.tokens
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -151,25 +184,31 @@ class Engine:
                 token = sample_next(seq.logits, seq.request.sampling, seq.generator)
             except Exception as exc:  # noqa: BLE001 - one sequence's bad logits or settings must not end the batch
                 outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}"))
-                del self._active[slot]
+                self._end(slot)
                 continue
             if token in self.tokenizer.end_ids and not seq.request.ignore_eos:
                 outputs.append(StepOutput(slot, None, True, "stop"))
-                del self._active[slot]
+                self._end(slot)
                 continue
             seq.generated += 1
             if seq.generated >= seq.request.max_tokens or seq.position >= self.ctx_size:
                 outputs.append(StepOutput(slot, token, True, "length"))
-                del self._active[slot]
+                self._end(slot)
                 continue
             outputs.append(StepOutput(slot, token, False, None))
             tokens.append(token)
             positions.append(seq.position)
             going.append(slot)
+            seq.tokens.append(token)
             seq.position += 1
         if going:
-            with torch.inference_mode():
-                logits = self.forward.forward(TokenBatch.decode(tokens, positions, going), self.cache).cpu()
+            try:
+                with torch.inference_mode():
+                    logits = self.forward.forward(TokenBatch.decode(tokens, positions, going), self.cache).cpu()
+            except BaseException:
+                for slot in going:  # their rows for this step's tokens may not have been written
+                    self._active[slot].tokens.pop()
+                raise
             for row, slot in enumerate(going):
                 self._active[slot].logits = logits[row]
         return outputs

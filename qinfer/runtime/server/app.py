@@ -424,15 +424,17 @@ class Completion:
         the generation's since), counted into the metrics."""
         prompt_s = self.job.prompt_seconds
         predicted_s = time.perf_counter() - self.job.decode_started if self.job.decode_started else 0.0
-        self.counters.answered(self.prompt_tokens, completion_tokens, prompt_s, predicted_s)
+        self.counters.answered(self.prompt_tokens - self.job.cached_tokens, completion_tokens, prompt_s, predicted_s)
 
         def per_second(n: int, seconds: float) -> float:
             return n / seconds if seconds > 0 else 0.0
 
+        computed = self.prompt_tokens - self.job.cached_tokens
         timings = {
-            "prompt_n": self.prompt_tokens,
+            "cache_n": self.job.cached_tokens,
+            "prompt_n": computed,
             "prompt_ms": prompt_s * 1000,
-            "prompt_per_second": per_second(self.prompt_tokens, prompt_s),
+            "prompt_per_second": per_second(computed, prompt_s),
             "predicted_n": completion_tokens,
             "predicted_ms": predicted_s * 1000,
             "predicted_per_second": per_second(completion_tokens, predicted_s),

@@ -67,16 +67,22 @@ def test_usage_timings_and_metrics(server: tuple[str, Engine]) -> None:
     )
     last = list(stream)[-1]
     after = metrics(url)
+    computed = 0
+    for answer in [*answers, last]:
+        timings = answer.model_extra["timings"]  # type: ignore[index]
+        assert answer.usage is not None
+        # A prompt's tokens are computed, or found in a slot's cache (here at least BOS, shared with the last one).
+        assert timings["prompt_n"] + timings["cache_n"] == answer.usage.prompt_tokens
+        computed += timings["prompt_n"]
     for answer in answers:
         timings = answer.model_extra["timings"]  # type: ignore[index]
-        assert answer.usage is not None and timings["prompt_n"] == answer.usage.prompt_tokens
+        assert answer.usage is not None
         assert timings["predicted_n"] == answer.usage.completion_tokens == 6
         assert timings["predicted_ms"] > 0 and timings["predicted_per_second"] > 0
     assert last.usage is not None and last.model_extra["timings"]["predicted_n"] == last.usage.completion_tokens  # type: ignore[index]
-    prompt = sum(a.usage.prompt_tokens for a in answers if a.usage) + last.usage.prompt_tokens
     predicted = sum(a.usage.completion_tokens for a in answers if a.usage) + last.usage.completion_tokens
     assert after["qinfer_requests_total"] - before["qinfer_requests_total"] == 3
-    assert after["qinfer_prompt_tokens_total"] - before["qinfer_prompt_tokens_total"] == prompt
+    assert after["qinfer_prompt_tokens_total"] - before["qinfer_prompt_tokens_total"] == computed
     assert after["qinfer_tokens_predicted_total"] - before["qinfer_tokens_predicted_total"] == predicted
     assert after["qinfer_predicted_tokens_seconds"] > 0
     # At rest: nothing running or waiting, no row of the cache in use.

@@ -1,0 +1,84 @@
+"""The prompt cache: a prompt that begins with a slot's kept tokens reuses their KV rows and computes only the
+rest, with the logits and greedy tokens of a prompt computed whole; a chat's second turn prefills its new tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from qinfer.core.kv_policy import KVPolicy
+from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.engine.worker import EngineWorker
+from qinfer.runtime.server.app import create_app
+from qinfer.runtime.server.thread import serve_in_thread
+
+GREEDY = SamplingParams(0.0, 0, 1.0)
+
+
+def run(engine: Engine, ids: list[int], n: int) -> tuple[int, int, list[int], torch.Tensor]:
+    """The slot taken, the prompt tokens reused there, the n greedy tokens, and the first step's logits."""
+    slot = engine.submit(Request(ids, n, GREEDY, ignore_eos=True))
+    reused, first = engine.reused_tokens(slot), engine._active[slot].logits.clone()
+    tokens: list[int] = []
+    while slot in engine.active_slots():
+        tokens += [out.token for out in engine.step() if out.slot == slot and out.token is not None]
+    return slot, reused, tokens, first
+
+
+@pytest.mark.parametrize("ffn", ["dense", "sparse"])
+def test_a_continued_prompt_reuses_the_rows(gguf_files: dict[str, Path], ffn: str) -> None:
+    engine = Engine.open(gguf_files["pi-f32"], slots=2, ctx_size=128, ffn=ffn)
+    fresh = Engine.open(gguf_files["pi-f32"], slots=1, ctx_size=128, ffn=ffn)
+    first = engine.tokenizer.encode("Once upon a time, there was a little dog named Max.")
+    slot, _, answer, _ = run(engine, first, 8)
+    # The next turn resends the conversation: the prompt, the answer, then new text.
+    follow = [*first, *answer, *engine.tokenizer.encode(" Max liked to play", add_bos=False)]
+    again, reused, tokens, logits = run(engine, follow, 8)
+    # Every row the slot kept is reused: the prompt and the answer's tokens fed back (the last one never was).
+    assert again == slot and reused == len(first) + 7
+    _, _, expected_tokens, expected_logits = run(fresh, follow, 8)
+    assert tokens == expected_tokens
+    # Rows made in decode steps rather than in one prefill: equal to float rounding (and the same picks).
+    assert (logits - expected_logits).abs().max().item() < 1e-3
+
+
+def test_reuse_is_counted_and_skipped_where_rows_are_not_positions(gguf_files: dict[str, Path]) -> None:
+    engine = Engine.open(gguf_files["pi-f32"], slots=1, ctx_size=128)
+    ids = engine.tokenizer.encode("Lily found a red ball in the park.")
+    slot = engine.submit(Request(ids, 1, GREEDY))
+    assert engine.reused_tokens(slot) == 0
+    engine.step()
+    slot = engine.submit(Request(ids, 1, GREEDY))
+    assert engine.reused_tokens(slot) == len(ids) - 1  # the last token is computed again, for its logits
+    engine.cancel(slot)
+    window = Engine.open(gguf_files["pi-f32"], slots=1, ctx_size=128, kv_policy=KVPolicy("window", 32))
+    window.submit(Request(ids, 1, GREEDY))
+    window.step()
+    assert window.reused_tokens(window.submit(Request(ids, 1, GREEDY))) == 0
+
+
+def test_a_chats_second_turn_prefills_only_its_new_tokens(gguf_files: dict[str, Path]) -> None:
+    engine = Engine.open(gguf_files["pi-f32"], slots=2, ctx_size=256)
+    with serve_in_thread(create_app(EngineWorker(engine), "tiny")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        history = [{"role": "user", "content": "Tell me about Lily and her red ball in the park."}]
+        first = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+        history += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And then?"},
+        ]
+        second = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    timings = second.model_extra["timings"]  # type: ignore[index]
+    assert first.usage is not None and second.usage is not None
+    # The first turn's prompt and most of its answer come from the cache; the new turn's words are computed.
+    assert timings["cache_n"] >= first.usage.prompt_tokens
+    assert timings["prompt_n"] == second.usage.prompt_tokens - timings["cache_n"] < second.usage.prompt_tokens / 2
+    fresh = Engine.open(gguf_files["pi-f32"], slots=1, ctx_size=256)
+    with serve_in_thread(create_app(EngineWorker(fresh), "tiny")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        alone = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert alone.choices[0].message.content == second.choices[0].message.content
