@@ -18,6 +18,7 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVPolicy
+from qinfer.runtime.engine.grammar_constraint import Constraint
 from qinfer.runtime.engine.sampling import SamplingParams, sample_next
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.batch import TokenBatch
@@ -34,6 +35,7 @@ class Request:
     sampling: SamplingParams
     seed: int = 0
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # a grammar the output must follow (structured output)
 
 
 @dataclass
@@ -180,17 +182,26 @@ class Engine:
         going: list[int] = []
         for slot in self.active_slots():
             seq = self._active[slot]
+            constraint = seq.request.constraint
             try:
-                token = sample_next(seq.logits, seq.request.sampling, seq.generator)
+                logits = seq.logits if constraint is None else constraint.mask(seq.logits)
+                token = sample_next(logits, seq.request.sampling, seq.generator)
+                ends = token in self.tokenizer.end_ids and not seq.request.ignore_eos
+                if constraint is not None and not ends:
+                    constraint.advance(token)
             except Exception as exc:  # noqa: BLE001 - one sequence's bad logits or settings must not end the batch
                 outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}"))
                 self._end(slot)
                 continue
-            if token in self.tokenizer.end_ids and not seq.request.ignore_eos:
+            if ends:
                 outputs.append(StepOutput(slot, None, True, "stop"))
                 self._end(slot)
                 continue
             seq.generated += 1
+            if constraint is not None and constraint.complete:
+                outputs.append(StepOutput(slot, token, True, "stop"))
+                self._end(slot)
+                continue
             if seq.generated >= seq.request.max_tokens or seq.position >= self.ctx_size:
                 outputs.append(StepOutput(slot, token, True, "length"))
                 self._end(slot)

@@ -7,6 +7,7 @@ OpenAI's shape: {"error": {"message", "type", "param", "code"}}. An optional API
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import time
@@ -25,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError
 from qinfer.runtime.engine.engine import Request as EngineRequest
+from qinfer.runtime.engine.grammar_constraint import Constraint, GrammarError, Grammars
 from qinfer.runtime.engine.worker import EngineWorker, Job
 from qinfer.runtime.server.metrics import ServerMetrics
 from qinfer.runtime.server.openai_schema import (
@@ -33,6 +35,8 @@ from qinfer.runtime.server.openai_schema import (
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
+    Tool,
+    tool_call_schema,
 )
 
 # The slowest body upload accepted, on average: a full 8 MiB body may take about two minutes.
@@ -293,12 +297,17 @@ async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, f"the server failed on this request ({type(exc).__name__})", "server_error")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Routes:
     worker: EngineWorker
     model_id: str
     template: ChatTemplate | None
     counters: ServerMetrics
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The vocabulary as the grammar engine needs it, made on the first structured request."""
+        return Grammars(self.worker.engine.tokenizer)
 
     async def health(self) -> dict[str, object]:
         return {"status": "ok", "model": self.model_id, **self.worker.stats()}
@@ -350,25 +359,63 @@ class _Routes:
     async def chat_completions(self, http: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
         try:
             prompt = body.prompt_text(self.template)
+            forced = body.forced_tools()
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
-        return await self._answer(http, body, prompt, body.chat_stops(self.template), chat=True)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tool_choice") from exc
+        offered = [t.function.name for t in body.tools or []] if body.tool_choice != "none" else []
+        if offered and body.stream:
+            raise ApiError(400, "tool calls are not streamed yet; send the request with stream false", param="stream")
+        stops = body.chat_stops(self.template)
+        return await self._answer(http, body, prompt, stops, chat=True, tools=offered, forced=forced)
+
+    async def _constraint(self, body: SamplingFields, forced: list[Tool]) -> Constraint | None:
+        """The grammar the answer must follow: a call of one of the forced tools, or the response format's."""
+        response_format = body.response_format
+        if forced:
+            schema: dict[str, Any] | None = tool_call_schema(forced)
+        elif response_format is None or response_format.type == "text":
+            return None
+        elif response_format.type == "json_object":
+            schema = None
+        elif response_format.json_schema is None:
+            raise ApiError(400, "response_format json_schema needs its json_schema field", param="response_format")
+        else:
+            schema = response_format.json_schema.schema_
+        try:
+            # Compiling a large schema takes a while: off the event loop.
+            return await asyncio.to_thread(self.grammars.json_schema, schema)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), param="tools" if forced else "response_format") from exc
 
     async def _answer(
-        self, http: Request, body: SamplingFields, prompt: str, stops: list[str], chat: bool
+        self,
+        http: Request,
+        body: SamplingFields,
+        prompt: str,
+        stops: list[str],
+        chat: bool,
+        tools: list[str] | None = None,
+        forced: list[Tool] | None = None,
     ) -> JSONResponse | StreamingResponse:
+        constraint = await self._constraint(body, forced or [])
         # A rendered chat template holds the BOS its model wants, as transformers tokenizes it.
         add_bos = False if chat and self.template is not None else None
-        job, prompt_tokens = await submit(self.worker, body, prompt, add_bos)
+        job, prompt_tokens = await submit(self.worker, body, prompt, add_bos, constraint)
         head = response_head(self.model_id, chat, body.stream)
-        completion = Completion(job, prompt_tokens, chat, body.stream, stops, head, self.counters)
+        completion = Completion(job, prompt_tokens, chat, body.stream, stops, head, self.counters, tools or [])
         if body.stream:
             return StreamingResponse(stream_events(self.worker, completion), media_type="text/event-stream")
         return await collect_response(http, self.worker, completion)
 
 
 async def submit(
-    worker: EngineWorker, body: SamplingFields, prompt: str, add_bos: bool | None = None
+    worker: EngineWorker,
+    body: SamplingFields,
+    prompt: str,
+    add_bos: bool | None = None,
+    constraint: Constraint | None = None,
 ) -> tuple[Job, int]:
     """Queue the request on the engine; return its job and the prompt's length in tokens."""
     # A long prompt takes seconds to tokenize; on the event loop that would stall every other client meanwhile.
@@ -379,7 +426,8 @@ async def submit(
         raise ApiError(400, f"the prompt is {len(ids)} tokens but the context holds {ctx_size}", param="prompt")
     max_tokens = min(body.max_tokens or room, room)
     seed = body.seed if body.seed is not None else secrets.randbits(31)
-    return worker.submit(EngineRequest(ids, max_tokens, body.sampling(), seed, body.ignore_eos)), len(ids)
+    request = EngineRequest(ids, max_tokens, body.sampling(), seed, body.ignore_eos, constraint)
+    return worker.submit(request), len(ids)
 
 
 def response_head(model_id: str, chat: bool, stream: bool) -> dict[str, object]:
@@ -403,6 +451,21 @@ class Completion:
     stops: list[str]
     head: dict[str, object]
     counters: ServerMetrics
+    tools: list[str]  # the names of the tools the answer may call
+
+    def tool_call(self, text: str) -> dict[str, object] | None:
+        """The answer as a call of one of the tools, where it is one: {"name": ..., "arguments": {...}}."""
+        try:
+            call = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or call.get("name") not in self.tools:
+            return None
+        if not isinstance(call.get("arguments"), dict):
+            return None
+        arguments = json.dumps(call["arguments"], ensure_ascii=False)
+        function = {"name": call["name"], "arguments": arguments}
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
 
     def choice(self, text: str, reason: str | None, first: bool = False) -> dict[str, object]:
         if not self.chat:
@@ -473,7 +536,12 @@ async def collect_response(http: Request, worker: EngineWorker, completion: Comp
         text, reason, tokens = answer.result()
     finally:
         worker.cancel(completion.job)
-    body = {**completion.head, "choices": [completion.choice(text, reason)], **completion.finish(tokens)}
+    choice = completion.choice(text, reason)
+    call = completion.tool_call(text) if completion.tools else None
+    if call is not None:
+        choice = {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                  "finish_reason": "tool_calls"}  # fmt: skip
+    body = {**completion.head, "choices": [choice], **completion.finish(tokens)}
     return JSONResponse(body)
 
 

@@ -3,7 +3,7 @@ becomes where the model has no chat template."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -12,7 +12,7 @@ from qinfer.runtime.engine.chat_template import ChatTemplate
 from qinfer.runtime.engine.sampling import SamplingParams
 
 # Base models (the synth and ReLU ones) have no chat template: their chat turns are a plain transcript.
-CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 CHAT_STOP = "\nUser:"
 # Each stop string is searched for after every token, so their number and length bound a request's cost.
 MAX_STOPS = 16
@@ -41,6 +41,20 @@ def _as_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON valid under a schema (always strict here:
+    the grammar admits nothing else)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(BaseModel):
     # Unknown fields (logit_bias, user, ...) are accepted and ignored, as lenient OpenAI-compatible servers do.
     model_config = ConfigDict(extra="ignore")
@@ -59,6 +73,7 @@ class SamplingFields(BaseModel):
     # Token log-probabilities are not computed: a request that asks for them is refused, not answered without them.
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod
@@ -103,19 +118,55 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    # A tool's answer (role "tool") and an assistant's earlier tool calls travel as templates expect them.
+    model_config = ConfigDict(extra="allow")
 
-    _valid_content = field_validator("content")(_valid_unicode)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+
+    _valid_content = field_validator("content")(lambda v: v if v is None else _valid_unicode(v))
+
+
+class ToolFunction(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def prompt_text(self, template: ChatTemplate | None) -> str:
         if template is None:
             return chat_prompt(self.messages)
-        return template.render([m.model_dump() for m in self.messages], add_generation_prompt=True)
+        tools = [t.model_dump() for t in self.tools] if self.tools and self.tool_choice != "none" else None
+        messages = [m.model_dump(exclude_none=True) for m in self.messages]
+        return template.render(messages, add_generation_prompt=True, tools=tools)
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools the answer must call one of: all of them for "required", the named one, none otherwise."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return []
+        if self.tool_choice == "required":
+            return self.tools
+        assert isinstance(self.tool_choice, NamedToolChoice)
+        name = self.tool_choice.function.get("name")
+        named = [t for t in self.tools if t.function.name == name]
+        if not named:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        return named
 
     def chat_stops(self, template: ChatTemplate | None) -> list[str]:
         """The request's stops; a plain transcript also ends before the next user turn (a template's turn ends
@@ -136,7 +187,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
+def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """A call of one of `tools`: {"name": ..., "arguments": {...}} with the arguments its parameters describe."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """ "System: ...\\nUser: ...\\nAssistant: ...\\n" for each turn, then "Assistant:" for the model to continue."""
-    turns = [f"{CHAT_ROLES[m.role]}: {m.content}" for m in messages]
+    turns = [f"{CHAT_ROLES[m.role]}: {m.content or ''}" for m in messages]
     return "\n".join([*turns, "Assistant:"])

@@ -29,6 +29,9 @@ class FakeEngine:
         self.active[slot] = 0
         return slot
 
+    def reused_tokens(self, slot: int) -> int:
+        return 0
+
     def cancel(self, slot: int) -> None:
         self.cancelled.append(slot)
         self.active.pop(slot, None)
