@@ -90,6 +90,9 @@ class Architecture:
     # PowerInfer's llama files are ReLU, llama.cpp's are SwiGLU. None: the family has one form, `ffn`.
     unstated_activation: tuple[str, str] | None = None
     qkv_bias: bool = False  # q, k and v carry biases (Qwen2)
+    # A file may leave output.weight out for a tied head, as llama.cpp writes tied models; the head then reads
+    # token_embd.
+    output_optional: bool = False
     default_norm_eps: float = LAYER_NORM_EPS
     position_offset: int = 0  # rows of a learned position table before position 0 (OPT: 2)
     output_is_embedding: bool = False  # the head multiplies by token_embd: the file has no output tensor (OPT)
@@ -188,24 +191,31 @@ def _rope_scaling(cfg: dict[str, Any], path: Path) -> RopeScaling | None:
         raise UserError(f"{path}: llama3 rope scaling lacks or misstates {exc}") from None
 
 
+QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's default: layers from this one on slide their window
+
+
 def _sliding_window(cfg: dict[str, Any], context: int, path: Path) -> int | None:
-    """Mistral's window, honoured by every stage; a window as long as the context changes nothing."""
+    """Mistral's window (every layer), or Qwen2's where it turns it on for every layer; honoured by every stage.
+    A window as long as the context changes nothing."""
     window = cfg.get("sliding_window")
-    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
-        return None  # Qwen2 states a window it does not use
+    if "use_sliding_window" in cfg:
+        # Qwen2 slides layer i's window where use_sliding_window and i >= max_window_layers.
+        first = cfg.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS)
+        if not cfg["use_sliding_window"] or first >= int(cfg["num_hidden_layers"]):
+            return None
+        if first > 0:
+            raise UserError(f"{path}: a sliding window on only some layers (max_window_layers) is not supported")
     if window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= context):
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise UserError(f"{path}: sliding_window {window!r} is not a positive number of tokens")
-    if cfg.get("max_window_layers") not in (None, cfg.get("num_hidden_layers")):
-        raise UserError(f"{path}: a sliding window on only some layers (max_window_layers) is not supported")
     return window
 
 
 def _gated_config(arch: str, cfg: dict[str, Any], path: Path, qkv_bias: bool = False) -> ModelSpec:
     """LLaMA-shaped configs: ReluLLaMA, Bamboo, Llama-3, Mistral, Qwen2 (whose q/k/v carry biases)."""
     act = cfg.get("hidden_act", "silu")
-    if act not in _HIDDEN_ACTS:
+    if not isinstance(act, str) or act not in _HIDDEN_ACTS:
         raise UserError(f"{path} has hidden_act={act!r}; supported: {', '.join(_HIDDEN_ACTS)}")
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag) and not (flag == "attention_bias" and qkv_bias):
@@ -496,6 +506,7 @@ _GATED_COMMON: dict[str, Any] = dict(
     add_metadata=_llama_metadata,
     norm_eps_key=Key.LAYERNORM_RMS_EPS,
     block="llama",
+    output_optional=True,
 )
 _LLAMA_COMMON: dict[str, Any] = dict(
     rope="pairs", hf_names=partial(_gguf_name_map, MODEL_ARCH.LLAMA), transforms=_llama_transforms, **_GATED_COMMON

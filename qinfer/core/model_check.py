@@ -66,6 +66,9 @@ def check_model(spec: ModelSpec, powerinfer: bool, entries: Entries, meta: Mappi
     predicted = powerinfer and (thresholds is None or tensor_name(Tensor.FC1, 0) in entries)
     ranks = predictor_ranks(spec, entries, path) if predicted else None
     expected = architecture(spec.arch).tensors(spec, ranks, row_layout=powerinfer)
+    output = tensor_name(Tensor.OUTPUT)
+    if architecture(spec.arch).output_optional and output not in entries:
+        del expected[output]
     rope_freqs = tensor_name(Tensor.ROPE_FREQS)
     if rope_freqs in entries and spec.rope_dim:
         expected[rope_freqs] = (spec.rope_dim // 2,)  # a scaled rope's divisors, which only the file knows of

@@ -87,13 +87,15 @@ def read_model_layout(path: Path) -> ModelLayout:
     reader = open_gguf(path)
     if not reader.is_powerinfer:
         raise UserError(
-            f"{path} is a dense GGUF; plan a PowerInfer one (`qinfer prep convert` with --predictor or --calibration)"
+            f"{path} is a dense GGUF; plan a PowerInfer one "
+            "(`qinfer prep convert` with a PREDICTOR_DIR or --calibration DIR)"
         )
     meta = metadata(reader)
     spec = spec_from_metadata(meta, path, reader.is_powerinfer)
     check_model(spec, True, tensor_entries(reader), meta, path)
     per_layer: dict[int, dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
     output_bytes = output_weights = embedding_bytes = 0
+    names = {tensor.name for tensor in reader.tensors}
     ffn_type = ""
     ffn_element_bytes = 0.0
     for tensor in reader.tensors:
@@ -106,7 +108,8 @@ def read_model_layout(path: Path) -> ModelLayout:
                 ffn_element_bytes = n_bytes / n_weights
         elif tensor.name.startswith((Tensor.TOKEN_EMBD, Tensor.POSITION_EMBD)):
             embedding_bytes += n_bytes
-            if tensor.name.startswith(Tensor.TOKEN_EMBD) and architecture(spec.arch).output_is_embedding:
+            tied = architecture(spec.arch).output_is_embedding or tensor_name(Tensor.OUTPUT) not in names
+            if tensor.name.startswith(Tensor.TOKEN_EMBD) and tied:
                 # The head multiplies by the token embedding, so wherever the head runs it needs a copy.
                 output_bytes += n_bytes
                 output_weights += n_weights

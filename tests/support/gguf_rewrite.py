@@ -15,9 +15,10 @@ def rewrite_gguf(
     target: Path,
     replace: dict[str, tuple[Any, GGUFValueType | None]] | None = None,
     drop_keys: frozenset[str] | set[str] = frozenset(),
+    drop_tensors: frozenset[str] | set[str] = frozenset(),
 ) -> Path:
     """`source` (a dense GGUF) as `target`, each key of `replace` holding its new (value, array item type) instead
-    and the keys of `drop_keys` left out, every other key and every tensor as it was."""
+    and the keys of `drop_keys` and tensors of `drop_tensors` left out, every other key and tensor as it was."""
     replace = replace or {}
     reader = GGUFReader(source)
     writer = GGUFWriter(target, str(reader.get_field(Key.ARCHITECTURE).contents()))
@@ -31,7 +32,7 @@ def rewrite_gguf(
             value = field.contents()
             item = GGUFValueType(field.types[-1]) if kind == GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, kind, sub_type=item)
-    for tensor in reader.tensors:
+    for tensor in (t for t in reader.tensors if t.name not in drop_tensors):
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

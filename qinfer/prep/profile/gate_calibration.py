@@ -26,9 +26,10 @@ from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windo
 from qinfer.prep.profile.ffn_taps import forward_hooks, hooked
 from qinfer.prep.profile.relu_model import ReluModel, load_relu_model
 
-# Values of |act(gate)| kept per layer and batch for the quantile: enough that the threshold's error in sparsity
-# is far below a percent, few enough that a 70B model's 80 layers hold them in a few hundred MiB.
-SAMPLES_PER_BATCH = 1 << 15
+# Values of |act(gate)| kept per layer for the quantile, shared equally among the batches: enough that the
+# threshold's error in sparsity is far below a percent, and 8 MiB a layer however long the corpus (640 MiB for a
+# 70B model's 80 layers).
+SAMPLES_PER_LAYER = 1 << 21
 # (pass: "sample" or "count", tokens done, tokens of the pass)
 CalibrationProgress = Callable[[str, int, int], None]
 
@@ -95,6 +96,7 @@ def calibrate_gate(
         raise UserError(f"the corpus {data} holds no text to calibrate on")
     act = _gate_activation(loaded)
     layers = loaded.spec.layers
+    per_batch = max(1, SAMPLES_PER_LAYER // math.ceil(len(windows) / batch_size))
     tell = on_progress or (lambda _p, _d, _t: None)
     gen = torch.Generator().manual_seed(seed)
 
@@ -103,7 +105,7 @@ def calibrate_gate(
     def sample(i: int) -> Callable[..., None]:
         def hook(_module: torch.nn.Module, _args: tuple[torch.Tensor, ...], gate: torch.Tensor) -> None:
             values = act(gate.float()).abs().flatten()
-            picks = torch.randint(values.numel(), (min(values.numel(), SAMPLES_PER_BATCH),), generator=gen)
+            picks = torch.randint(values.numel(), (min(values.numel(), per_batch),), generator=gen)
             samples[i].append(values[picks.to(values.device)].cpu())
 
         return hook

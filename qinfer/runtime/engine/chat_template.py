@@ -68,6 +68,9 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:  # the sandbox's SecurityError is one too
             raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a template's own bug (None + "x", a missing field) on these messages
+            reason = f"{type(exc).__name__}: {exc}"
+            raise ChatTemplateError(f"the chat template failed on these messages ({reason})") from None
 
 
 def load_chat_template(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -16,7 +17,8 @@ Selector = Literal["predictor", "gate", "oracle"]
 
 class DenseRunner:
     def __init__(self, layers: list[FFNWeights]):
-        self.layers = layers
+        # Dense means every neuron: a calibrated model's gate thresholds are not applied, on either path.
+        self.layers = [replace(w, gate_threshold=0.0) for w in layers]
 
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
         return dense_ffn(self.layers[layer], x)

@@ -71,7 +71,9 @@ class LlamaForward(TransformerForward):
 
     def load_head(self, model: ModelFile) -> None:
         self.norm = model.tensor(tensor_name(Tensor.OUTPUT_NORM)).to(self.device)
-        self.output = model.tensor(tensor_name(Tensor.OUTPUT)).to(self.device)
+        # A file of a tied model may have no output tensor (llama.cpp leaves it out): the head is the embedding.
+        output = model.tensors.get(tensor_name(Tensor.OUTPUT))
+        self.output = (self.embed if output is None else output).to(self.device)
 
     def attention(self, i: int, x: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
         cfg, n, w = self.cfg, x.shape[0], self.attn[i]

@@ -8,7 +8,7 @@ dynamic schedule. Without a GPU the plan is still made or checked, and everythin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -77,7 +77,7 @@ def ffn_mode(model: ModelFile, requested: str, layers: list[FFNWeights]) -> str:
     if requested == "sparse" and not selects:
         raise UserError(
             f"{model.path} has neither predictors (fc1/fc2) nor gate thresholds; sparse decoding needs a PowerInfer "
-            "GGUF (`qinfer prep convert` with --predictor or --calibration)"
+            "GGUF (`qinfer prep convert` with a PREDICTOR_DIR or --calibration DIR)"
         )
     if requested == "auto":
         return "sparse" if selects else "dense"
@@ -175,8 +175,6 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     row_kernels.enabled()
     cpu = torch.device("cpu")
     if mode == "dense":
-        # Dense means every neuron: a calibrated model's thresholds are not applied.
-        layers = [replace(w, gate_threshold=0.0) for w in layers]
         unused = [] if options.vram_budget_gib is None else ["dense FFN: the VRAM budget is not used; all on the CPU"]
         return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static", notes=unused)
     threshold = model.sparse_threshold

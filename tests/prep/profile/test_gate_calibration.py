@@ -197,3 +197,21 @@ def test_a_dense_layout_file_skips_the_same_neurons(
     forward = load_forward(model, RuntimeOptions()).forward
     assert forward.native is not None and forward.native.dims.down_rows == 0
     assert (decode(path, ids, RuntimeOptions()) - decode(calibrated["f16"], ids, RuntimeOptions())).abs().max() < 1e-3
+
+
+def test_dense_runner_ignores_thresholds_on_both_paths(calibrated: dict) -> None:
+    """A forward built with the default (dense) runner on a calibrated file computes every neuron, natively and in
+    torch alike."""
+    from qinfer.runtime.model.llama import LlamaForward
+
+    ids = list(range(5, 25))
+    logits = []
+    for native in (True, False):
+        forward = LlamaForward(open_model(calibrated["f16"]))
+        assert forward.native is not None
+        forward.native = forward.native if native else None
+        cache = KVCache(forward.cfg, 64)
+        with torch.inference_mode():
+            steps = [forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)]
+        logits.append(torch.cat(steps))
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-3

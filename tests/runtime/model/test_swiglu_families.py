@@ -3,6 +3,7 @@ ids, what the file says, and each family's own feature (llama3 rope scaling, a s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVPolicy
 from qinfer.prep.convert.convert import convert
@@ -21,6 +23,7 @@ from qinfer.runtime.kv.cache import KVCache, make_kv_cache
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.support.cli_in_process import run_in_process
+from tests.support.gguf_rewrite import rewrite_gguf
 from tests.support.runtime_logits import our_logits
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
@@ -157,3 +160,42 @@ def test_run_and_perplexity_commands(swiglu: dict[str, dict[str, Path]], tmp_pat
     assert scored.returncode == 0, scored.stderr
     ppl = float(scored.stdout.split("PPL = ")[1].split()[0])
     assert 50 < ppl < 100_000
+
+
+def test_a_tied_model_without_an_output_tensor_runs(swiglu: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    """llama.cpp writes a tied model (Qwen2-0.5B, Llama-3.2-1B) without output.weight: the head is the embedding."""
+    path = swiglu["qwen2"]["dense-f32"]
+    tied = rewrite_gguf(path, tmp_path / "tied.gguf", drop_tensors={"output.weight"})
+    ids = hf_ids(swiglu["qwen2"]["model"], TEXT)
+    assert "output.weight" not in open_model(tied).tensors
+    assert torch.equal(our_logits(tied, ids, "dense"), our_logits(path, ids, "dense"))
+
+
+@pytest.mark.parametrize(
+    ("keys", "window"),
+    [
+        ({"use_sliding_window": False, "sliding_window": 16}, None),
+        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, None),  # no layer slides
+        ({"use_sliding_window": True, "sliding_window": 16}, None),  # Qwen2's default: layers from 28 on
+        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),  # every layer
+    ],
+)
+def test_which_qwen2_configs_slide_a_window(
+    swiglu: dict[str, dict[str, Path]], keys: dict, window: int | None
+) -> None:
+    config = json.loads((swiglu["qwen2"]["model"] / "config.json").read_text())
+    spec = ARCHITECTURES["qwen2"].read_config({**config, **keys}, swiglu["qwen2"]["model"] / "config.json")
+    assert spec.sliding_window == window
+
+
+def test_config_refusals(swiglu: dict[str, dict[str, Path]]) -> None:
+    config = json.loads((swiglu["qwen2"]["model"] / "config.json").read_text())
+    where = swiglu["qwen2"]["model"] / "config.json"
+    for keys, message in (
+        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "only some layers"),
+        ({"hidden_act": ["silu"]}, "hidden_act"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ):
+        with pytest.raises(UserError, match=message):
+            ARCHITECTURES["qwen2"].read_config({**config, **keys}, where)

@@ -86,6 +86,10 @@ def test_the_sandbox_keeps_python_out(tmp_path: Path) -> None:
         template.render([{"role": "user", "content": "hi"}])
     with pytest.raises(UserError, match="does not parse"):
         ChatTemplate("{% for %}", {})
+    # A template's own bug on some messages (an assistant turn with no content) is the request's error, not a crash.
+    buggy = ChatTemplate("{% for m in messages %}{{ m.content + '<|end|>' }}{% endfor %}", {})
+    with pytest.raises(ChatTemplateError, match="failed on these messages .TypeError"):
+        buggy.render([{"role": "assistant", "content": None}])
     override = tmp_path / "t.jinja"
     override.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ bos_token }}")
     chosen = load_chat_template("ignored", {"bos_token": "<s>"}, override)
