@@ -14,7 +14,8 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
@@ -31,13 +32,16 @@ class Constraint:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self._matcher = matcher
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self._vocab_size = vocab_size
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [V] with every token the grammar forbids next set to -inf (in place)."""
-        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask)
-        llguidance.torch.apply_token_bitmask_inplace(logits[None], self._bitmask)
-        return logits
+        """`logits` [V] with every token the grammar forbids next set to -inf (a new tensor: the step's logits are
+        the forward's, made in inference mode)."""
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
+        # Bit t % 32 of word t // 32 allows token t: the words' little-endian bytes, unpacked, are the tokens in order.
+        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self._vocab_size]
+        return logits.masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
 
     def advance(self, token: int) -> None:
         if not self._matcher.consume_token(token):
