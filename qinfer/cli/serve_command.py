@@ -62,8 +62,10 @@ def serve_cmd(
         Path | None,
         typer.Option(help="A Jinja chat template file to use instead of the model file's tokenizer.chat_template."),
     ] = None,
+    webui: Annotated[bool, typer.Option(help="Serve a chat page at / (--no-webui: the API alone).")] = True,
 ) -> None:
-    """Serve /v1/completions, /v1/chat/completions (streaming with server-sent events), /v1/models and /health.
+    """Serve /v1/completions, /v1/chat/completions (streaming with server-sent events), /v1/models and /health,
+    llama.cpp's /metrics, /props, /slots, /tokenize and /detokenize, and a chat page at /.
 
     Chat messages are rendered with the model's chat template (the file's tokenizer.chat_template, or
     --chat-template) in a sandbox; a model without one gets a plain "System: / User: / Assistant:" transcript, and
@@ -91,7 +93,7 @@ def serve_cmd(
     )
     tokenizer = engine.tokenizer
     template = load_chat_template(tokenizer.chat_template, tokenizer.special_tokens, chat_template)
-    app = create_app(EngineWorker(engine), model.name, options, template)
+    app = create_app(EngineWorker(engine), model.name, options, template, webui)
     server = uvicorn_server(app, options, host, port)
     guarded = ", API key required" if api_key else ""
     chat = "its chat template" if template is not None else "a plain transcript (no chat template)"

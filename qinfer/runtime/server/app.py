@@ -15,11 +15,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -234,8 +235,10 @@ def create_app(
     model_id: str,
     options: ServerOptions = DEFAULT_OPTIONS,
     chat_template: ChatTemplate | None = None,
+    webui: bool = True,
 ) -> FastAPI:
-    """The app over `worker`; chat turns go through `chat_template` where there is one, else a plain transcript."""
+    """The app over `worker`; chat turns go through `chat_template` where there is one, else a plain transcript.
+    `webui`: a chat page at / (webui/index.html, shipped in the package: no CDN)."""
     # With a key, the schema and its pages (not under /v1) are not served to whoever asks.
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if options.api_key else {}
     app = FastAPI(title="qinfer", lifespan=_lifespan(worker), **docs)
@@ -255,6 +258,9 @@ def create_app(
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
     app.get("/v1/models")(routes.models)
+    if webui:
+        page = (resources.files(__package__) / "webui" / "index.html").read_text(encoding="utf-8")
+        app.get("/", response_class=HTMLResponse)(lambda: HTMLResponse(page))
     app.post("/v1/completions", response_model=None)(routes.completions)
     app.post("/v1/chat/completions", response_model=None)(routes.chat_completions)
     return app
