@@ -371,8 +371,6 @@ class _Routes:
         except ValueError as exc:
             raise ApiError(400, str(exc), param="tool_choice") from exc
         offered = [t.function.name for t in body.tools or []] if body.tool_choice != "none" else []
-        if offered and body.stream:
-            raise ApiError(400, "tool calls are not streamed yet; send the request with stream false", param="stream")
         stops = body.chat_stops(self.template)
         return await self._answer(http, body, prompt, stops, chat=True, tools=offered, forced=forced)
 
@@ -410,7 +408,9 @@ class _Routes:
         add_bos = False if chat and self.template is not None else None
         job, prompt_tokens = await submit(self.worker, body, prompt, add_bos, constraint)
         head = response_head(self.model_id, chat, body.stream)
-        completion = Completion(job, prompt_tokens, chat, body.stream, stops, head, self.counters, tools or [])
+        completion = Completion(
+            job, prompt_tokens, chat, body.stream, stops, head, self.counters, tools or [], bool(forced)
+        )
         if body.stream:
             return StreamingResponse(stream_events(self.worker, completion), media_type="text/event-stream")
         return await collect_response(http, self.worker, completion)
@@ -458,6 +458,7 @@ class Completion:
     head: dict[str, object]
     counters: ServerMetrics
     tools: list[str]  # the names of the tools the answer may call
+    forced: bool = False  # the answer is a call of one of them (its grammar says so)
 
     def tool_call(self, text: str) -> dict[str, object] | None:
         """The answer as a call of one of the tools, where it is one: {"name": ..., "arguments": {...}}."""
@@ -518,11 +519,22 @@ async def stream_events(worker: EngineWorker, completion: Completion) -> AsyncIt
     try:
         if completion.chat:
             yield f"data: {json.dumps({**head, 'choices': [completion.choice('', None, first=True)]})}\n\n"
-        async for piece in pieces(worker, job, completion.stops):
-            chunk = {**head, "choices": [completion.choice(piece.text, piece.finish_reason)]}
-            if piece.finish_reason is not None:
-                chunk |= completion.finish(piece.completion_tokens)
+        if completion.forced:
+            # A forced tool call is sent whole once its arguments are complete, as one tool_calls delta.
+            text, _reason, tokens = await _collect(worker, completion)
+            call = completion.tool_call(text)
+            delta = {"tool_calls": [{"index": 0, **call}]} if call is not None else {"content": text}
+            reason = "tool_calls" if call is not None else "stop"
+            chunk = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
             yield f"data: {json.dumps(chunk)}\n\n"
+            end = {"index": 0, "delta": {}, "finish_reason": reason}
+            yield f"data: {json.dumps({**head, 'choices': [end], **completion.finish(tokens)})}\n\n"
+        else:
+            async for piece in pieces(worker, job, completion.stops):
+                chunk = {**head, "choices": [completion.choice(piece.text, piece.finish_reason)]}
+                if piece.finish_reason is not None:
+                    chunk |= completion.finish(piece.completion_tokens)
+                yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
     except ApiError as exc:
         yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"

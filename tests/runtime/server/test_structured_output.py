@@ -103,5 +103,15 @@ def test_refusals(client: openai.OpenAI) -> None:
         client.chat.completions.create(
             model="tiny", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}  # type: ignore[arg-type]
         )
-    with pytest.raises(openai.BadRequestError, match="not streamed"):
-        client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, stream=True)  # type: ignore[arg-type]
+
+
+def test_a_forced_tool_call_streams(client: openai.OpenAI) -> None:
+    """Streamed, the call comes whole in one tool_calls delta once its arguments are complete, then the finish."""
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, stream=True, seed=5  # type: ignore[arg-type]
+    ))  # fmt: skip
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(calls) == 1 and calls[0][0].function is not None
+    assert calls[0][0].function.name in ("get_weather", "add")
+    assert isinstance(json.loads(calls[0][0].function.arguments or ""), dict)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and chunks[-1].usage is not None
