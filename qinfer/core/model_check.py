@@ -57,10 +57,13 @@ def gate_thresholds(spec: ModelSpec, meta: Mapping[str, Any], path: Path) -> lis
     return [float(v) for v in values]
 
 
-def check_model(spec: ModelSpec, powerinfer: bool, entries: Entries, meta: Mapping[str, Any], path: Path) -> None:
+def check_model(
+    spec: ModelSpec, powerinfer: bool, entries: Entries, meta: Mapping[str, Any], path: Path
+) -> list[float] | None:
     """Exactly the tensors the family's table names for this spec, each with that shape and a type we compute with,
     and special token ids inside the vocabulary. An extra tensor is refused as llama.cpp's loader refuses one: a
-    block count lowered by one would otherwise run a model with a layer silently missing."""
+    block count lowered by one would otherwise run a model with a layer silently missing. Returns the file's gate
+    thresholds (gate_thresholds), which decide its layout."""
     thresholds = gate_thresholds(spec, meta, path)
     # A calibrated model's file has the PowerInfer layout, and predictors only where some were trained for it.
     predicted = powerinfer and (thresholds is None or tensor_name(Tensor.FC1, 0) in entries)
@@ -99,3 +102,4 @@ def check_model(spec: ModelSpec, powerinfer: bool, entries: Entries, meta: Mappi
         allowed = MATRIX_TYPES if len(shape) > 1 else (GGMLQuantizationType.F32,)
         if qtype not in allowed:
             raise UserError(f"{path}: {name} is {qtype.name}, which a {len(shape)}-D tensor may not be; re-convert it")
+    return thresholds

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -48,14 +47,14 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-@dataclass(frozen=True)
 class ChatTemplate:
-    source: str
-    special_tokens: dict[str, str]  # bos_token, eos_token, ...: the texts of the model's special tokens
+    """A template compiled once, when the server starts, and rendered for every chat request."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        self.source = source
+        self.special_tokens = special_tokens  # bos_token, eos_token, ...: the texts of the model's special tokens
         try:
-            _environment().parse(self.source)
+            self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise UserError(f"the chat template does not parse (line {exc.lineno}: {exc.message})") from None
 
@@ -63,7 +62,7 @@ class ChatTemplate:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
     ) -> str:
         try:
-            return _environment().from_string(self.source).render(
+            return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
             )
         except jinja2.TemplateError as exc:  # the sandbox's SecurityError is one too

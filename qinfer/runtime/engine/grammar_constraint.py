@@ -1,5 +1,5 @@
-"""Structured output: the tokens a request may sample are those its grammar allows next (a JSON schema, any JSON
-object, or a Lark grammar), through llguidance, the grammar engine llama.cpp and vLLM also use.
+"""Structured output: the tokens a request may sample are those its grammar allows next (a JSON schema, or any
+JSON object), through llguidance, the grammar engine llama.cpp and vLLM also use.
 
 llguidance computes the allowed-token mask from the grammar and the vocabulary (built once per tokenizer) in tens
 of microseconds a token; the engine applies it to a sequence's logits before sampling and feeds it each token
@@ -72,15 +72,7 @@ class Grammars:
             )
         except ValueError as exc:
             raise GrammarError(f"the JSON schema is not one: {exc}") from None
-        return self._constraint(grammar)
-
-    def lark(self, grammar: str) -> Constraint:
-        return self._constraint(llguidance.LLMatcher.grammar_from_lark(grammar))
-
-    def _constraint(self, grammar: str) -> Constraint:
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise GrammarError(f"the grammar does not compile: {error}")
+        # The matcher compiles the grammar, and holds any error instead of raising it.
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")

@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from qinfer.core.errors import UserError
 from qinfer.core.gguf_reader import PowerInferReader, metadata, open_gguf
-from qinfer.core.model_check import check_model, gate_thresholds, tensor_entries
+from qinfer.core.model_check import check_model, tensor_entries
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import Key, Tensor, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
@@ -61,7 +61,6 @@ def open_model(path: Path) -> ModelFile:
     spec = spec_from_metadata(meta, path, reader.is_powerinfer)
     if spec.vocab_size == 0:
         raise UserError(f"{path} has no {Key.TOKENS}; convert it with its tokenizer")
-    check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, path)
+    thresholds = check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, path)
     threshold = float(meta.get(Key.SPARSE_THRESHOLD, 0.0))  # checked finite by check_model
-    thresholds = gate_thresholds(spec, meta, path)
     return ModelFile(path, spec, reader.is_powerinfer, threshold, thresholds, meta, _tensors(reader))
