@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.kv_policy import F32_KV, KVPolicy
 from qinfer.core.model_spec import ModelSpec
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.synth.build import SynthShape, build_synth
@@ -95,8 +95,11 @@ def measure(forward: TransformerForward, windows: list[list[int]], policy: KVPol
     started = time.perf_counter()
     with torch.inference_mode():
         for tokens in windows:
+            # The window cache keeps float32 rows: the full one does too, so that only the policy differs.
             cache: Cache = (
-                make_kv_cache(forward.cfg, ctx) if policy is None else RecallProbe(forward.cfg, ctx, policy, first)
+                make_kv_cache(forward.cfg, ctx, types=F32_KV)
+                if policy is None
+                else RecallProbe(forward.cfg, ctx, policy, first)
             )
             logits = torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(tokens)])
             logp = torch.log_softmax(logits[first : ctx - 1].double(), dim=-1)

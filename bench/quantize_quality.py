@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from qinfer.core.kv_policy import F32_KV
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.build import SynthShape, build_synth
@@ -32,7 +33,7 @@ SHAPE = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512,
 
 def decode_logits(path: Path, ids: list[int]) -> torch.Tensor:
     forward = load_forward(open_model(path), RuntimeOptions(ffn="sparse")).forward
-    cache = KVCache(forward.cfg, len(ids))
+    cache = KVCache(forward.cfg, len(ids), types=F32_KV)
     with torch.inference_mode():
         return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
 

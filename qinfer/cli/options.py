@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from qinfer.core.kv_policy import KV_POLICIES, KVPolicy, parse_kv_budget
+from qinfer.core.kv_policy import CACHE_TYPES, KV_POLICIES, KVPolicy, KVTypes, parse_kv_budget
 
 SEED_MAX = 2**32 - 1  # llama.cpp's seeds are 32-bit; past 64 bits torch's generator overflows
 # Far above any single GPU's memory, yet a byte count the planner's arithmetic still holds exactly.
@@ -88,6 +88,28 @@ def kv_policy(kind: str, budget: float | None) -> KVPolicy:
     if budget is None:
         raise typer.BadParameter("--kv-policy window needs --kv-budget TOKENS or a FRACTION", param_hint="--kv-budget")
     return KVPolicy("window", budget)
+
+
+CacheTypeK = Annotated[
+    str,
+    typer.Option(
+        "-ctk", "--cache-type-k", help="Element type of the KV cache's keys on the CPU: f16 (half the bytes) or f32."
+    ),
+]
+CacheTypeV = Annotated[
+    str,
+    typer.Option(
+        "-ctv", "--cache-type-v", help="Element type of the KV cache's values on the CPU: f16 (half the bytes) or f32."
+    ),
+]
+
+
+def kv_types(k: str, v: str) -> KVTypes:
+    """The cache types --cache-type-k and --cache-type-v name."""
+    for name, hint in ((k, "--cache-type-k"), (v, "--cache-type-v")):
+        if name not in CACHE_TYPES:
+            raise typer.BadParameter(f"use {' or '.join(CACHE_TYPES)}", param_hint=hint)
+    return KVTypes(k, v)
 
 
 Threads = Annotated[

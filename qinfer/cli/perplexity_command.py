@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 
 from qinfer.cli.app import app, err, progress_bar
-from qinfer.cli.options import KvBudgetOption, KvPolicyOption, Threads, kv_policy, use_threads
+from qinfer.cli.options import (
+    CacheTypeK,
+    CacheTypeV,
+    KvBudgetOption,
+    KvPolicyOption,
+    Threads,
+    kv_policy,
+    kv_types,
+    use_threads,
+)
 
 
 @app.command("perplexity")
@@ -26,6 +35,8 @@ def perplexity_cmd(
     ] = "dense",
     kv_policy_kind: KvPolicyOption = "full",
     kv_budget: KvBudgetOption = None,
+    cache_type_k: CacheTypeK = "f16",
+    cache_type_v: CacheTypeV = "f16",
     threads: Threads = 0,
 ) -> None:
     """Perplexity over non-overlapping windows of the text, as llama.cpp's `perplexity` reports it."""
@@ -39,6 +50,7 @@ def perplexity_cmd(
         raise typer.BadParameter("dense or sparse", param_hint="--ffn")
     use_threads(threads)
     policy = kv_policy(kv_policy_kind, kv_budget)
+    types = kv_types(cache_type_k, cache_type_v)
     if file.is_dir():
         raise UserError(f"{file} is a directory; name a text file")
     if not file.is_file():
@@ -59,7 +71,7 @@ def perplexity_cmd(
         bar.update(task, completed=i + 1, total=n, description=f"perplexity {ppl:.4f}")
 
     try:
-        result = perplexity(forward, ids, ctx_size, tokenizer.bos_id, ffn == "sparse", step, policy)
+        result = perplexity(forward, ids, ctx_size, tokenizer.bos_id, ffn == "sparse", step, policy, types)
     finally:
         bar.stop()
     kept = "" if not policy.windowed else f", KV window of {policy.rows(ctx_size)} rows"

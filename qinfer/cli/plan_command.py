@@ -9,6 +9,7 @@ import typer
 
 from qinfer.cli.app import app, err
 from qinfer.cli.options import VRAM_BUDGET, KvBudgetOption, KvPolicyOption, Real, kv_policy
+from qinfer.planner.device_profiles import DEFAULT_CPU
 
 TIME_LIMIT = Real(0.0, low_open=True)
 
@@ -35,7 +36,7 @@ def plan_cmd(
         int, typer.Option(min=1, help="Neurons per placement group (hottest first within a layer).")
     ] = 64,
     device: Annotated[str, typer.Option(help="GPU profile (`qinfer profiles` lists them).")] = "rtx4090",
-    cpu: Annotated[str, typer.Option(help="CPU profile name (`qinfer profiles` lists them).")] = "generic-desktop",
+    cpu: Annotated[str, typer.Option(help="CPU profile name (`qinfer profiles` lists them).")] = DEFAULT_CPU,
     objective: Annotated[
         str, typer.Option(help="time: minimise modelled decode time; activation: the reference engine's goal.")
     ] = "time",

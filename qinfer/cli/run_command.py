@@ -13,11 +13,14 @@ from qinfer.cli.options import (
     CTX_HELP,
     SEED_MAX,
     VRAM_BUDGET,
+    CacheTypeK,
+    CacheTypeV,
     KvBudgetOption,
     KvPolicyOption,
     Real,
     Threads,
     kv_policy,
+    kv_types,
     use_threads,
 )
 
@@ -37,6 +40,8 @@ def run_cmd(
     ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", min=0, help=CTX_HELP)] = None,
     kv_policy_kind: KvPolicyOption = "full",
     kv_budget: KvBudgetOption = None,
+    cache_type_k: CacheTypeK = "f16",
+    cache_type_v: CacheTypeV = "f16",
     seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Sampling seed.")] = 0,
     temp: Annotated[
         float, typer.Option(parser=TEMPERATURE, help=f"Sampling temperature; 0 = greedy ({TEMPERATURE}).")
@@ -81,11 +86,13 @@ def run_cmd(
     use_threads(threads)
     require_utf8(prompt)  # before the model loads, and before the prompt is echoed
     policy = kv_policy(kv_policy_kind, kv_budget)
+    types = kv_types(cache_type_k, cache_type_v)
     engine = Engine.open(
         model,
         slots=parallel,
         ctx_size=ctx_size,
         kv_policy=policy,
+        kv_types=types,
         vram_budget_gib=vram_budget,
         schedule=schedule,
         ffn=ffn,

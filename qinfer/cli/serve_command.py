@@ -11,11 +11,14 @@ from qinfer.cli.app import app, err
 from qinfer.cli.options import (
     CTX_HELP,
     VRAM_BUDGET,
+    CacheTypeK,
+    CacheTypeV,
     KvBudgetOption,
     KvPolicyOption,
     Real,
     Threads,
     kv_policy,
+    kv_types,
     use_threads,
 )
 
@@ -38,6 +41,8 @@ def serve_cmd(
     ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", min=0, help=f"Per slot: {CTX_HELP}")] = None,
     kv_policy_kind: KvPolicyOption = "full",
     kv_budget: KvBudgetOption = None,
+    cache_type_k: CacheTypeK = "f16",
+    cache_type_v: CacheTypeV = "f16",
     threads: Threads = 0,
     schedule: Annotated[str, typer.Option(help="GPU/CPU schedule of the runtime (see `qinfer run --help`).")] = "auto",
     api_key: Annotated[
@@ -79,8 +84,15 @@ def serve_cmd(
 
     use_threads(threads)
     policy = kv_policy(kv_policy_kind, kv_budget)
+    types = kv_types(cache_type_k, cache_type_v)
     engine = Engine.open(
-        model, slots=slots, ctx_size=ctx_size, vram_budget_gib=vram_budget, schedule=schedule, kv_policy=policy
+        model,
+        slots=slots,
+        ctx_size=ctx_size,
+        vram_budget_gib=vram_budget,
+        schedule=schedule,
+        kv_policy=policy,
+        kv_types=types,
     )
     for note in engine.runtime.notes if engine.runtime is not None else []:
         err.print(f"note: {note}")

@@ -111,3 +111,20 @@ def parse_kv_budget(text: str) -> float:
         raise UserError(f"--kv-budget {text!r} is neither a number of tokens nor a fraction such as 0.25") from None
     KVPolicy("window", number)  # validates
     return number
+
+
+# The element types a CPU KV cache may hold, by llama.cpp's names (--cache-type-k/-v).
+CACHE_TYPES = ("f16", "f32")
+
+
+@dataclass(frozen=True)
+class KVTypes:
+    """The element types of a CPU cache's keys and values: f16 by default, as llama.cpp's, which halves what
+    attention reads at a long context; f32 keeps them exactly. A GPU cache is always f16."""
+
+    k: str = "f16"
+    v: str = "f16"
+
+
+DEFAULT_KV_TYPES = KVTypes()
+F32_KV = KVTypes("f32", "f32")  # exact keys and values: what a comparison with a float32 reference needs

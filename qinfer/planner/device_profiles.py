@@ -12,6 +12,8 @@ from qinfer.core.errors import UserError
 
 PROFILE_DIR = Path(profiles.__file__).resolve().parent / "devices"
 GIB = 1 << 30
+# The CPU a plan and the runtime's cost models assume where none is named.
+DEFAULT_CPU = "generic-desktop"
 
 
 @dataclass(frozen=True)

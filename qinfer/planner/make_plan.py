@@ -15,7 +15,7 @@ from qinfer.core.names import PLAN_KEYS
 from qinfer.planner.activation_stats import ActivationStats, load_activation
 from qinfer.planner.baselines import greedy_placement
 from qinfer.planner.budget import BudgetOptions, VramAccount, account, minimum_budget, require_budget, vram_used
-from qinfer.planner.device_profiles import load_profile
+from qinfer.planner.device_profiles import DEFAULT_CPU, load_profile
 from qinfer.planner.model_layout import ModelLayout, read_model_layout
 from qinfer.planner.neuron_groups import group_neurons
 from qinfer.planner.placement import Placement
@@ -29,7 +29,7 @@ class PlanOptions:
     batch: int = 1
     group_size: int = 64
     gpu: str = "rtx4090"
-    cpu: str = "generic-desktop"
+    cpu: str = DEFAULT_CPU
     objective: Objective = "time"
     time_limit: float = 10.0
     dense: Literal["gpu", "auto"] = "gpu"

@@ -100,6 +100,9 @@ BAD_VALUES = [
     (SERVE, "--max-body-bytes", "0"),
     (SERVE, "--kv-budget", "0"),
     (PERPLEXITY, "--kv-budget", "-1"),
+    (RUN, "--cache-type-k", "q4_0"),
+    (SERVE, "--cache-type-v", "f64"),
+    (PERPLEXITY, "--cache-type-k", "bf16"),
     (SYNTH, "--context", "0"),
     (SYNTH, "--train-seq-len", "0"),
 ]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from qinfer.core.kv_policy import F32_KV
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
@@ -15,7 +16,7 @@ from qinfer.runtime.model.model_file import open_model
 def our_logits(path: Path, ids: list[int], ffn: str, split: int = 5) -> torch.Tensor:
     """A prompt of `split` tokens, then one token at a time through the KV cache (the sparse decode path)."""
     forward = load_forward(open_model(path), RuntimeOptions(ffn=ffn)).forward
-    cache = KVCache(forward.cfg, 64)
+    cache = KVCache(forward.cfg, 64, types=F32_KV)
     with torch.inference_mode():
         parts = [forward.forward(TokenBatch.prompt(torch.tensor(ids[:split]), 0), cache)]
         parts += [forward.forward(TokenBatch.decode([t], [split + j], [0]), cache) for j, t in enumerate(ids[split:])]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
 from qinfer.runtime.engine.grammar_constraint import Constraint
 from qinfer.runtime.engine.sampling import SamplingParams, sample_next
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
@@ -76,6 +76,7 @@ class Engine:
         ctx_size: int = 512,
         cache_device: torch.device | str = "cpu",
         kv_policy: KVPolicy | None = None,
+        kv_types: KVTypes = DEFAULT_KV_TYPES,
     ):
         if slots < 1 or ctx_size < 2:
             raise UserError("an engine needs at least one slot and a context of at least 2 tokens")
@@ -83,7 +84,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.slots = slots
         self.ctx_size = ctx_size
-        self.cache = make_kv_cache(forward.cfg, ctx_size, slots, cache_device, kv_policy)
+        self.cache = make_kv_cache(forward.cfg, ctx_size, slots, cache_device, kv_policy, kv_types)
         self._active: dict[int, _Sequence] = {}
         # Per slot, the tokens whose rows it holds from its last sequence (reused by the next prompt they begin).
         self._kept: list[list[int]] = [[] for _ in range(slots)]
@@ -103,6 +104,7 @@ class Engine:
         disable_gpu_index: bool = False,
         device: str | None = None,
         kv_policy: KVPolicy | None = None,
+        kv_types: KVTypes = DEFAULT_KV_TYPES,
     ) -> Engine:
         """Load a GGUF and set up its runtime (see loader.RuntimeOptions for the FFN, GPU and KV settings); the
         context as loader.fit_context gives it (None: 512 or the model's own where shorter, 0: the model's own)."""
@@ -116,10 +118,11 @@ class Engine:
             disable_gpu_index=disable_gpu_index,
             device=device,
             kv_policy=kv_policy or KVPolicy(),
+            kv_types=kv_types,
         )
         loaded = load_forward(model, options, slots=slots, ctx_size=ctx)
         tokenizer = GGUFTokenizer(model.metadata)
-        engine = cls(loaded.forward, tokenizer, slots, ctx, loaded.forward.device, options.kv_policy)
+        engine = cls(loaded.forward, tokenizer, slots, ctx, loaded.forward.device, options.kv_policy, kv_types)
         engine.runtime = loaded
         if clamped is not None:
             loaded.notes.insert(0, clamped)

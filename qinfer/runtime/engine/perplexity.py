@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import make_kv_cache
 from qinfer.runtime.model.forward import TransformerForward
@@ -32,9 +32,13 @@ class PerplexityResult:
 
 
 def window_logits(
-    forward: TransformerForward, tokens: torch.Tensor, token_by_token: bool, kv_policy: KVPolicy | None = None
+    forward: TransformerForward,
+    tokens: torch.Tensor,
+    token_by_token: bool,
+    kv_policy: KVPolicy | None = None,
+    kv_types: KVTypes = DEFAULT_KV_TYPES,
 ) -> torch.Tensor:
-    cache = make_kv_cache(forward.cfg, tokens.shape[0], policy=kv_policy)
+    cache = make_kv_cache(forward.cfg, tokens.shape[0], policy=kv_policy, types=kv_types)
     if not token_by_token:
         return forward.forward(TokenBatch.prompt(tokens, 0), cache)
     return torch.cat(
@@ -50,9 +54,10 @@ def perplexity(
     token_by_token: bool = False,
     on_window: Callable[[int, int, float], None] | None = None,
     kv_policy: KVPolicy | None = None,
+    kv_types: KVTypes = DEFAULT_KV_TYPES,
 ) -> PerplexityResult:
     """`on_window(i, n, ppl_so_far)` is called after each of the n windows; `kv_policy` (default full) decides
-    which KV rows the window keeps."""
+    which KV rows the window keeps, `kv_types` their element types."""
     if ctx < 4:
         raise UserError(f"context {ctx} is too small; use at least 4 tokens")
     if ctx > forward.cfg.context_length:
@@ -70,7 +75,7 @@ def perplexity(
                 tokens[0] = bos_id
             # A window cache is judged as decode meets it: every scored token sees only the rows kept before it.
             one_by_one = token_by_token or (kv_policy is not None and kv_policy.windowed)
-            logits = window_logits(forward, tokens, one_by_one, kv_policy).float().cpu()
+            logits = window_logits(forward, tokens, one_by_one, kv_policy, kv_types).float().cpu()
             logp = torch.log_softmax(logits[first : ctx - 1], dim=-1)
             window = -logp.gather(1, tokens[first + 1 :, None])[:, 0].double()
             nll.append(window)

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from qinfer.runtime.ffn.schedule import FFNSchedule
 from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, gate_mask, predicted_mask, sparse_rows, true_mask
 
 # predictor: fc2(relu(fc1(h))) over the threshold; gate: a calibrated model's |act(gate)| over its layer's threshold;
@@ -41,12 +42,20 @@ def active_ids(mask: torch.Tensor) -> torch.Tensor:
 
 
 class SparseRunner:
-    """Decode computes only the selected neurons' rows; prefill stays dense."""
+    """Decode computes only the selected neurons' rows; prefill stays dense. With a `schedule`, the native layer
+    step reads a layer's dense rows instead wherever the schedule finds them quicker for the step's tokens."""
 
-    def __init__(self, layers: list[FFNWeights], threshold: float, selector: Selector = "predictor"):
+    def __init__(
+        self,
+        layers: list[FFNWeights],
+        threshold: float,
+        selector: Selector = "predictor",
+        schedule: FFNSchedule | None = None,
+    ):
         self.layers = layers
         self.threshold = threshold
         self.selector = selector
+        self.schedule = schedule
 
     def native_rows(self) -> tuple[Sequence[FFNWeights], float | None] | None:
         """For the native layer step (kernels/decode_layer.py): the predictor's neurons, or every neuron whose gate

@@ -61,18 +61,20 @@ class Layer(ctypes.Structure):
     ]
 
 
+DIMS = ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest", "window", "tokens")
+
+
 class Dims(ctypes.Structure):
     _fields_ = [
-        *(
-            (name, i64)
-            for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest", "window")
-        ),
+        *((name, i64) for name in DIMS),
         ("eps", f32),
         ("threshold", f32),
         ("form", i32),
         ("sparse", i32),
         ("down_rows", i32),
         ("rope_neox", i32),
+        ("k_half", i32),
+        ("v_half", i32),
     ]
 
 
@@ -81,7 +83,7 @@ class Dims(ctypes.Structure):
 SCRATCH = (
     ("x", ctypes.c_float), ("q", ctypes.c_float), ("k", ctypes.c_float), ("v", ctypes.c_float),
     ("att", ctypes.c_float), ("scores", ctypes.c_float), ("pred", ctypes.c_float), ("g", ctypes.c_float),
-    ("out", ctypes.c_float), ("ids", ctypes.c_int64), ("fire", ctypes.c_uint8), ("xq", ctypes.c_int8),
+    ("out", ctypes.c_float), ("ids", ctypes.c_int64), ("xq", ctypes.c_int8),
     ("xd", ctypes.c_float), ("xs", ctypes.c_int32),
 )  # fmt: skip
 

@@ -1,7 +1,8 @@
-/* One decode step of one LLaMA-shaped layer (llama, bamboo, qwen2) for one token, in one native call: attention
- * norm, the q/k/v products (and their biases), rope, the KV-cache write, attention over the cached positions (the
- * last `window` of them where the model slides one), the output product and residual, the FFN norm, the predictor
- * (fc1, relu, fc2, threshold), the sparse or dense FFN, and its residual.
+/* One decode step of one LLaMA-shaped layer (llama, bamboo, qwen2) for a batch of tokens, one per sequence, in one
+ * native call: attention norm, the q/k/v products (and their biases), rope, the KV-cache write (float or f16),
+ * attention of each token over its own sequence's cached positions (the last `window` of them where the model
+ * slides one), the output product and residual, the FFN norm, the predictor (fc1, relu, fc2, threshold), the
+ * sparse or dense FFN over the union of the neurons the tokens select, and its residual.
  *
  * A decode step in torch is some thirty small operator calls per layer, each with its own dispatch and allocation:
  * about 1 ms a layer on two cores, a third of the time a 7B layer's sparse Q4_0 rows take to read. Here the
@@ -32,23 +33,26 @@ typedef struct {
     matrix q, k, v, o, gate, up, down, fc1, fc2;
     const float *attn_norm, *ffn_norm;
     const float *q_bias, *k_bias, *v_bias; /* NULL where the family has none */
-    float *k_cache, *v_cache;              /* this layer's and slot's [kv_heads, ctx, head_dim] */
+    void *k_cache, *v_cache;               /* this layer's [slots, kv_heads, ctx, head_dim], float or half */
     float gate_threshold;                  /* without a predictor: a neuron fires where |act(gate)| exceeds it */
 } layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn, ctx;
     int64_t predictor; /* the largest predictor rank of any layer (each layer's is its fc1's rows) */
-    int64_t widest;    /* floats the quantized-input scratch holds: max(E, F, predictor) */
+    int64_t widest;    /* floats the quantized-input scratch holds per token: max(E, F, predictor) */
     int64_t window;    /* a token attends to its last `window` positions; 0: to all of them */
+    int64_t tokens;    /* the most tokens one call takes (the scratch holds that many) */
     float eps, threshold;
     int32_t form;       /* FORM_GATED, FORM_GATED_RELU_UP or FORM_GATED_SILU */
     int32_t sparse;     /* 1: the neurons the predictor selects; 0: every neuron whose gate passes its threshold */
     int32_t down_rows;  /* 1: down holds neuron rows [F, E] (PowerInfer); 0: a matrix [E, F] (dense GGUF) */
     int32_t rope_neox;  /* 1: rope rotates x[i] against x[i + d/2]; 0: adjacent pairs */
+    int32_t k_half;     /* 1: the cache holds f16 keys; 0: float */
+    int32_t v_half;     /* 1: the cache holds f16 values; 0: float */
 } dims;
 
-/* Scratch, made once by the caller in the sizes qinfer_scratch_sizes gives. */
+/* Scratch, made once by the caller in the sizes qinfer_scratch_sizes gives; per token, [tokens, ...]. */
 typedef struct {
     float *x;      /* [E] the normalised input */
     float *q;      /* [heads * head_dim] */
@@ -58,35 +62,30 @@ typedef struct {
     float *pred;   /* [predictor] */
     float *g;      /* [F] */
     float *out;    /* [E] */
-    int64_t *ids;  /* [F] */
-    uint8_t *fire; /* [F] */
+    int64_t *ids;  /* [F], once for all tokens */
     int8_t *xq;    /* [widest] */
-    float *xd;     /* [widest / 32] */
-    int32_t *xs;   /* [widest / 32] */
+    float *xd;     /* [widest / 32 + 1] */
+    int32_t *xs;   /* [widest / 32 + 1] */
 } scratch;
 
 static int matrix_fits(const matrix *m, int64_t rows, int64_t cols) {
     return m->data && m->rows == rows && fits(m->type, m->stride, m->rows, m->cols, cols, NULL, rows);
 }
 
-/* x [n] quantized for the products over m (nothing to do for F16 rows), by one thread; the barrier at the end of
- * `single` publishes it. Every thread takes the same branch, as worksharing requires. */
-static void quantize_input(int type, const float *x, int64_t n, const scratch *s, q8_act *a) {
+/* x [tokens, n] quantized for the products over m (nothing to do for F16 rows), by one thread; the barrier at the
+ * end of `single` publishes it. Every thread takes the same branch, as worksharing requires. */
+static void quantize_input(int type, const float *x, int64_t tokens, int64_t n, const scratch *s, q8_act *a) {
     a->q = s->xq;
     a->d = s->xd;
     a->sum = s->xs;
     if (type == F16) return;
 #pragma omp single
-    q8_quantize_blocks(x, n / QK, a);
+    q8_quantize_blocks(x, tokens * (n / QK), a);
 }
 
-/* out[r] = row r of m . x, rows shared among the threads (inside the parallel region). */
-static void product(const matrix *m, const float *x, const q8_act *a, float *out) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < m->rows; r++) {
-        const uint8_t *row = m->data + r * m->stride, *next = m->data + (r + 1 < m->rows ? r + 1 : r) * m->stride;
-        out[r] = dot_row(m->type, row, next, x, a, 0, m->cols);
-    }
+/* out [tokens, rows] = x [tokens, cols] . m's rows, shared among the threads (inside the parallel region). */
+static void product(const matrix *m, const float *x, const q8_act *a, int64_t tokens, float *out) {
+    matvec_rows(m->type, m->data, m->stride, m->rows, x, a, m->cols, tokens, out);
 }
 
 static void rms_norm(const float *h, const float *w, int64_t n, float eps, float *out) {
@@ -126,7 +125,7 @@ static float dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* out += a * v over n floats. */
+/* out += a * v over n floats, v float or half. */
 static void axpy_f32(float *out, float a, const float *v, int64_t n) {
     int64_t i = 0;
 #if LANES > 1
@@ -136,171 +135,276 @@ static void axpy_f32(float *out, float a, const float *v, int64_t n) {
     for (; i < n; i++) out[i] += a * v[i];
 }
 
-/* Head h attends its kv head's positions 0..pos; the heads are shared among the threads. */
-static void attend(const dims *d, const layer *w, const scratch *s, int64_t pos) {
-    int64_t hd = d->head_dim, group = d->heads / d->kv_heads;
-    int64_t first = d->window > 0 && pos - d->window + 1 > 0 ? pos - d->window + 1 : 0;
+static void axpy_half(float *out, float a, const uint16_t *v, int64_t n) {
+    int64_t i = 0;
+#if LANES > 1
+    vec va = vset(a);
+    for (; i + LANES <= n; i += LANES) vstore(out + i, vfma(va, vload_half(v + i), vload(out + i)));
+#endif
+    for (; i < n; i++) out[i] += a * half_to_float(v[i]);
+}
+
+/* f rounded to the nearest half (ties to even), as torch's conversion rounds it. */
+static uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint32_t sign = (x >> 16) & 0x8000, abs = x & 0x7fffffff;
+    if (abs > 0x7f800000) return (uint16_t)(sign | 0x7e00);      /* NaN */
+    if (abs >= 0x477ff000) return (uint16_t)(sign | 0x7c00);     /* 65520 and above round to infinity */
+    if (abs < 0x38800000) {                                      /* below 2^-14: a subnormal half, or 0 */
+        float v;
+        memcpy(&v, &abs, sizeof v);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(v * 16777216.0f)); /* in units of 2^-24 */
+    }
+    /* Rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest, ties to even. */
+    return (uint16_t)(sign | (abs + 0xc8000fffu + ((abs >> 13) & 1)) >> 13);
+#endif
+}
+
+/* Row `row` of a cache (half or float) written from floats. */
+static void cache_store(int half, int64_t hd, void *cache, int64_t row, const float *x) {
+    if (half) {
+        uint16_t *out = (uint16_t *)cache + row * hd;
+        for (int64_t i = 0; i < hd; i++) out[i] = float_to_half(x[i]);
+    } else {
+        memcpy((float *)cache + row * hd, x, (size_t)hd * sizeof(float));
+    }
+}
+
+/* Query head h of token t attends its kv head's positions up to its own (the last `window` of them); the (token,
+ * head) pairs are shared among the threads, dynamically, since tokens at later positions cost more. */
+static void attend(const dims *d, const layer *w, const scratch *s, int64_t tokens, const int64_t *pos,
+                   const int64_t *slot) {
+    int64_t hd = d->head_dim, group = d->heads / d->kv_heads, block = d->ctx * hd;
+    size_t k_size = d->k_half ? 2 : 4, v_size = d->v_half ? 2 : 4;
     float scale = 1.0f / sqrtf((float)hd);
-#pragma omp for schedule(static)
-    for (int64_t h = 0; h < d->heads; h++) {
-        const float *q = s->q + h * hd, *kc = w->k_cache + h / group * d->ctx * hd;
-        const float *vc = w->v_cache + h / group * d->ctx * hd;
-        float *sc = s->scores + h * d->ctx, *o = s->att + h * hd, top = -INFINITY, total = 0.0f;
-        for (int64_t p = first; p <= pos; p++) {
-            sc[p] = dot_f32(q, kc + p * hd, hd) * scale;
+#pragma omp for schedule(dynamic)
+    for (int64_t th = 0; th < tokens * d->heads; th++) {
+        int64_t t = th / d->heads, h = th % d->heads, last = pos[t];
+        int64_t first = d->window > 0 && last - d->window + 1 > 0 ? last - d->window + 1 : 0;
+        int64_t at = (slot[t] * d->kv_heads + h / group) * block;
+        const uint8_t *kc = (const uint8_t *)w->k_cache + at * k_size, *vc = (const uint8_t *)w->v_cache + at * v_size;
+        const float *q = s->q + th * hd;
+        float *sc = s->scores + th * d->ctx, *o = s->att + th * hd, top = -INFINITY, total = 0.0f;
+        for (int64_t p = first; p <= last; p++) {
+            const uint8_t *kp = kc + p * hd * k_size;
+            sc[p] = (d->k_half ? dot_f16((const uint16_t *)kp, kp, q, hd) : dot_f32(q, (const float *)kp, hd)) * scale;
             top = fmaxf(top, sc[p]);
         }
-        for (int64_t p = first; p <= pos; p++) total += sc[p] = expf(sc[p] - top);
+        for (int64_t p = first; p <= last; p++) total += sc[p] = expf(sc[p] - top);
         memset(o, 0, (size_t)hd * sizeof(float));
-        for (int64_t p = first; p <= pos; p++) axpy_f32(o, sc[p] / total, vc + p * hd, hd);
+        for (int64_t p = first; p <= last; p++) {
+            const uint8_t *vp = vc + p * hd * v_size;
+            if (d->v_half)
+                axpy_half(o, sc[p] / total, (const uint16_t *)vp, hd);
+            else
+                axpy_f32(o, sc[p] / total, (const float *)vp, hd);
+        }
     }
 }
 
 static int quantized(int type) { return type != F16; }
 
-/* h [E] += this layer's attention, then += its FFN, for the token at `pos`, whose keys and values land in the
- * cache. cos/sin hold head_dim / 2 values for this position. Returns -1 (nothing read or written) where a matrix
- * does not fit the dimensions or the scratch, -3 where the position is outside the cache. */
-int qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *h, int64_t pos, const float *cos,
-                        const float *sin, int threads) {
-    int64_t e = d->hidden, f = d->ffn, hd = d->head_dim, kv = d->kv_heads * hd;
-    if (d->kv_heads < 1 || d->heads % d->kv_heads || hd % 2 || d->window < 0 ||
+/* For tokens t0..t0+n-1 (n <= TOKEN_BLOCK): out[(t - t0) * out_stride] = row . x[t] where keep[t * keep_stride] is
+ * not 0, else 0. Where most of the chunk needs the row, one pass unpacks it for all of them (row_tokens); where
+ * few do, each takes its own dot product and the others cost nothing. */
+static void masked_row(int type, const uint8_t *row, const uint8_t *next, const float *x, const q8_act *a, int64_t e,
+                       int64_t t0, int64_t n, const float *keep, int64_t keep_stride, float *out, int64_t out_stride) {
+    int64_t needed = 0, nb = e / QK;
+    for (int64_t t = t0; t < t0 + n; t++) needed += keep[t * keep_stride] != 0.0f;
+    if (needed > 1 && 2 * needed >= n) {
+        float all[TOKEN_BLOCK];
+        q8_act block = {a->q + t0 * e, a->d + t0 * nb, a->sum + t0 * nb};
+        row_tokens(type, row, next, x + t0 * e, &block, n, e, all, 1);
+        for (int64_t t = t0; t < t0 + n; t++) out[(t - t0) * out_stride] = keep[t * keep_stride] != 0.0f ? all[t - t0] : 0.0f;
+        return;
+    }
+    for (int64_t t = t0; t < t0 + n; t++)
+        out[(t - t0) * out_stride] = keep[t * keep_stride] != 0.0f ? dot_row(type, row, next, x, a, t, e) : 0.0f;
+}
+
+/* The neurons any token selects (sel [tokens, f], non-zero where selected), ascending, into ids; then sel packed
+ * into [tokens, count] in place: token t's value for ids[k] moves to sel[t * count + k], never past a value still
+ * to be read (count <= f and k <= ids[k]). Returns count. One thread. */
+static int64_t select_union(float *sel, int64_t tokens, int64_t f, int64_t *ids) {
+    int64_t count = 0;
+    for (int64_t j = 0; j < f; j++) {
+        int any = 0;
+        for (int64_t t = 0; t < tokens && !any; t++) any = sel[t * f + j] != 0.0f;
+        if (any) ids[count++] = j;
+    }
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t k = 0; k < count; k++) sel[t * count + k] = sel[t * f + ids[k]];
+    return count;
+}
+
+/* The reverse of select_union's packing: act [tokens, count] back to one value per neuron [tokens, f], zeros
+ * elsewhere, from the last value to the first, so that each is read before its place is written. One thread. */
+static void unpack_union(float *act, int64_t tokens, int64_t f, const int64_t *ids, int64_t count) {
+    for (int64_t t = tokens - 1; t >= 0; t--) {
+        int64_t end = f;
+        for (int64_t k = count - 1; k >= 0; k--) {
+            int64_t id = ids[k];
+            float v = act[t * count + k];
+            for (int64_t j = id + 1; j < end; j++) act[t * f + j] = 0.0f;
+            act[t * f + id] = v;
+            end = id;
+        }
+        for (int64_t j = 0; j < end; j++) act[t * f + j] = 0.0f;
+    }
+}
+
+/* h [tokens, E] += this layer's attention, then += its FFN, for tokens of distinct slots slot[t] (< slots) at
+ * positions pos[t], whose keys and values land in the cache. cos/sin hold head_dim / 2 values per token. The FFN
+ * reads each selected neuron's rows once for all the tokens that need it. Returns the number of neurons whose rows
+ * were read (the union over the tokens), -1 (nothing read or written) where a matrix does not fit the dimensions
+ * or the scratch, -3 where a position or a slot is outside the cache. */
+int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *h, int64_t tokens,
+                            const int64_t *pos, const int64_t *slot, int64_t slots, const float *cos, const float *sin,
+                            int threads) {
+    int64_t e = d->hidden, f = d->ffn, hd = d->head_dim, kv = d->kv_heads * hd, heads = d->heads * hd;
+    if (d->kv_heads < 1 || d->heads % d->kv_heads || hd % 2 || d->window < 0 || tokens < 1 || tokens > d->tokens ||
         (d->form != FORM_GATED && d->form != FORM_GATED_RELU_UP && d->form != FORM_GATED_SILU) ||
-        !matrix_fits(&w->q, d->heads * hd, e) || !matrix_fits(&w->k, kv, e) || !matrix_fits(&w->v, kv, e) ||
-        !matrix_fits(&w->o, e, d->heads * hd) || !matrix_fits(&w->gate, f, e) || !matrix_fits(&w->up, f, e) ||
+        !matrix_fits(&w->q, heads, e) || !matrix_fits(&w->k, kv, e) || !matrix_fits(&w->v, kv, e) ||
+        !matrix_fits(&w->o, e, heads) || !matrix_fits(&w->gate, f, e) || !matrix_fits(&w->up, f, e) ||
         !(d->down_rows ? matrix_fits(&w->down, f, e) : matrix_fits(&w->down, e, f)))
         return -1;
     int64_t rank = w->fc1.rows;
     if (d->sparse && (!d->down_rows || rank < 1 || rank > d->predictor || !matrix_fits(&w->fc1, rank, e) ||
                       !matrix_fits(&w->fc2, f, rank)))
         return -1;
-    if (e > d->widest || f > d->widest || (d->sparse && rank > d->widest)) return -1;
-    if (pos < 0 || pos >= d->ctx) return -3;
-    int64_t count = f;
+    if (e > d->widest || f > d->widest || heads > d->widest || (d->sparse && rank > d->widest)) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (pos[t] < 0 || pos[t] >= d->ctx || slot[t] < 0 || slot[t] >= slots) return -3;
+        for (int64_t u = 0; u < t; u++)
+            if (slot[u] == slot[t]) return -3;
+    }
+    int64_t count = f, block = d->ctx * hd;
     /* One quantized input serves every quantized matrix that reads it; F16 rows read the float input. */
     int qkv_type = quantized(w->q.type) ? w->q.type : quantized(w->k.type) ? w->k.type : w->v.type;
     int ffn_type = quantized(w->gate.type) ? w->gate.type : w->up.type;
 #pragma omp parallel num_threads(threads)
     {
         q8_act a;
-#pragma omp single
-        rms_norm(h, w->attn_norm, e, d->eps, s->x);
-        quantize_input(qkv_type, s->x, e, s, &a);
-        product(&w->q, s->x, &a, s->q);
-        product(&w->k, s->x, &a, s->k);
-        product(&w->v, s->x, &a, s->v);
-#pragma omp single
-        {
-            add_bias(s->q, w->q_bias, d->heads * hd);
-            add_bias(s->k, w->k_bias, kv);
-            add_bias(s->v, w->v_bias, kv);
-            rope(s->q, d->heads, hd, cos, sin, d->rope_neox);
-            rope(s->k, d->kv_heads, hd, cos, sin, d->rope_neox);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) rms_norm(h + t * e, w->attn_norm, e, d->eps, s->x + t * e);
+        quantize_input(qkv_type, s->x, tokens, e, s, &a);
+        product(&w->q, s->x, &a, tokens, s->q);
+        product(&w->k, s->x, &a, tokens, s->k);
+        product(&w->v, s->x, &a, tokens, s->v);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            float *q = s->q + t * heads, *k = s->k + t * kv, *v = s->v + t * kv;
+            add_bias(q, w->q_bias, heads);
+            add_bias(k, w->k_bias, kv);
+            add_bias(v, w->v_bias, kv);
+            rope(q, d->heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
+            rope(k, d->kv_heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
             for (int64_t j = 0; j < d->kv_heads; j++) {
-                memcpy(w->k_cache + (j * d->ctx + pos) * hd, s->k + j * hd, (size_t)hd * sizeof(float));
-                memcpy(w->v_cache + (j * d->ctx + pos) * hd, s->v + j * hd, (size_t)hd * sizeof(float));
+                int64_t row = (slot[t] * d->kv_heads + j) * block / hd + pos[t];
+                cache_store(d->k_half, hd, w->k_cache, row, k + j * hd);
+                cache_store(d->v_half, hd, w->v_cache, row, v + j * hd);
             }
         }
-        attend(d, w, s, pos);
-        quantize_input(w->o.type, s->att, d->heads * hd, s, &a);
-        product(&w->o, s->att, &a, s->out);
-#pragma omp single
-        {
-            for (int64_t i = 0; i < e; i++) h[i] += s->out[i];
-            rms_norm(h, w->ffn_norm, e, d->eps, s->x);
+        attend(d, w, s, tokens, pos, slot);
+        quantize_input(w->o.type, s->att, tokens, heads, s, &a);
+        product(&w->o, s->att, &a, tokens, s->out);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            for (int64_t i = 0; i < e; i++) h[t * e + i] += s->out[t * e + i];
+            rms_norm(h + t * e, w->ffn_norm, e, d->eps, s->x + t * e);
         }
         if (d->sparse) {
-            /* The predictor reads the residual h, not the normalised input. */
-            quantize_input(w->fc1.type, h, e, s, &a);
-            product(&w->fc1, h, &a, s->pred);
-#pragma omp single
-            for (int64_t i = 0; i < rank; i++) s->pred[i] = s->pred[i] > 0.0f ? s->pred[i] : 0.0f;
-            quantize_input(w->fc2.type, s->pred, rank, s, &a);
+            /* The predictor reads the residual h, not the normalised input; its scores land in g [tokens, F], and
+             * become 1 where the neuron is selected. */
+            quantize_input(w->fc1.type, h, tokens, e, s, &a);
+            product(&w->fc1, h, &a, tokens, s->pred);
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < f; r++) {
-                const uint8_t *row = w->fc2.data + r * w->fc2.stride;
-                s->fire[r] = dot_row(w->fc2.type, row, row, s->pred, &a, 0, rank) >= d->threshold;
-            }
-#pragma omp single
-            {
-                count = 0;
-                for (int64_t r = 0; r < f; r++)
-                    if (s->fire[r]) s->ids[count++] = r;
-            }
-            quantize_input(ffn_type, s->x, e, s, &a);
+            for (int64_t i = 0; i < tokens * rank; i++) s->pred[i] = s->pred[i] > 0.0f ? s->pred[i] : 0.0f;
+            quantize_input(w->fc2.type, s->pred, tokens, rank, s, &a);
+            product(&w->fc2, s->pred, &a, tokens, s->g);
 #pragma omp for schedule(static)
+            for (int64_t i = 0; i < tokens * f; i++) s->g[i] = s->g[i] >= d->threshold ? 1.0f : 0.0f;
+#pragma omp single
+            count = select_union(s->g, tokens, f, s->ids);
+            quantize_input(ffn_type, s->x, tokens, e, s, &a);
+            /* g [tokens, count]: 1 where the token selected the neuron, then its activation (0: nothing to add). */
+#pragma omp for schedule(dynamic, 8)
             for (int64_t j = 0; j < count; j++) {
                 int64_t id = s->ids[j], next = s->ids[j + 1 < count ? j + 1 : j];
-                const uint8_t *up_row = w->up.data + id * w->up.stride;
                 /* Read ahead as qinfer_sparse_ffn does: this neuron's up row, then the next one's gate row. */
-                const uint8_t *gate_row = w->gate.data + id * w->gate.stride;
-                float g = gate_act(d->form, dot_row(w->gate.type, gate_row, up_row, s->x, &a, 0, e));
-                s->g[j] = 0.0f;
-                /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
-                if (g == 0.0f) continue;
-                float u = dot_row(w->up.type, up_row, w->gate.data + next * w->gate.stride, s->x, &a, 0, e);
-                s->g[j] = g * (d->form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u);
+                const uint8_t *gate_row = w->gate.data + id * w->gate.stride, *up_row = w->up.data + id * w->up.stride;
+                const uint8_t *next_gate = w->gate.data + next * w->gate.stride;
+                for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
+                    int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
+                    masked_row(w->gate.type, gate_row, up_row, s->x, &a, e, t0, n, s->g + j, count,
+                               s->g + t0 * count + j, count);
+                    /* A neuron whose gate does not fire for a token contributes nothing: no up product for it. */
+                    for (int64_t t = t0; t < t0 + n; t++) s->g[t * count + j] = gate_act(d->form, s->g[t * count + j]);
+                    float u[TOKEN_BLOCK];
+                    masked_row(w->up.type, up_row, next_gate, s->x, &a, e, t0, n, s->g + j, count, u, 1);
+                    for (int64_t t = t0; t < t0 + n; t++) {
+                        float *g = s->g + t * count + j, up = u[t - t0];
+                        if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+                    }
+                }
             }
-            add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, 1, e, s->out);
+            add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, tokens, e, s->out);
         } else {
-            quantize_input(ffn_type, s->x, e, s, &a);
-            product(&w->gate, s->x, &a, s->g);
+            quantize_input(ffn_type, s->x, tokens, e, s, &a);
+            product(&w->gate, s->x, &a, tokens, s->g);
             /* Every neuron whose |act(gate)| exceeds the layer's threshold: relu(gate) * up is 0 wherever the gate
              * does not fire, whatever up is, so with threshold 0 the sum is the dense one exactly and a ReLU model
              * reads a fraction of up; a calibrated SwiGLU model skips the up rows of its quiet neurons. The firing
-             * neurons are listed first (ids, their activations packed into the front of g), so that each up row
-             * read ahead is one that will be used. */
-#pragma omp single
-            {
-                count = 0;
-                for (int64_t j = 0; j < f; j++) {
-                    float g = gate_act(d->form, s->g[j]);
-                    if (!(fabsf(g) > w->gate_threshold)) continue;
-                    s->ids[count] = j;
-                    s->g[count++] = g; /* count <= j: g[j] is read before anything is written there */
-                }
-            }
+             * neurons are listed first (ids, their activations packed into g), so that each up row read ahead is
+             * one that will be used. */
 #pragma omp for schedule(static)
+            for (int64_t i = 0; i < tokens * f; i++) {
+                float g = gate_act(d->form, s->g[i]);
+                s->g[i] = fabsf(g) > w->gate_threshold ? g : 0.0f;
+            }
+#pragma omp single
+            count = select_union(s->g, tokens, f, s->ids);
+#pragma omp for schedule(dynamic, 8)
             for (int64_t k = 0; k < count; k++) {
                 const uint8_t *row = w->up.data + s->ids[k] * w->up.stride;
                 const uint8_t *next = w->up.data + s->ids[k + 1 < count ? k + 1 : k] * w->up.stride;
-                float u = dot_row(w->up.type, row, next, s->x, &a, 0, e);
-                s->g[k] *= d->form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u;
+                for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
+                    int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
+                    float u[TOKEN_BLOCK];
+                    masked_row(w->up.type, row, next, s->x, &a, e, t0, n, s->g + k, count, u, 1);
+                    for (int64_t t = t0; t < t0 + n; t++) {
+                        float *g = s->g + t * count + k, up = u[t - t0];
+                        if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+                    }
+                }
             }
             if (d->down_rows) {
-                add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, 1, e, s->out);
+                add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, tokens, e, s->out);
             } else {
 #pragma omp single
-                {
-                    /* Back to one activation per neuron, from the last: ids[k] >= k, so each packed value is read
-                     * before its place is overwritten. */
-                    int64_t end = f;
-                    for (int64_t k = count - 1; k >= 0; k--) {
-                        int64_t id = s->ids[k];
-                        float v = s->g[k];
-                        for (int64_t j = id + 1; j < end; j++) s->g[j] = 0.0f;
-                        s->g[id] = v;
-                        end = id;
-                    }
-                    for (int64_t j = 0; j < end; j++) s->g[j] = 0.0f;
-                }
-                quantize_input(w->down.type, s->g, f, s, &a);
-                product(&w->down, s->g, &a, s->out);
+                unpack_union(s->g, tokens, f, s->ids, count);
+                quantize_input(w->down.type, s->g, tokens, f, s, &a);
+                product(&w->down, s->g, &a, tokens, s->out);
             }
         }
         /* add_weighted_rows ends without a barrier; every thread's slice of out must be in. */
 #pragma omp barrier
-#pragma omp single
-        for (int64_t i = 0; i < e; i++) h[i] += s->out[i];
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < tokens * e; i++) h[i] += s->out[i];
     }
-    return 0;
+    return count;
 }
 
-/* Element counts of the scratch buffers, in the struct's order, for the dimensions d (ctx included). */
-void qinfer_scratch_sizes(const dims *d, int64_t out[14]) {
+/* Element counts of the scratch buffers, in the struct's order, for the dimensions d (ctx and tokens included). */
+void qinfer_scratch_sizes(const dims *d, int64_t out[13]) {
     int64_t heads = d->heads * d->head_dim, kv = d->kv_heads * d->head_dim, blocks = d->widest / QK + 1;
-    int64_t sizes[14] = {d->hidden, heads, kv, kv, heads, d->heads * d->ctx, d->predictor > 0 ? d->predictor : 1,
-                         d->ffn, d->hidden, d->ffn, d->ffn, d->widest, blocks, blocks};
+    int64_t b = d->tokens, rank = d->predictor > 0 ? d->predictor : 1;
+    int64_t sizes[13] = {b * d->hidden, b * heads, b * kv, b * kv, b * heads, b * d->heads * d->ctx, b * rank,
+                         b * d->ffn, b * d->hidden, d->ffn, b * d->widest, b * blocks, b * blocks};
     memcpy(out, sizes, sizeof sizes);
 }
 
@@ -327,14 +431,14 @@ static const abi_fact abi_facts[] = {
     FIELD(layer, ffn_norm), FIELD(layer, q_bias), FIELD(layer, k_bias), FIELD(layer, v_bias), FIELD(layer, k_cache),
     FIELD(layer, v_cache), FIELD(layer, gate_threshold),
     SIZE(dims), FIELD(dims, hidden), FIELD(dims, heads), FIELD(dims, kv_heads), FIELD(dims, head_dim),
-    FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, window),
+    FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, window), FIELD(dims, tokens),
     FIELD(dims, eps), FIELD(dims, threshold), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
-    FIELD(dims, rope_neox),
+    FIELD(dims, rope_neox), FIELD(dims, k_half), FIELD(dims, v_half),
     SIZE(scratch), FIELD(scratch, x), FIELD(scratch, q), FIELD(scratch, k), FIELD(scratch, v),
     FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out),
-    FIELD(scratch, ids), FIELD(scratch, fire), FIELD(scratch, xq), FIELD(scratch, xd), FIELD(scratch, xs),
+    FIELD(scratch, ids), FIELD(scratch, xq), FIELD(scratch, xd), FIELD(scratch, xs),
     ELEMENT(x), ELEMENT(q), ELEMENT(k), ELEMENT(v), ELEMENT(att), ELEMENT(scores), ELEMENT(pred), ELEMENT(g),
-    ELEMENT(out), ELEMENT(ids), ELEMENT(fire), ELEMENT(xq), ELEMENT(xd), ELEMENT(xs),
+    ELEMENT(out), ELEMENT(ids), ELEMENT(xq), ELEMENT(xd), ELEMENT(xs),
 };
 
 /* The facts, and how many there are. */

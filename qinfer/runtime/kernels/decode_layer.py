@@ -1,11 +1,11 @@
-"""One native call per layer for a LLaMA-shaped decode step of one token on the CPU (decode_layer.c).
+"""One native call per layer for a LLaMA-shaped decode step on the CPU (decode_layer.c): one new token for each of
+one or more sequences, each in its own slot of the KV cache.
 
 `DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
 rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
 made in between. It applies to llama, bamboo and qwen2 files whose matrices are F16, Q4_0 or Q8_0 rows, with a
-dense FFN, the predictor's sparse one or a calibrated gate's, a full KV cache on the CPU, and one sequence
-decoding one token; everything else
-(prompts, batches of slots, the window cache, the GPU split, the oracle) keeps the torch path, which computes the
+dense FFN, the predictor's sparse one or a calibrated gate's, and a full KV cache on the CPU in float32 or f16;
+everything else (prompts, the window cache, the GPU split, the oracle) keeps the torch path, which computes the
 same layer.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -69,6 +70,14 @@ class LayerRunner(Protocol):
     def native_rows(self) -> tuple[Sequence[FFNRows], float | None] | None: ...
 
 
+class Schedule(Protocol):
+    """A predictor-sparse runner's choice per layer and step between the predictor's rows and the dense ones
+    (ffn/schedule.py), told the union each step read."""
+
+    def sparse(self, layer: int, tokens: int) -> bool: ...
+    def observe(self, layer: int, tokens: int, union: int) -> None: ...
+
+
 class Positions(Protocol):
     @property
     def slots(self) -> torch.Tensor: ...
@@ -85,6 +94,10 @@ class StepRows(Protocol):
     def cos(self) -> torch.Tensor | None: ...
     @property
     def sin(self) -> torch.Tensor | None: ...
+
+
+# The cache types the kernel reads and writes (decode_layer.c's k_half and v_half).
+KV_TYPES = (torch.float32, torch.float16)
 
 
 class CacheRows(Protocol):
@@ -126,6 +139,9 @@ class DecodeLayers:
         self.layers = layers
         self.dims = dims
         self._keep = keep  # every tensor the structures point into, alive as long as they are
+        self.predictor = bool(dims.sparse)
+        schedule = getattr(runner, "schedule", None) if self.predictor else None
+        self.schedule: Schedule | None = schedule
         self._scratch = Scratch()
         self._buffers: dict[str, torch.Tensor] = {}  # what the scratch points into
 
@@ -155,8 +171,8 @@ class DecodeLayers:
         rank = max(w.fc1.shape[0] for w in ffn) if sparse else 0  # type: ignore[union-attr]
         dims = Dims(
             hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn, ctx=0,
-            predictor=rank, widest=max(cfg.hidden, cfg.ffn, rank), window=cfg.sliding_window or 0, eps=cfg.norm_eps,
-            threshold=threshold, form=form_code(form), sparse=int(sparse), down_rows=down_rows.pop(),
+            tokens=0, predictor=rank, widest=max(cfg.hidden, cfg.ffn, rank), window=cfg.sliding_window or 0,
+            eps=cfg.norm_eps, threshold=threshold, form=form_code(form), sparse=int(sparse), down_rows=down_rows.pop(),
             rope_neox=int(architecture(cfg.arch).rope == "neox"),
         )  # fmt: skip
         return cls(cfg, runner, layers, dims, keep)
@@ -181,27 +197,29 @@ class DecodeLayers:
         return layer, down_rows
 
     def takes(self, h: torch.Tensor, step: StepRows, cache: CacheRows, runner: object) -> bool:
-        """Whether this forward call is one the kernel computes: one token of one sequence in a slot of the cache,
-        all on the CPU, with the FFN runner the layers were described for (a runner swapped in later, to record or
-        to test, gets the torch path)."""
+        """Whether this forward call is one the kernel computes: one token of each of one or more sequences, each in
+        its own slot of the cache (a decode step), all on the CPU, with the FFN runner the layers were described for
+        (a runner swapped in later, to record or to test, gets the torch path)."""
+        slots = step.batch.slots
         return (
             runner is self.runner
-            and h.shape[0] == 1
             and h.device.type == "cpu"
             and h.dtype == torch.float32
             and h.is_contiguous()
             and cache.rows_by_position
             and cache.k.device.type == "cpu"
-            and cache.k.dtype == torch.float32
-            and 0 <= int(step.batch.slots[0]) < cache.k.shape[1]
+            and cache.k.dtype in KV_TYPES
+            and cache.v.dtype in KV_TYPES
             and step.cos is not None
+            and bool(((slots >= 0) & (slots < cache.k.shape[1])).all())
+            and (h.shape[0] == 1 or slots.unique().numel() == h.shape[0])
             and row_kernels.enabled()
         )
 
-    def _scratch_for(self, ctx: int) -> None:
-        """(Re)allocate the scratch for a cache of `ctx` positions (the attention scores grow with it), in the sizes
-        the kernel asks for."""
-        self.dims.ctx = ctx
+    def _scratch_for(self, ctx: int, tokens: int) -> None:
+        """(Re)allocate the scratch for `tokens` tokens over a cache of `ctx` positions (the attention scores grow
+        with both), in the sizes the kernel asks for."""
+        self.dims.ctx, self.dims.tokens = ctx, tokens
         sizes = (ctypes.c_int64 * len(SCRATCH))()
         row_kernels.kernel().qinfer_scratch_sizes(ctypes.addressof(self.dims), sizes)  # type: ignore[union-attr]
         # Bytes from torch's allocator, which aligns them for the kernel's vector loads.
@@ -212,26 +230,50 @@ class DecodeLayers:
         for name, buffer in self._buffers.items():
             setattr(self._scratch, name, buffer.data_ptr())
 
-    def run(self, i: int, h: torch.Tensor, step: StepRows, cache: CacheRows) -> torch.Tensor:
-        """Layer i for the one token h [1, E] (updated in place and returned), at the step's position and slot."""
-        if cache.ctx != self.dims.ctx:
-            self._scratch_for(cache.ctx)
-        if self.dims.sparse:
+    def begin(self, step: StepRows, cache: CacheRows) -> NativeStep:
+        """What every layer of this call shares: the scratch sized for it, the tokens' slots and positions."""
+        n = step.batch.slots.shape[0]
+        if cache.ctx != self.dims.ctx or n > self.dims.tokens:
+            self._scratch_for(cache.ctx, max(n, self.dims.tokens))
+        self.dims.k_half, self.dims.v_half = int(cache.k.dtype == torch.float16), int(cache.v.dtype == torch.float16)
+        assert step.cos is not None and step.sin is not None
+        return NativeStep(
+            step.batch.slots.to(torch.int64).contiguous(),
+            step.batch.positions.to(torch.int64).contiguous(),
+            step.cos.float().contiguous(),
+            step.sin.float().contiguous(),
+        )
+
+    def run(self, i: int, h: torch.Tensor, call: NativeStep, cache: CacheRows) -> torch.Tensor:
+        """Layer i for the tokens h [T, E] (updated in place and returned), at the call's positions and slots."""
+        tokens = h.shape[0]
+        if self.predictor:
             selected = self.runner.native_rows()
             assert selected is not None and selected[1] is not None
             self.dims.threshold = selected[1]
-        assert step.cos is not None and step.sin is not None
-        slot, pos = int(step.batch.slots[0]), int(step.batch.positions[0])
+            self.dims.sparse = int(self.schedule is None or self.schedule.sparse(i, tokens))
         layer = self.layers[i]
-        # The cache is [layers, slots, kv_heads, ctx, head_dim]: this layer's and slot's block.
-        offset = (i * cache.k.shape[1] + slot) * cache.k[0, 0].numel() * cache.k.element_size()
-        layer.k_cache = cache.k.data_ptr() + offset
-        layer.v_cache = cache.v.data_ptr() + offset
+        # The cache is [layers, slots, kv_heads, ctx, head_dim]: this layer's block.
+        layer.k_cache = cache.k[i].data_ptr()
+        layer.v_cache = cache.v[i].data_ptr()
         status = row_kernels.kernel().qinfer_decode_layer(  # type: ignore[union-attr]
-            ctypes.addressof(layer), ctypes.addressof(self.dims), ctypes.addressof(self._scratch), h.data_ptr(), pos,
-            step.cos.data_ptr(), step.sin.data_ptr(), torch.get_num_threads(),
+            ctypes.addressof(layer), ctypes.addressof(self.dims), ctypes.addressof(self._scratch), h.data_ptr(),
+            tokens, call.positions.data_ptr(), call.slots.data_ptr(), cache.k.shape[1], call.cos.data_ptr(),
+            call.sin.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status == -3:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
-        row_kernels.check(status)
+        row_kernels.check(min(status, 0))
+        if self.schedule is not None:
+            self.schedule.observe(i, tokens, status)
         return h
+
+
+@dataclass(frozen=True)
+class NativeStep:
+    """One forward call's tokens as the kernel reads them: int64 slots and positions, float rope tables."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor

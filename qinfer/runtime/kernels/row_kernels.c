@@ -656,21 +656,15 @@ int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64
     return 0;
 }
 
-/* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n]: each row is read once for all of them. */
-int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const float *x, int64_t n,
-                  int64_t tokens, float *out, int threads) {
-    int64_t rows = shape[0];
-    if (!fits(type, stride, rows, shape[1], n, NULL, rows)) return -1;
-    q8_act xq = {0};
-    if (type != F16 && q8_quantize(x, tokens, n, &xq)) {
-        q8_free(&xq);
-        return -2;
-    }
+/* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n], inside a parallel region: each row is read once for
+ * all of them. xq holds the inputs quantized (for quantized rows). */
+static void matvec_rows(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x, const q8_act *xq,
+                        int64_t n, int64_t tokens, float *out) {
     /* Tokens go a block at a time, so a block's inputs stay in cache while every row passes by them. */
-#pragma omp parallel num_threads(threads)
     for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
         int64_t count = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK, nb = n / QK;
-        q8_act block = {xq.q ? xq.q + t0 * n : NULL, xq.d ? xq.d + t0 * nb : NULL, xq.sum ? xq.sum + t0 * nb : NULL};
+        q8_act block = {xq->q ? xq->q + t0 * n : NULL, xq->d ? xq->d + t0 * nb : NULL,
+                        xq->sum ? xq->sum + t0 * nb : NULL};
         if (count > 1) {
             /* Rows in pairs: each input vector loaded serves both (see rows2_tokens). */
 #pragma omp for schedule(static)
@@ -690,6 +684,20 @@ int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shap
             row_tokens(type, row, next, x + t0 * n, &block, count, n, out + t0 * rows + r, rows);
         }
     }
+}
+
+/* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n]: each row is read once for all of them. */
+int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const float *x, int64_t n,
+                  int64_t tokens, float *out, int threads) {
+    int64_t rows = shape[0];
+    if (!fits(type, stride, rows, shape[1], n, NULL, rows)) return -1;
+    q8_act xq = {0};
+    if (type != F16 && q8_quantize(x, tokens, n, &xq)) {
+        q8_free(&xq);
+        return -2;
+    }
+#pragma omp parallel num_threads(threads)
+    matvec_rows(type, w, stride, rows, x, &xq, n, tokens, out);
     q8_free(&xq);
     return 0;
 }

@@ -209,12 +209,13 @@ def load(name: str) -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.qinfer_weighted_rows.argtypes = [p, i64, i32, s, p, i64, p, i64, i64, p, i32]
     lib.qinfer_matvec.argtypes = [p, i64, i32, s, p, i64, i64, p, i32]
-    lib.qinfer_decode_layer.argtypes = [p, p, p, p, i64, p, p, i32]
+    lib.qinfer_decode_layer.argtypes = [p, p, p, p, i64, p, p, i64, p, p, i32]
+    lib.qinfer_decode_layer.restype = i64
     lib.qinfer_scratch_sizes.argtypes = [p, p]
     lib.qinfer_scratch_sizes.restype = None
     lib.qinfer_abi.argtypes = [p]
     lib.qinfer_abi.restype = i64
-    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec, lib.qinfer_decode_layer):
+    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec):
         entry.restype = i32
     if (problem := disagreement(lib)) is not None:
         print(f"qinfer: native row kernels not loaded (C and Python disagree on {problem}); using torch's slower path",

@@ -9,23 +9,39 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
 from qinfer.core.model_spec import ModelSpec
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.window import WindowKVCache
 
+# The torch type of each cache element type (qinfer.core.kv_policy.CACHE_TYPES).
+DTYPES = {"f16": torch.float16, "f32": torch.float32}
+
+
+def cache_dtypes(types: KVTypes, device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
+    """K's and V's torch types: the ones `types` names on the CPU; f16 on a GPU (what the planner budgets for)."""
+    if torch.device(device).type != "cpu":
+        return torch.float16, torch.float16
+    return DTYPES[types.k], DTYPES[types.v]
+
 
 class KVCache:
-    """K and V per layer and slot: [layers, slots, kv_heads, ctx, head_dim]; float32 on the CPU, float16 on a GPU
-    (what the planner budgets for)."""
+    """K and V per layer and slot: [layers, slots, kv_heads, ctx, head_dim], in the types `types` gives."""
 
     rows_by_position = True  # row p of a slot holds position p (the window cache's rows hold any position)
 
-    def __init__(self, cfg: ModelSpec, ctx: int, slots: int = 1, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        cfg: ModelSpec,
+        ctx: int,
+        slots: int = 1,
+        device: torch.device | str = "cpu",
+        types: KVTypes = DEFAULT_KV_TYPES,
+    ):
         shape = (cfg.layers, slots, cfg.kv_heads, ctx, cfg.head_dim)
-        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        k_type, v_type = cache_dtypes(types, device)
+        self.k = torch.zeros(shape, device=device, dtype=k_type)
+        self.v = torch.zeros(shape, device=device, dtype=v_type)
         self.ctx = ctx
 
     @property
@@ -68,10 +84,16 @@ Cache = KVCache | WindowKVCache
 
 
 def make_kv_cache(
-    cfg: ModelSpec, ctx: int, slots: int = 1, device: torch.device | str = "cpu", policy: KVPolicy | None = None
+    cfg: ModelSpec,
+    ctx: int,
+    slots: int = 1,
+    device: torch.device | str = "cpu",
+    policy: KVPolicy | None = None,
+    types: KVTypes = DEFAULT_KV_TYPES,
 ) -> Cache:
-    """The cache that `policy` (qinfer.core.kv_policy; default full) describes, for `slots` sequences of `ctx`;
-    refused in one line, before anything is allocated, where the host cannot hold its K and V."""
+    """The cache that `policy` (qinfer.core.kv_policy; default full) describes, for `slots` sequences of `ctx`, in
+    the element types `types` gives (the window cache keeps float32 on the CPU); refused in one line, before
+    anything is allocated, where the host cannot hold its K and V."""
     window = policy if policy is not None and policy.windowed else None
     if window is not None and cfg.sliding_window is not None:
         raise UserError(
@@ -81,8 +103,10 @@ def make_kv_cache(
     rows = window.split(ctx).rows if window is not None else ctx
     lower = "lower the sequences (--parallel, --slots) or --ctx-size"
     if torch.device(device).type == "cpu":
-        # float32 K and V; a window's positions and masses are a few bytes a row more.
-        needed, free = 2 * cfg.layers * slots * cfg.kv_heads * rows * cfg.head_dim * 4, _host_memory()
+        # A window's positions and masses are a few bytes a row more.
+        k_type, v_type = (torch.float32, torch.float32) if window is not None else cache_dtypes(types, device)
+        element = k_type.itemsize + v_type.itemsize
+        needed, free = cfg.layers * slots * cfg.kv_heads * rows * cfg.head_dim * element, _host_memory()
         if needed > free:
             raise UserError(
                 f"the KV cache for {slots} sequences of {ctx} tokens needs {needed / 2**30:.1f} GiB, more than the "
@@ -91,11 +115,12 @@ def make_kv_cache(
     try:
         if window is not None:
             return WindowKVCache(cfg, ctx, slots, device, window)
-        return KVCache(cfg, ctx, slots, device)
+        return KVCache(cfg, ctx, slots, device, types)
     except RuntimeError as exc:  # torch's allocators, on the host and on a GPU, fail with RuntimeErrors
         if "alloc" not in str(exc) and "out of memory" not in str(exc):
             raise
         raise UserError(f"the KV cache for {slots} sequences of {ctx} tokens does not fit in memory; {lower}") from None
+
 
 def _host_memory() -> int:
     """Bytes the host can give now (Linux's MemAvailable), else its physical memory."""

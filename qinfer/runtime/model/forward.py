@@ -124,9 +124,13 @@ class TransformerForward:
         h = self.embed_tokens(batch)
         step = self.step(batch)
         prefill = batch.tokens.shape[0] > 1 and batch.single_sequence
-        native = self.native if self.native is not None and self.native.takes(h, step, cache, self.ffn) else None
-        for i in range(self.cfg.layers):
-            h = self.block(i, h, step, cache, prefill) if native is None else native.run(i, h, step, cache)
+        if self.native is not None and self.native.takes(h, step, cache, self.ffn):
+            call = self.native.begin(step, cache)
+            for i in range(self.cfg.layers):
+                h = self.native.run(i, h, call, cache)
+        else:
+            for i in range(self.cfg.layers):
+                h = self.block(i, h, step, cache, prefill)
         return self.head(h)
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: Cache, slot: int = 0) -> torch.Tensor:

@@ -16,12 +16,13 @@ import torch
 
 from qinfer.core.architectures import architecture
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.kv_policy import KVPolicy, KVTypes
 from qinfer.planner.budget import GIB
-from qinfer.planner.device_profiles import load_profile
+from qinfer.planner.device_profiles import DEFAULT_CPU, load_profile
 from qinfer.planner.model_layout import ModelLayout
 from qinfer.runtime.ffn.hybrid import HybridRunner, require_split_support
 from qinfer.runtime.ffn.runners import DenseRunner, Selector, SparseRunner
+from qinfer.runtime.ffn.schedule import FFNSchedule
 from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.ffn.split_cost import SplitCosts
 from qinfer.runtime.kernels import row_kernels
@@ -48,9 +49,11 @@ def forward_class(model: ModelFile) -> type[TransformerForward]:
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """ffn: auto (sparse when the file has predictors), sparse, dense, or oracle (true active set; testing).
+    """ffn: auto (sparse when the file has predictors, reading a layer's dense rows where a batch makes them
+    cheaper: ffn/schedule.py), sparse (the predictor at every step), dense, or oracle (true active set; testing).
     vram_budget_gib: None runs without a GPU split. device: the GPU side ("cuda", or "cpu" to simulate one);
-    None picks CUDA when available. kv_policy: which KV rows each sequence keeps, as the plan budgets them."""
+    None picks CUDA when available. kv_policy: which KV rows each sequence keeps, as the plan budgets them;
+    kv_types: the element types of a CPU cache."""
 
     ffn: str = "auto"
     vram_budget_gib: float | None = None
@@ -59,6 +62,7 @@ class RuntimeOptions:
     disable_gpu_index: bool = False
     device: str | None = None
     kv_policy: KVPolicy = field(default_factory=KVPolicy)
+    kv_types: KVTypes = field(default_factory=KVTypes)
 
 
 @dataclass
@@ -179,7 +183,12 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
         return LoadedRuntime(make_forward(model, DenseRunner(layers), cpu), mode, "static", notes=unused)
     threshold = model.sparse_threshold
     if options.vram_budget_gib is None or mode == "oracle":
-        runner = SparseRunner(layers, threshold, "oracle" if mode == "oracle" else selector(layers))
+        chosen = "oracle" if mode == "oracle" else selector(layers)
+        # Asked for nothing in particular, a predictor-sparse model may read dense rows where a batch makes them
+        # cheaper; --ffn sparse keeps the predictor for every step.
+        adaptive = options.ffn == "auto" and chosen == "predictor"
+        schedule = FFNSchedule(layers, load_profile(DEFAULT_CPU, "cpu")) if adaptive else None
+        runner = SparseRunner(layers, threshold, chosen, schedule)
         return LoadedRuntime(make_forward(model, runner, cpu), mode, "static")
     device = gpu_device(options.device)
     if device is not None:

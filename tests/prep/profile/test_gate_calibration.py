@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qinfer.core.activation_files import read_activations
 from qinfer.core.errors import UserError
+from qinfer.core.kv_policy import F32_KV
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.predictor.training import TrainSettings, train_predictors
 from qinfer.prep.profile.activation_profile import profile_activations
@@ -104,7 +105,7 @@ def decode(path: Path, ids: list[int], options: RuntimeOptions, native: bool = T
     forward = load_forward(open_model(path), options).forward
     if not native:
         forward.native = None
-    cache = KVCache(forward.cfg, 64)
+    cache = KVCache(forward.cfg, 64, types=F32_KV)
     with torch.inference_mode():
         return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
 
@@ -210,7 +211,7 @@ def test_dense_runner_ignores_thresholds_on_both_paths(calibrated: dict) -> None
         forward = LlamaForward(open_model(calibrated["f16"]))
         assert forward.native is not None
         forward.native = forward.native if native else None
-        cache = KVCache(forward.cfg, 64)
+        cache = KVCache(forward.cfg, 64, types=F32_KV)
         with torch.inference_mode():
             steps = [forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)]
         logits.append(torch.cat(steps))

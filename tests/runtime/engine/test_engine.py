@@ -17,10 +17,13 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.mark.parametrize("ffn", ["dense", "sparse"])
-def test_batched_decode_equals_each_prompt_alone(gguf_files: dict[str, Path], ffn: str) -> None:
-    alone = Engine.open(gguf_files["pi-f32"], ctx_size=96, ffn=ffn)
+@pytest.mark.parametrize("file", ["pi-f32", "pi-f16"])
+def test_batched_decode_equals_each_prompt_alone(gguf_files: dict[str, Path], ffn: str, file: str) -> None:
+    """pi-f32 decodes through torch, pi-f16 through the native layer step (one call per layer for the batch); both
+    with the default f16 cache."""
+    alone = Engine.open(gguf_files[file], ctx_size=96, ffn=ffn)
     expected = [generate(alone, p, 20, GREEDY, ignore_eos=True).tokens for p in PROMPTS]
-    together = Engine.open(gguf_files["pi-f32"], slots=3, ctx_size=96, ffn=ffn)
+    together = Engine.open(gguf_files[file], slots=3, ctx_size=96, ffn=ffn)
     # Four prompts on three slots: the fourth starts when a slot frees, so lengths and positions differ.
     results = generate_many(together, PROMPTS, 20, GREEDY, ignore_eos=True)
     assert [r.tokens for r in results] == expected

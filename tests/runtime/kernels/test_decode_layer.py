@@ -1,6 +1,8 @@
 """The native decode step of a whole layer (decode_layer.c): the logits it gives equal the torch path's, which the
-runtime's other tests hold against transformers; it runs exactly where it applies and steps aside elsewhere; a
-sparse step with every neuron selected is the dense step; a description that does not fit is refused."""
+runtime's other tests hold against transformers, for one sequence and for a batch of sequences at their own
+positions, whose every sequence gets what it gets alone; the f16 cache holds what torch's conversion gives; it runs
+exactly where it applies and steps aside elsewhere; a sparse step with every neuron selected is the dense step; a
+description that does not fit is refused."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.kv_policy import KVPolicy, KVTypes
 from qinfer.core.predictor_dir import FC1, FC2
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
@@ -35,6 +37,7 @@ pytestmark = [
 ]
 CTX = 64
 IDS = [5, 17, 300, 42, 9, 77, 128, 3, 250, 61, 19, 400]
+F32 = KVTypes("f32", "f32")
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +69,14 @@ def forward_for(path: Path, ffn: str) -> TransformerForward:
     return forward
 
 
-def decode(forward: TransformerForward, native: bool, slot: int = 0, slots: int = 1) -> torch.Tensor:
+def decode(
+    forward: TransformerForward, native: bool, slot: int = 0, slots: int = 1, types: KVTypes = F32
+) -> torch.Tensor:
     """Logits of a 3-token prompt, then one decode step per remaining token of IDS, in `slot` of a cache of `slots`,
     with or without the layer kernel; the other slots must stay untouched."""
     kept = forward.native  # type: ignore[attr-defined]
     forward.native = kept if native else None  # type: ignore[attr-defined]
-    cache = make_kv_cache(forward.cfg, CTX, slots)
+    cache = make_kv_cache(forward.cfg, CTX, slots, types=types)
     assert isinstance(cache, KVCache)
     try:
         with torch.inference_mode():
@@ -83,6 +88,41 @@ def decode(forward: TransformerForward, native: bool, slot: int = 0, slots: int 
     others = [s for s in range(slots) if s != slot]
     assert not cache.k[:, others].any() and not cache.v[:, others].any()
     return torch.cat(logits)
+
+
+def decode_together(
+    forward: TransformerForward, native: bool, sequences: int, together: bool, types: KVTypes = F32
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`sequences` prompts of different lengths (2 to 5 tokens of IDS, rotated), each in its own slot, then
+    STEPS decode steps of teacher-forced tokens: all sequences in one forward call per step (together), or one call
+    per sequence. Each sequence's logits per step, and the cache's keys."""
+    kept = forward.native  # type: ignore[attr-defined]
+    forward.native = kept if native else None  # type: ignore[attr-defined]
+    cache = make_kv_cache(forward.cfg, CTX, sequences, types=types)
+    prompts = [(IDS[s:] + IDS[:s])[: 2 + s % 4] for s in range(sequences)]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    try:
+        with torch.inference_mode():
+            for slot, prompt in enumerate(prompts):
+                forward.forward(TokenBatch.prompt(torch.tensor(prompt), 0, slot), cache)
+            for step in range(STEPS):
+                tokens = [IDS[(slot + step) % len(IDS)] for slot in range(sequences)]
+                positions = [len(p) + step for p in prompts]
+                if together:
+                    rows = forward.forward(TokenBatch.decode(tokens, positions, list(range(sequences))), cache)
+                else:
+                    rows = torch.cat([
+                        forward.forward(TokenBatch.decode([t], [p], [slot]), cache)
+                        for slot, (t, p) in enumerate(zip(tokens, positions, strict=True))
+                    ])  # fmt: skip
+                for slot in range(sequences):
+                    logits[slot].append(rows[slot])
+    finally:
+        forward.native = kept  # type: ignore[attr-defined]
+    return [torch.stack(rows) for rows in logits], cache.k.clone()
+
+
+STEPS = 6
 
 
 def counting_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -123,6 +163,48 @@ def test_a_later_slot_and_mixed_predictor_ranks(gguf_files: dict[str, Path], mix
     assert (decode(mixed, True) - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
+@pytest.mark.parametrize(("file", "ffn"), [("pi-f16", "sparse"), ("pi-f16", "dense"), ("dense-f16", "dense")])
+def test_a_batch_of_sequences_gets_what_each_gets_alone(
+    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, file: str, ffn: str
+) -> None:
+    """Three sequences at different positions decode in one native call per layer and step; each one's logits
+    are those it gets decoding alone, natively, and those of the torch path's batch."""
+    forward = forward_for(gguf_files[file], ffn)
+    calls = counting_runs(monkeypatch)
+    together, _ = decode_together(forward, True, 3, together=True)
+    assert calls == list(range(forward.cfg.layers)) * STEPS
+    alone, _ = decode_together(forward, True, 3, together=False)
+    torch_batch, _ = decode_together(forward, False, 3, together=True)
+    for mine, single, reference in zip(together, alone, torch_batch, strict=True):
+        assert (mine - single).abs().max() <= 1e-4 * single.abs().max()
+        assert (mine - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+def test_a_batch_wider_than_a_token_block(gguf_files: dict[str, Path]) -> None:
+    """18 sequences (past the kernels' block of 16 tokens, so the products go in two blocks) on the sparse file."""
+    forward = forward_for(gguf_files["pi-f16"], "sparse")
+    together, _ = decode_together(forward, True, 18, together=True)
+    alone, _ = decode_together(forward, True, 18, together=False)
+    for mine, single in zip(together, alone, strict=True):
+        assert (mine - single).abs().max() <= 1e-4 * single.abs().max()
+
+
+@pytest.mark.parametrize("types", [KVTypes("f16", "f16"), KVTypes("f16", "f32"), KVTypes("f32", "f16")])
+def test_an_f16_cache_holds_what_torch_writes(gguf_files: dict[str, Path], types: KVTypes) -> None:
+    """With f16 keys or values the kernel rounds each one as torch's conversion does (to nearest, ties to even):
+    the caches of the two paths agree to an f16 step, and the logits to f16 rounding."""
+    forward = forward_for(gguf_files["pi-f16"], "dense")
+    native, native_k = decode_together(forward, True, 3, together=True, types=types)
+    reference, reference_k = decode_together(forward, False, 3, together=True, types=types)
+    assert native_k.dtype == (torch.float16 if types.k == "f16" else torch.float32)
+    step = reference_k.float().abs() * 2**-10 + 2**-24
+    assert ((native_k.float() - reference_k.float()).abs() <= step).all()
+    for mine, theirs in zip(native, reference, strict=True):
+        assert (mine - theirs).abs().max() <= 2e-3 * theirs.abs().max()
+    exact, _ = decode_together(forward, True, 3, together=True)
+    assert 0 < (native[0] - exact[0]).abs().max() <= 2e-2 * exact[0].abs().max()
+
+
 @pytest.mark.parametrize(("file", "ffn"), [("pi", "sparse"), ("dense", "dense")])
 def test_q8_layers_stay_within_input_rounding_of_the_torch_path(q8: dict[str, Path], file: str, ffn: str) -> None:
     """Q8_0 rows (with the dense file's down as a quantized [E, F] matrix, whose input is the activations): both
@@ -150,15 +232,14 @@ def test_every_neuron_selected_gives_the_dense_perplexity(gguf_files: dict[str, 
 
 
 def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts, a batch of two slots, the window cache, QINFER_NATIVE=0, a runner swapped in after the layers were
-    described, the oracle and float32 weights take the torch path."""
+    """Prompts, the window cache, QINFER_NATIVE=0, a runner swapped in after the layers were described, the oracle
+    and float32 weights take the torch path."""
     forward = forward_for(gguf_files["pi-f16"], "sparse")
     calls = counting_runs(monkeypatch)
     cache = make_kv_cache(forward.cfg, CTX, slots=2)
     with torch.inference_mode():
         forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0, 0), cache)
         forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0, 1), cache)
-        forward.forward(TokenBatch.decode([1, 2], [4, 4], [0, 1]), cache)
         window = make_kv_cache(forward.cfg, CTX, policy=KVPolicy("window", 8))
         forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0), window)
         forward.forward(TokenBatch.decode([1], [4], [0]), window)

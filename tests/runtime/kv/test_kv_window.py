@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import KVPolicy, parse_kv_budget
+from qinfer.core.kv_policy import F32_KV, KVPolicy, parse_kv_budget
 from qinfer.core.model_spec import ModelSpec
 from qinfer.planner.budget import BudgetOptions, kv_cache_bytes
 from qinfer.planner.model_layout import read_model_layout
@@ -55,8 +55,8 @@ def decode(forward: TransformerForward, ids: list[int], cache: KVCache | WindowK
 def test_full_policy_is_todays_cache(forward: TransformerForward, gguf_files: dict[str, Path]) -> None:
     assert type(make_kv_cache(forward.cfg, CTX, policy=KVPolicy("full"))) is KVCache
     ids = token_ids(40)
-    made = decode(forward, ids, make_kv_cache(forward.cfg, CTX), 10)
-    assert torch.equal(made, decode(forward, ids, KVCache(forward.cfg, CTX), 10))
+    made = decode(forward, ids, make_kv_cache(forward.cfg, CTX, types=F32_KV), 10)
+    assert torch.equal(made, decode(forward, ids, KVCache(forward.cfg, CTX, types=F32_KV), 10))
     default = Engine.open(gguf_files["pi-f32"], ctx_size=CTX)
     full = Engine.open(gguf_files["pi-f32"], ctx_size=CTX, kv_policy=KVPolicy("full", 0.25))
     assert type(full.cache) is KVCache
@@ -68,7 +68,7 @@ def test_a_window_as_long_as_the_context_equals_the_full_cache(forward: Transfor
     ids = token_ids(CTX)
     window = make_kv_cache(forward.cfg, CTX, policy=KVPolicy("window", 1.0))
     assert isinstance(window, WindowKVCache)
-    full = decode(forward, ids, make_kv_cache(forward.cfg, CTX), 30)
+    full = decode(forward, ids, make_kv_cache(forward.cfg, CTX, types=F32_KV), 30)
     assert (decode(forward, ids, window, 30) - full).abs().max() < 1e-4
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from qinfer.core.kv_policy import F32_KV
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.build import SynthReport
@@ -51,7 +52,7 @@ def reference_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
 
 def decode_logits(path: Path, ids: list[int], ffn: str) -> torch.Tensor:
     forward = load_forward(open_model(path), RuntimeOptions(ffn=ffn)).forward
-    cache = KVCache(forward.cfg, 64)
+    cache = KVCache(forward.cfg, 64, types=F32_KV)
     with torch.inference_mode():
         return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
 

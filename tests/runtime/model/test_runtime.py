@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.gguf_reader import open_gguf
+from qinfer.core.kv_policy import F32_KV
 from qinfer.prep.synth.build import SynthReport
 from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.generate import generate
@@ -35,7 +36,7 @@ def reference(tiny: SynthReport) -> LlamaForCausalLM:
 def our_logits(path: Path, ids: list[int], split: int) -> torch.Tensor:
     """Logits for `ids`, fed as a prompt of `split` tokens and then one token at a time through the KV cache."""
     forward = LlamaForward(open_model(path))
-    cache = KVCache(forward.cfg, 64)
+    cache = KVCache(forward.cfg, 64, types=F32_KV)
     with torch.inference_mode():
         parts = [forward(torch.tensor(ids[:split]), 0, cache)]
         parts += [forward(torch.tensor([t]), split + j, cache) for j, t in enumerate(ids[split:])]

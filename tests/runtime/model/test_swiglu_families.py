@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.kv_policy import F32_KV, KVPolicy
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.swiglu import FAMILIES
@@ -69,7 +69,7 @@ def decode_logits(path: Path, ids: list[int], native: bool) -> torch.Tensor:
     forward = load_forward(open_model(path), RuntimeOptions(ffn="dense")).forward
     assert forward.native is not None
     forward.native = forward.native if native else None
-    cache = KVCache(forward.cfg, 64)
+    cache = KVCache(forward.cfg, 64, types=F32_KV)
     with torch.inference_mode():
         return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
 
@@ -93,7 +93,7 @@ def test_batched_slots_match_transformers(swiglu: dict[str, dict[str, Path]], fa
     first, second = hf_ids(model, TEXT)[:30], hf_ids(model, "The dog ran fast and the cat slept under a tree.")
     n = min(len(first), len(second))
     forward = load_forward(open_model(swiglu[family]["dense-f32"]), RuntimeOptions()).forward
-    cache = KVCache(forward.cfg, 64, slots=2)
+    cache = KVCache(forward.cfg, 64, slots=2, types=F32_KV)
     with torch.inference_mode():
         steps = [forward.forward(TokenBatch.decode([first[j], second[j]], [j, j], [0, 1]), cache) for j in range(n)]
     ours = torch.stack(steps, dim=1)

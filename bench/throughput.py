@@ -1,0 +1,246 @@
+"""Aggregate decode throughput on the CPU, side by side in one run: many sequences at once, and long contexts.
+
+    .venv/bin/python bench/throughput.py [--model 7b-slice] [--quant Q4_0] [--batches 1,4,16,32]
+                                         [--positions 128,2048,8192] [--steps 8] [--rounds 3] [-t N]
+                                         [--llama-batched-bench PATH] [--powerinfer-batched-bench PATH]
+
+Two sweeps, on the f16 (and with --quant, the quantized) dense and PowerInfer files of bench/decode.py's models:
+B sequences decoding together at a KV position of the first --positions entry, for each B of --batches; and one
+sequence at each KV position of --positions. Tokens/s is B * steps / the seconds of `steps` decode steps (llama.cpp's
+S_TG), best of --rounds interleaved rounds.
+
+- ours: the runtime's decode forward over B slots of an f16 KV cache (one native call per layer for the batch),
+  --ffn dense on the dense file and --ffn auto (the predictor with the adaptive schedule) on the PowerInfer file.
+  The cache rows before the position are filled with random keys and values rather than prefilled: what a step
+  costs does not depend on them. Sampling is left out, as the peers leave it out.
+- llama.cpp: `llama-batched-bench` (-ctk f16 -ctv f16, a shared prompt of the position's length) on the dense
+  files; it applies SiLU to a `llama` file, so the speed compares, not the tokens.
+- PowerInfer: the engine's `batched-bench` (built from its source) on the dense and the PowerInfer files.
+- limit: B / (the bytes a step must read: every weight once, dense, plus each sequence's KV rows) * the read
+  bandwidth measured at the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from decode import bench_model, quantized
+from decode_peers import read_bandwidth
+from rich.console import Console
+from rich.table import Table
+
+from qinfer.core.kv_policy import KVTypes
+from qinfer.planner.model_layout import read_model_layout
+from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.cache import KVCache, make_kv_cache
+from qinfer.runtime.model.forward import ModelForward
+from qinfer.runtime.model.loader import RuntimeOptions, load_forward
+from qinfer.runtime.model.model_file import open_model
+
+F16_CACHE = KVTypes("f16", "f16")  # llama.cpp's default, which the peers get with -ctk/-ctv f16
+# The engine computes only these weight types (as bench/decode.py finds).
+ENGINE_TYPES = ("F16", "Q4_0")
+
+
+@dataclass(frozen=True)
+class Case:
+    file: Path
+    kind: str  # dense or sparse
+    qtype: str  # the file's weight type
+    batch: int
+    position: int
+
+
+Timer = Callable[[], dict[Case, float]]
+
+
+def ours(forward: ModelForward, cases: list[Case], steps: int) -> Timer:
+    """Tokens/s of `steps` decode forwards of each case's B tokens, one per slot, from its KV position on."""
+
+    def run() -> dict[Case, float]:
+        speeds = {}
+        for case in cases:
+            cache = make_kv_cache(forward.cfg, case.position + steps, case.batch, types=F16_CACHE)
+            assert isinstance(cache, KVCache)
+            cache.k.normal_(0.0, 0.5)
+            cache.v.normal_(0.0, 0.5)
+            tokens = torch.randint(1, forward.cfg.vocab_size, (steps, case.batch)).tolist()
+            slots = list(range(case.batch))
+            with torch.inference_mode():
+                started = time.perf_counter()
+                for j in range(steps):
+                    positions = [case.position + j] * case.batch
+                    forward.forward(TokenBatch.decode(tokens[j], positions, slots), cache)
+                seconds = time.perf_counter() - started
+            speeds[case] = case.batch * steps / seconds
+            del cache
+        return speeds
+
+    return run
+
+
+# A result row of (llama.cpp's and the engine's) batched-bench: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s |
+# S_TG t/s | T s | S t/s |
+ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 6)
+
+
+def parse_batched_bench(text: str) -> dict[tuple[int, int], float]:
+    """(position, B) -> S_TG from a batched-bench's table."""
+    found = {}
+    for line in text.splitlines():
+        if (match := ROW.match(line.strip())) is not None:
+            pp, _, batch = (int(match.group(i)) for i in (1, 2, 3))
+            found[pp, batch] = float(match.group(9))
+    return found
+
+
+def peer(command: Callable[[int, list[int]], list[str]], cases: list[Case], steps: int) -> Timer:
+    """A batched-bench run per KV position, over every batch size at that position."""
+    by_position: dict[int, list[Case]] = {}
+    for case in cases:
+        by_position.setdefault(case.position, []).append(case)
+
+    def run() -> dict[Case, float]:
+        speeds = {}
+        for position, group in by_position.items():
+            argv = command(position, sorted({c.batch for c in group}))
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+            table = parse_batched_bench(done.stdout + done.stderr)
+            if not table:
+                tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                print(f"{Path(argv[0]).name} gave no results ({tail})", file=sys.stderr)
+            for case in group:
+                if (position, case.batch) in table:
+                    speeds[case] = table[position, case.batch]
+        return speeds
+
+    return run
+
+
+def llama_command(binary: Path, file: Path, threads: int, steps: int) -> Callable[[int, list[int]], list[str]]:
+    def argv(position: int, batches: list[int]) -> list[str]:
+        ctx = position + max(batches) * steps + 16
+        return [
+            str(binary), "-m", str(file), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(position),
+            "-ntg", str(steps), "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads),
+            "-ctk", "f16", "-ctv", "f16", "-pps",
+        ]  # fmt: skip
+
+    return argv
+
+
+def engine_command(binary: Path, file: Path, threads: int, steps: int) -> Callable[[int, list[int]], list[str]]:
+    """The engine's batched-bench, which takes positional arguments: MODEL N_KV_MAX IS_PP_SHARED NGL MMQ PP TG PL,
+    and its threads from -t after them."""
+
+    def argv(position: int, batches: list[int]) -> list[str]:
+        ctx = position + max(batches) * steps + 16
+        return [
+            str(binary), str(file), str(ctx), "1", "0", "0", str(position), str(steps), ",".join(map(str, batches)),
+            "-t", str(threads),
+        ]  # fmt: skip
+
+    return argv
+
+
+def step_limit(file: Path, case: Case, steps: int, bandwidth: float) -> float:
+    """B / (every weight once + every sequence's KV rows at its position) * bandwidth: the dense step's bound."""
+    layout = read_model_layout(file)
+    weights = layout.output_bytes + sum(
+        layer.attention_bytes + layer.ffn_neurons * layer.neuron_bytes for layer in layout.layers
+    )
+    spec = layout.spec
+    kv = 2 * 2 * spec.layers * spec.kv_heads * spec.head_dim * (case.position + steps / 2) * case.batch
+    return case.batch * bandwidth / (weights + kv)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="7b-slice", help="a model of bench/decode.py (synth, 7b-slice, ...)")
+    parser.add_argument("--quant", choices=["Q4_0", "Q8_0"], help="also run the files quantized to this type")
+    parser.add_argument("--batches", default="1,4,16,32")
+    parser.add_argument("--positions", default="128,2048,8192")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per case")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("work/bench"))
+    parser.add_argument("-t", "--threads", type=int, default=0)
+    parser.add_argument("--llama-batched-bench", type=Path, help="llama.cpp's llama-batched-bench: adds its column")
+    parser.add_argument("--powerinfer-batched-bench", type=Path, help="the engine's batched-bench: adds its column")
+    args = parser.parse_args()
+    for binary in (args.llama_batched_bench, args.powerinfer_batched_bench):
+        if binary is not None and not binary.is_file():
+            parser.error(f"{binary}: no such file")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    batches = [int(b) for b in args.batches.split(",")]
+    positions = [int(p) for p in args.positions.split(",")]
+    console = Console(width=max(Console().width, 170))
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")  # fmt: skip
+    bandwidth = read_bandwidth()
+    console.print(f"{cpu}, {threads} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB)")
+    model = bench_model(args.work, args.model)
+    variants = [(model, "F16"), *([(quantized(model, args.quant), args.quant)] if args.quant else [])]
+    timers: dict[str, Timer] = {}
+    cases: list[Case] = []
+    for variant, qtype in variants:
+        for kind, path in (("dense", variant.dense), ("sparse", variant.powerinfer)):
+            mine = [Case(path, kind, qtype, b, positions[0]) for b in batches]
+            mine += [Case(path, kind, qtype, 1, p) for p in positions[1:]]
+            cases += mine
+            forward = load_forward(open_model(path), RuntimeOptions(ffn="dense" if kind == "dense" else "auto"))
+            timers[f"ours {path.name}"] = ours(forward.forward, mine, args.steps)
+            if args.llama_batched_bench is not None and kind == "dense":
+                command = llama_command(args.llama_batched_bench, path, threads, args.steps)
+                timers[f"llama.cpp {path.name}"] = peer(command, mine, args.steps)
+            if args.powerinfer_batched_bench is not None and qtype in ENGINE_TYPES:
+                command = engine_command(args.powerinfer_batched_bench, path, threads, args.steps)
+                timers[f"engine {path.name}"] = peer(command, mine, args.steps)
+    best: dict[tuple[str, Case], float] = {}
+    # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run.
+    for round_ in range(args.rounds):
+        for name, timer in timers.items():
+            started = time.perf_counter()
+            for case, speed in timer().items():
+                key = (name.split(" ", 1)[0], case)
+                best[key] = max(best.get(key, 0.0), speed)
+            console.print(f"round {round_ + 1}: {name} ({time.perf_counter() - started:.0f} s)")
+    table = Table(title=f"aggregate decode tokens/s ({threads} threads, {args.steps} steps, f16 KV cache)")
+    for column in ("file", "B", "KV pos", "ours", "llama.cpp", "PowerInfer", "limit", "ours/llama.cpp",
+                   "ours/PowerInfer", "ours/limit", "sparse/dense"):  # fmt: skip
+        table.add_column(column, justify="right" if column != "file" else "left", no_wrap=True)
+    for case in cases:
+        mine = best.get(("ours", case), math.nan)
+        llama = best.get(("llama.cpp", case), math.nan)
+        engine = best.get(("engine", case), math.nan)
+        limit = step_limit(case.file, case, args.steps, bandwidth)
+        dense = next((c for c in cases if c.kind == "dense" and (c.qtype, c.batch, c.position) ==
+                      (case.qtype, case.batch, case.position)), None)  # fmt: skip
+        versus_dense = mine / best.get(("ours", dense), math.nan) if case.kind == "sparse" and dense else math.nan
+        table.add_row(
+            case.file.name, str(case.batch), str(case.position), *(_cell(v) for v in (mine, llama, engine, limit)),
+            *(_ratio(mine, other) for other in (llama, engine, limit)), _ratio(versus_dense, 1.0),
+        )  # fmt: skip
+    console.print(table)
+
+
+def _cell(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"
+
+
+def _ratio(ours_: float, other: float) -> str:
+    return "-" if math.isnan(ours_) or math.isnan(other) else f"{ours_ / other:.2f}x"
+
+
+if __name__ == "__main__":
+    main()
