@@ -173,6 +173,12 @@ class Engine:
     def cancel(self, slot: int) -> None:
         self._end(slot)
 
+    def erase(self, slot: int) -> None:
+        """Forget the tokens the free `slot` keeps, so that the next prompt there is computed whole (llama.cpp's
+        slot erase)."""
+        if slot not in self._active:
+            self._kept[slot] = []
+
     def _end(self, slot: int) -> None:
         seq = self._active.pop(slot, None)
         if seq is not None:

@@ -213,6 +213,8 @@ def load(name: str) -> ctypes.CDLL | None:
     lib.qinfer_decode_layer.restype = i64
     lib.qinfer_scratch_sizes.argtypes = [p, p]
     lib.qinfer_scratch_sizes.restype = None
+    lib.qinfer_f16_blocked.argtypes = []
+    lib.qinfer_f16_blocked.restype = ctypes.c_int32
     lib.qinfer_abi.argtypes = [p]
     lib.qinfer_abi.restype = i64
     for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec):
@@ -314,8 +316,10 @@ def weighted_rows(act: torch.Tensor, weight: Weight, ids: torch.Tensor | None = 
 
 def matvec(x: torch.Tensor, weight: Weight) -> torch.Tensor | None:
     """x [T, E] @ weight.T as float32 [T, R] for CPU tokens over an F16 or quantized matrix, or None where the
-    kernel does not apply."""
-    if not _takes(x, TOKEN_BLOCK if isinstance(weight, torch.Tensor) else None):
+    kernel does not apply (off, a device, or many tokens over F16 rows in a build without SIMD)."""
+    if not _takes(x):
+        return None
+    if isinstance(weight, torch.Tensor) and x.shape[0] > TOKEN_BLOCK and not kernel().qinfer_f16_blocked():  # type: ignore[union-attr]
         return None
     described = layout(weight)
     if described is None:

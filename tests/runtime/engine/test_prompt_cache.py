@@ -1,5 +1,6 @@
 """The prompt cache: a prompt that begins with a slot's kept tokens reuses their KV rows and computes only the
-rest, with the logits and greedy tokens of a prompt computed whole; a chat's second turn prefills its new tokens."""
+rest, with the logits and greedy tokens of a prompt computed whole, until the slot is erased; a chat's second turn
+prefills its new tokens."""
 
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ def test_reuse_is_counted_and_skipped_where_rows_are_not_positions(gguf_files: d
     engine.step()
     slot = engine.submit(Request(ids, 1, GREEDY))
     assert engine.reused_tokens(slot) == len(ids) - 1  # the last token is computed again, for its logits
+    engine.erase(slot)  # a busy slot's tokens are its sequence's: kept
+    engine.cancel(slot)
+    assert engine.reused_tokens(engine.submit(Request(ids, 1, GREEDY))) == len(ids) - 1
+    engine.cancel(slot)
+    engine.erase(slot)
+    assert engine.reused_tokens(engine.submit(Request(ids, 1, GREEDY))) == 0
     engine.cancel(slot)
     window = Engine.open(gguf_files["pi-f32"], slots=1, ctx_size=128, kv_policy=KVPolicy("window", 32))
     window.submit(Request(ids, 1, GREEDY))

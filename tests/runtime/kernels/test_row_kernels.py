@@ -229,18 +229,37 @@ def test_linear_on_quantized_rows_expands_only_without_the_kernel(monkeypatch: p
 @needs_compiler
 @pytest.mark.parametrize("qtype", [None, Q4, Q8])
 @pytest.mark.parametrize("tokens", [15, 40])
-def test_products_over_many_tokens_match_float64(qtype: object, tokens: int) -> None:
-    """Prompts: tokens go in blocks of 16, each row unpacked once per tile of them (F16 in tiles of 8, 4, 2 and 1;
-    Q4_0 in tiles of 16 over groups of eight blocks, here 320 columns: one group and a tail of two blocks)."""
+def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: object, tokens: int) -> None:
+    """Prompts: tokens go in blocks of 16, each row unpacked once per tile of them (F16 in tiles of 8, 4, 2 and 1,
+    or the blocked product; Q4_0 in tiles of 16 over groups of eight blocks, here 320 columns: one group and a tail
+    of two blocks)."""
     cols = 320
     w = _half_rows(33, cols, cols, 21) if qtype is None else _quantized(33, cols, qtype, 21)  # type: ignore[arg-type]
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(22))
-    if qtype is None and tokens > row_kernels.TOKEN_BLOCK:
-        assert row_kernels.matvec(x, w) is None  # torch's float32 matmul takes long F16 prompts
-        return
     out = row_kernels.matvec(x, w)
+    if qtype is None and kernel_build == "scalar" and tokens > row_kernels.TOKEN_BLOCK:
+        assert out is None  # without SIMD, torch's float32 matmul takes long F16 prompts
+        return
     assert out is not None and out.shape == (tokens, 33)
     ref = _input(x, w) @ _float(w).double().T
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize("cols", [100, 4100])
+@pytest.mark.parametrize("tokens", [4, 7, 40])
+def test_the_blocked_f16_product_matches_float64(kernel_build: str, tokens: int, cols: int) -> None:
+    """F16 rows against many tokens go through the blocked product (tiles of rows by tokens, columns 4096 at a
+    time), whose edges repeat a row or a token: 13 rows, token counts off the tile, columns off the vector width
+    and past one block of columns. A build without SIMD leaves more than a block of tokens to torch."""
+    w = _half_rows(13, cols, cols + 8, 23)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(24))
+    out = row_kernels.matvec(x, w)
+    if kernel_build == "scalar" and tokens > row_kernels.TOKEN_BLOCK:
+        assert out is None
+        return
+    assert out is not None and out.shape == (tokens, 13)
+    ref = x.double() @ w.double().T
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
