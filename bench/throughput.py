@@ -16,9 +16,9 @@ S_TG), best of --rounds interleaved rounds.
 - llama.cpp: `llama-batched-bench` (-ctk f16 -ctv f16, a shared prompt of the position's length) on the dense
   files; it applies SiLU to a `llama` file, so the speed compares, not the tokens.
 - PowerInfer: the engine's `batched-bench` (built from its source) on the dense and the PowerInfer files.
-- limit: the lower of two bounds measured at the start: B / (the bytes a step must read: every weight once,
-  dense, plus each sequence's KV rows) * the read bandwidth, and the float32 FLOP/s of torch's matrix product / the
-  FLOPs of one token's dense products (2 per weight), which binds once a batch makes reading the weights cheap.
+- limit: B / (the bytes a step must read: every weight once, dense, plus each sequence's KV rows) * the read
+  bandwidth measured at the start. Past a few sequences the products' arithmetic binds instead, which this limit
+  leaves out.
 """
 
 from __future__ import annotations
@@ -153,31 +153,16 @@ def engine_command(binary: Path, file: Path, threads: int, steps: int) -> Callab
     return argv
 
 
-def read_flops(tries: int = 5) -> float:
-    """FLOP/s of torch's float32 product of 256 tokens by a 4096 x 4096 matrix, best of `tries`."""
-    x, w = torch.randn(256, 4096), torch.randn(4096, 4096)
-    best = math.inf
-    for _ in range(tries):
-        started = time.perf_counter()
-        torch.mm(x, w)
-        best = min(best, time.perf_counter() - started)
-    return 2 * 256 * 4096 * 4096 / best
-
-
-def step_limit(powerinfer: Path, case: Case, steps: int, bandwidth: float, flops: float) -> float:
-    """The lower of B / (every weight once + every sequence's KV rows at its position) * bandwidth, the dense
-    step's read bound, and flops / (2 FLOPs a weight), its compute bound; by the planner's accounting of the
-    PowerInfer file of the case's type (the dense file holds the same weights)."""
+def step_limit(powerinfer: Path, case: Case, steps: int, bandwidth: float) -> float:
+    """B / (every weight once + every sequence's KV rows at its position) * bandwidth: the dense step's read bound,
+    by the planner's accounting of the PowerInfer file of the case's type (the dense file holds the same weights)."""
     layout = read_model_layout(powerinfer)
     weights = layout.output_bytes + sum(
         layer.attention_bytes + layer.ffn_neurons * layer.neuron_bytes for layer in layout.layers
     )
-    count = layout.output_weights + sum(
-        layer.attention_weights + layer.ffn_neurons * layer.neuron_weights for layer in layout.layers
-    )
     spec = layout.spec
     kv = 2 * 2 * spec.layers * spec.kv_heads * spec.head_dim * (case.position + steps / 2) * case.batch
-    return min(case.batch * bandwidth / (weights + kv), flops / (2 * count))
+    return case.batch * bandwidth / (weights + kv)
 
 
 def main() -> None:
@@ -204,11 +189,8 @@ def main() -> None:
     console = Console(width=max(Console().width, 170))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")  # fmt: skip
-    bandwidth, flops = read_bandwidth(), read_flops()
-    console.print(
-        f"{cpu}, {threads} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB), "
-        f"{flops / 1e9:.0f} GFLOP/s (torch float32 product)"
-    )
+    bandwidth = read_bandwidth()
+    console.print(f"{cpu}, {threads} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB)")
     model = bench_model(args.work, args.model)
     variants = [(model, "F16"), *([(quantized(model, args.quant), args.quant)] if args.quant else [])]
     timers: dict[str, Timer] = {}
@@ -244,7 +226,7 @@ def main() -> None:
         mine = best.get(("ours", case), math.nan)
         llama = best.get(("llama.cpp", case), math.nan)
         engine = best.get(("engine", case), math.nan)
-        limit = step_limit(powerinfer[case.qtype], case, args.steps, bandwidth, flops)
+        limit = step_limit(powerinfer[case.qtype], case, args.steps, bandwidth)
         dense = next((c for c in cases if c.kind == "dense" and (c.qtype, c.batch, c.position) ==
                       (case.qtype, case.batch, case.position)), None)  # fmt: skip
         versus_dense = mine / best.get(("ours", dense), math.nan) if case.kind == "sparse" and dense else math.nan

@@ -324,13 +324,14 @@ static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int
 }
 
 
-/* One Q4_0 row against tokens t0..t0+count-1 (count <= TOKEN_BLOCK) of a quantized prompt: each group of eight
- * blocks is unpacked, and its scales converted, once for all of them; out[t * out_stride] gets token t0 + t. */
-static void q4_row_tokens(const uint8_t *row, const q8_act *a, int64_t t0, int64_t count, int64_t n, float *out,
-                          int64_t out_stride) {
+/* One Q4_0 row against `count` tokens (a constant where inlined: the sums stay in registers) from t0 of a quantized
+ * prompt: each group of eight blocks is unpacked, and its scales converted, once for all of them. */
+#define Q4_TILE 4
+static inline __attribute__((always_inline)) void q4_tile(const uint8_t *row, const q8_act *a, int64_t t0, int count,
+                                                         int64_t n, float *out, int64_t out_stride) {
     const int64_t bb = Q4_0_BYTES, nb = n / QK, whole = nb / 8 * 8;
-    __m256 acc[TOKEN_BLOCK];
-    for (int64_t t = 0; t < count; t++) acc[t] = _mm256_setzero_ps();
+    __m256 acc[Q4_TILE];
+    for (int t = 0; t < count; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < whole; b += 8) {
         const uint8_t *blk = row + b * bb;
         __m256i nibbles[8];
@@ -340,7 +341,7 @@ static void q4_row_tokens(const uint8_t *row, const q8_act *a, int64_t t0, int64
             halves[m] = (uint16_t)(blk[m * bb] | blk[m * bb + 1] << 8);
         }
         __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)halves));
-        for (int64_t t = 0; t < count; t++) {
+        for (int t = 0; t < count; t++) {
             const int8_t *q = a->q + (t0 + t) * n + b * QK;
             int64_t at = (t0 + t) * nb + b;
             __m256i p[8];
@@ -349,13 +350,23 @@ static void q4_row_tokens(const uint8_t *row, const q8_act *a, int64_t t0, int64
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_loadu_ps(a->d + at)), _mm256_cvtepi32_ps(sums), acc[t]);
         }
     }
-    for (int64_t t = 0; t < count; t++) {
+    for (int t = 0; t < count; t++) {
         int64_t at = (t0 + t) * nb + whole;
-        float tail = whole < nb ? dot_q4_q8(row + whole * bb, row, a->q + (t0 + t) * n + whole * QK, a->d + at,
+        float tail = whole < nb ? dot_q4_q8(row + whole * bb, NULL, a->q + (t0 + t) * n + whole * QK, a->d + at,
                                             a->sum + at, n - whole * QK)
                                 : 0.0f;
         out[t * out_stride] = hsum256(acc[t]) + tail;
     }
+}
+
+/* One Q4_0 row against tokens t0..t0+count-1 of a quantized prompt, in tiles of Q4_TILE, then 2 and 1; out[t *
+ * out_stride] gets token t0 + t. */
+static void q4_row_tokens(const uint8_t *row, const q8_act *a, int64_t t0, int64_t count, int64_t n, float *out,
+                          int64_t out_stride) {
+    int64_t t = 0;
+    for (; t + Q4_TILE <= count; t += Q4_TILE) q4_tile(row, a, t0 + t, Q4_TILE, n, out + t * out_stride, out_stride);
+    for (; t + 2 <= count; t += 2) q4_tile(row, a, t0 + t, 2, n, out + t * out_stride, out_stride);
+    for (; t < count; t++) q4_tile(row, a, t0 + t, 1, n, out + t * out_stride, out_stride);
 }
 #else
 /* The scalar reference of the SIMD kernels above: the same integer block sums, the same float scaling. */
