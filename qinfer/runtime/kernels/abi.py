@@ -52,6 +52,8 @@ class Layer(ctypes.Structure):
         *((name, Matrix) for name in MATRICES),
         ("attn_norm", ptr),
         ("ffn_norm", ptr),
+        ("attn_norm_bias", ptr),
+        ("ffn_norm_bias", ptr),
         ("q_bias", ptr),
         ("k_bias", ptr),
         ("v_bias", ptr),
@@ -75,6 +77,8 @@ class Dims(ctypes.Structure):
         ("rope_neox", i32),
         ("k_half", i32),
         ("v_half", i32),
+        ("layer_norm", i32),
+        ("parallel", i32),
     ]
 
 
@@ -83,7 +87,7 @@ class Dims(ctypes.Structure):
 SCRATCH = (
     ("x", ctypes.c_float), ("q", ctypes.c_float), ("k", ctypes.c_float), ("v", ctypes.c_float),
     ("att", ctypes.c_float), ("scores", ctypes.c_float), ("pred", ctypes.c_float), ("g", ctypes.c_float),
-    ("out", ctypes.c_float), ("ids", ctypes.c_int64), ("xq", ctypes.c_int8),
+    ("out", ctypes.c_float), ("held", ctypes.c_float), ("ids", ctypes.c_int64), ("xq", ctypes.c_int8),
     ("xd", ctypes.c_float), ("xs", ctypes.c_int32),
 )  # fmt: skip
 

@@ -1,8 +1,10 @@
-/* One decode step of one LLaMA-shaped layer (llama, bamboo, qwen2) for a batch of tokens, one per sequence, in one
- * native call: attention norm, the q/k/v products (and their biases), rope, the KV-cache write (float or f16),
- * attention of each token over its own sequence's cached positions (the last `window` of them where the model
- * slides one), the output product and residual, the FFN norm, the predictor (fc1, relu, fc2, threshold), the
- * sparse or dense FFN over the union of the neurons the tokens select, and its residual.
+/* One decode step of one layer of a rope family (llama, bamboo, qwen2, falcon) for a batch of tokens, one per
+ * sequence, in one native call: attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and
+ * their biases), rope, the KV-cache write (float or f16), attention of each token over its own sequence's cached
+ * positions (the last `window` of them where the model slides one), the output product and residual, the FFN norm,
+ * the predictor (fc1, relu, fc2, threshold), the sparse or dense FFN over the union of the neurons the tokens
+ * select, and its residual; or, for a parallel block (falcon), attention and FFN both from the layer's input and
+ * added to it together.
  *
  * A decode step in torch is some thirty small operator calls per layer, each with its own dispatch and allocation:
  * about 1 ms a layer on two cores, a third of the time a 7B layer's sparse Q4_0 rows take to read. Here the
@@ -32,7 +34,8 @@ typedef struct {
 typedef struct {
     matrix q, k, v, o, gate, up, down, fc1, fc2;
     const float *attn_norm, *ffn_norm;
-    const float *q_bias, *k_bias, *v_bias; /* NULL where the family has none */
+    const float *attn_norm_bias, *ffn_norm_bias; /* a LayerNorm's biases */
+    const float *q_bias, *k_bias, *v_bias;       /* NULL where the family has none */
     void *k_cache, *v_cache;               /* this layer's [slots, kv_heads, ctx, head_dim], float or half */
     float gate_threshold;                  /* without a predictor: a neuron fires where |act(gate)| exceeds it */
 } layer;
@@ -44,12 +47,14 @@ typedef struct {
     int64_t window;    /* a token attends to its last `window` positions; 0: to all of them */
     int64_t tokens;    /* the most tokens one call takes (the scratch holds that many) */
     float eps, threshold;
-    int32_t form;       /* FORM_GATED, FORM_GATED_RELU_UP or FORM_GATED_SILU */
+    int32_t form;       /* FORM_GATED, FORM_GATED_RELU_UP, FORM_GATED_SILU or FORM_UP */
     int32_t sparse;     /* 1: the neurons the predictor selects; 0: every neuron whose gate passes its threshold */
     int32_t down_rows;  /* 1: down holds neuron rows [F, E] (PowerInfer); 0: a matrix [E, F] (dense GGUF) */
     int32_t rope_neox;  /* 1: rope rotates x[i] against x[i + d/2]; 0: adjacent pairs */
     int32_t k_half;     /* 1: the cache holds f16 keys; 0: float */
     int32_t v_half;     /* 1: the cache holds f16 values; 0: float */
+    int32_t layer_norm; /* 1: LayerNorm with a bias (falcon); 0: RMSNorm */
+    int32_t parallel;   /* 1: attention and FFN both read the layer's input (falcon); 0: the FFN follows attention */
 } dims;
 
 /* Scratch, made once by the caller in the sizes qinfer_scratch_sizes gives; per token, [tokens, ...]. */
@@ -62,6 +67,7 @@ typedef struct {
     float *pred;   /* [predictor] */
     float *g;      /* [F] */
     float *out;    /* [E] */
+    float *held;   /* [E] a parallel block's attention output, until its FFN's is added */
     int64_t *ids;  /* [F], once for all tokens */
     int8_t *xq;    /* [widest] */
     float *xd;     /* [widest / 32 + 1] */
@@ -88,10 +94,21 @@ static void product(const matrix *m, const float *x, const q8_act *a, int64_t to
     matvec_rows(m->type, m->data, m->stride, m->rows, x, a, m->cols, tokens, out);
 }
 
-static void rms_norm(const float *h, const float *w, int64_t n, float eps, float *out) {
+/* RMSNorm, or LayerNorm where there is a bias. */
+static void norm(const dims *d, const float *h, const float *w, const float *bias, float *out) {
+    int64_t n = d->hidden;
+    if (d->layer_norm) {
+        float mean = 0.0f, var = 0.0f;
+        for (int64_t i = 0; i < n; i++) mean += h[i];
+        mean /= (float)n;
+        for (int64_t i = 0; i < n; i++) var += (h[i] - mean) * (h[i] - mean);
+        float scale = 1.0f / sqrtf(var / (float)n + d->eps);
+        for (int64_t i = 0; i < n; i++) out[i] = (h[i] - mean) * scale * w[i] + bias[i];
+        return;
+    }
     float ss = 0.0f;
     for (int64_t i = 0; i < n; i++) ss += h[i] * h[i];
-    float scale = 1.0f / sqrtf(ss / (float)n + eps);
+    float scale = 1.0f / sqrtf(ss / (float)n + d->eps);
     for (int64_t i = 0; i < n; i++) out[i] = h[i] * scale * w[i];
 }
 
@@ -267,9 +284,11 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
                             int threads) {
     int64_t e = d->hidden, f = d->ffn, hd = d->head_dim, kv = d->kv_heads * hd, heads = d->heads * hd;
     if (d->kv_heads < 1 || d->heads % d->kv_heads || hd % 2 || d->window < 0 || tokens < 1 || tokens > d->tokens ||
-        (d->form != FORM_GATED && d->form != FORM_GATED_RELU_UP && d->form != FORM_GATED_SILU) ||
-        !matrix_fits(&w->q, heads, e) || !matrix_fits(&w->k, kv, e) || !matrix_fits(&w->v, kv, e) ||
-        !matrix_fits(&w->o, e, heads) || !matrix_fits(&w->gate, f, e) || !matrix_fits(&w->up, f, e) ||
+        (d->form != FORM_GATED && d->form != FORM_GATED_RELU_UP && d->form != FORM_GATED_SILU &&
+         d->form != FORM_UP) ||
+        (d->layer_norm && (!w->attn_norm_bias || !w->ffn_norm_bias)) || !matrix_fits(&w->q, heads, e) ||
+        !matrix_fits(&w->k, kv, e) || !matrix_fits(&w->v, kv, e) || !matrix_fits(&w->o, e, heads) ||
+        (d->form != FORM_UP && !matrix_fits(&w->gate, f, e)) || !matrix_fits(&w->up, f, e) ||
         !(d->down_rows ? matrix_fits(&w->down, f, e) : matrix_fits(&w->down, e, f)))
         return -1;
     int64_t rank = w->fc1.rows;
@@ -285,12 +304,15 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
     int64_t count = f, block = d->ctx * hd;
     /* One quantized input serves every quantized matrix that reads it; F16 rows read the float input. */
     int qkv_type = quantized(w->q.type) ? w->q.type : quantized(w->k.type) ? w->k.type : w->v.type;
-    int ffn_type = quantized(w->gate.type) ? w->gate.type : w->up.type;
+    /* A gated form's first product is the gate's, relu(up)'s is up's: a neuron fires where it passes. */
+    int gated = d->form != FORM_UP;
+    const matrix *first = gated ? &w->gate : &w->up;
+    int ffn_type = quantized(first->type) ? first->type : w->up.type;
 #pragma omp parallel num_threads(threads)
     {
         q8_act a;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tokens; t++) rms_norm(h + t * e, w->attn_norm, e, d->eps, s->x + t * e);
+        for (int64_t t = 0; t < tokens; t++) norm(d, h + t * e, w->attn_norm, w->attn_norm_bias, s->x + t * e);
         quantize_input(qkv_type, s->x, tokens, e, s, &a);
         product(&w->q, s->x, &a, tokens, s->q);
         product(&w->k, s->x, &a, tokens, s->k);
@@ -314,12 +336,16 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
         product(&w->o, s->att, &a, tokens, s->out);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; t++) {
-            for (int64_t i = 0; i < e; i++) h[t * e + i] += s->out[t * e + i];
-            rms_norm(h + t * e, w->ffn_norm, e, d->eps, s->x + t * e);
+            /* A parallel block's FFN reads the layer's input too: attention's output waits to be added with it. */
+            if (d->parallel)
+                memcpy(s->held + t * e, s->out + t * e, (size_t)e * sizeof(float));
+            else
+                for (int64_t i = 0; i < e; i++) h[t * e + i] += s->out[t * e + i];
+            norm(d, h + t * e, w->ffn_norm, w->ffn_norm_bias, s->x + t * e);
         }
         if (d->sparse) {
-            /* The predictor reads the residual h, not the normalised input; its scores land in g [tokens, F], and
-             * become 1 where the neuron is selected. */
+            /* The predictor reads the residual h (the layer's input, in a parallel block), not the normalised
+             * input; its scores land in g [tokens, F], and become 1 where the neuron is selected. */
             quantize_input(w->fc1.type, h, tokens, e, s, &a);
             product(&w->fc1, h, &a, tokens, s->pred);
 #pragma omp for schedule(static)
@@ -335,17 +361,18 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
 #pragma omp for schedule(dynamic, 8)
             for (int64_t j = 0; j < count; j++) {
                 int64_t id = s->ids[j], next = s->ids[j + 1 < count ? j + 1 : j];
-                /* Read ahead as qinfer_sparse_ffn does: this neuron's up row, then the next one's gate row. */
-                const uint8_t *gate_row = w->gate.data + id * w->gate.stride, *up_row = w->up.data + id * w->up.stride;
-                const uint8_t *next_gate = w->gate.data + next * w->gate.stride;
+                /* Read ahead as qinfer_sparse_ffn does: this neuron's up row, then the next one's first row. */
+                const uint8_t *first_row = first->data + id * first->stride, *up_row = w->up.data + id * w->up.stride;
+                const uint8_t *next_first = first->data + next * first->stride;
                 for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
                     int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
-                    masked_row(w->gate.type, gate_row, up_row, s->x, &a, e, t0, n, s->g + j, count,
-                               s->g + t0 * count + j, count);
+                    masked_row(first->type, first_row, gated ? up_row : next_first, s->x, &a, e, t0, n, s->g + j,
+                               count, s->g + t0 * count + j, count);
                     /* A neuron whose gate does not fire for a token contributes nothing: no up product for it. */
                     for (int64_t t = t0; t < t0 + n; t++) s->g[t * count + j] = gate_act(d->form, s->g[t * count + j]);
+                    if (!gated) continue;
                     float u[TOKEN_BLOCK];
-                    masked_row(w->up.type, up_row, next_gate, s->x, &a, e, t0, n, s->g + j, count, u, 1);
+                    masked_row(w->up.type, up_row, next_first, s->x, &a, e, t0, n, s->g + j, count, u, 1);
                     for (int64_t t = t0; t < t0 + n; t++) {
                         float *g = s->g + t * count + j, up = u[t - t0];
                         if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
@@ -355,7 +382,7 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
             add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, tokens, e, s->out);
         } else {
             quantize_input(ffn_type, s->x, tokens, e, s, &a);
-            product(&w->gate, s->x, &a, tokens, s->g);
+            product(first, s->x, &a, tokens, s->g);
             /* Every neuron whose |act(gate)| exceeds the layer's threshold: relu(gate) * up is 0 wherever the gate
              * does not fire, whatever up is, so with threshold 0 the sum is the dense one exactly and a ReLU model
              * reads a fraction of up; a calibrated SwiGLU model skips the up rows of its quiet neurons. The firing
@@ -368,8 +395,9 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
             }
 #pragma omp single
             count = select_union(s->g, tokens, f, s->ids);
+            /* relu(up) is the activation itself: nothing more to compute. */
 #pragma omp for schedule(dynamic, 8)
-            for (int64_t k = 0; k < count; k++) {
+            for (int64_t k = 0; k < (gated ? count : 0); k++) {
                 const uint8_t *row = w->up.data + s->ids[k] * w->up.stride;
                 const uint8_t *next = w->up.data + s->ids[k + 1 < count ? k + 1 : k] * w->up.stride;
                 for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
@@ -394,17 +422,17 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
         /* add_weighted_rows ends without a barrier; every thread's slice of out must be in. */
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < tokens * e; i++) h[i] += s->out[i];
+        for (int64_t i = 0; i < tokens * e; i++) h[i] += s->out[i] + (d->parallel ? s->held[i] : 0.0f);
     }
     return count;
 }
 
 /* Element counts of the scratch buffers, in the struct's order, for the dimensions d (ctx and tokens included). */
-void qinfer_scratch_sizes(const dims *d, int64_t out[13]) {
+void qinfer_scratch_sizes(const dims *d, int64_t out[14]) {
     int64_t heads = d->heads * d->head_dim, kv = d->kv_heads * d->head_dim, blocks = d->widest / QK + 1;
     int64_t b = d->tokens, rank = d->predictor > 0 ? d->predictor : 1;
-    int64_t sizes[13] = {b * d->hidden, b * heads, b * kv, b * kv, b * heads, b * d->heads * d->ctx, b * rank,
-                         b * d->ffn, b * d->hidden, d->ffn, b * d->widest, b * blocks, b * blocks};
+    int64_t sizes[14] = {b * d->hidden, b * heads, b * kv, b * kv, b * heads, b * d->heads * d->ctx, b * rank,
+                         b * d->ffn, b * d->hidden, b * d->hidden, d->ffn, b * d->widest, b * blocks, b * blocks};
     memcpy(out, sizes, sizeof sizes);
 }
 
@@ -428,17 +456,17 @@ static const abi_fact abi_facts[] = {
     FIELD(matrix, cols),
     SIZE(layer), FIELD(layer, q), FIELD(layer, k), FIELD(layer, v), FIELD(layer, o), FIELD(layer, gate),
     FIELD(layer, up), FIELD(layer, down), FIELD(layer, fc1), FIELD(layer, fc2), FIELD(layer, attn_norm),
-    FIELD(layer, ffn_norm), FIELD(layer, q_bias), FIELD(layer, k_bias), FIELD(layer, v_bias), FIELD(layer, k_cache),
+    FIELD(layer, ffn_norm), FIELD(layer, attn_norm_bias), FIELD(layer, ffn_norm_bias), FIELD(layer, q_bias), FIELD(layer, k_bias), FIELD(layer, v_bias), FIELD(layer, k_cache),
     FIELD(layer, v_cache), FIELD(layer, gate_threshold),
     SIZE(dims), FIELD(dims, hidden), FIELD(dims, heads), FIELD(dims, kv_heads), FIELD(dims, head_dim),
     FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, window), FIELD(dims, tokens),
     FIELD(dims, eps), FIELD(dims, threshold), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
-    FIELD(dims, rope_neox), FIELD(dims, k_half), FIELD(dims, v_half),
+    FIELD(dims, rope_neox), FIELD(dims, k_half), FIELD(dims, v_half), FIELD(dims, layer_norm), FIELD(dims, parallel),
     SIZE(scratch), FIELD(scratch, x), FIELD(scratch, q), FIELD(scratch, k), FIELD(scratch, v),
-    FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out),
+    FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out), FIELD(scratch, held),
     FIELD(scratch, ids), FIELD(scratch, xq), FIELD(scratch, xd), FIELD(scratch, xs),
     ELEMENT(x), ELEMENT(q), ELEMENT(k), ELEMENT(v), ELEMENT(att), ELEMENT(scores), ELEMENT(pred), ELEMENT(g),
-    ELEMENT(out), ELEMENT(ids), ELEMENT(xq), ELEMENT(xd), ELEMENT(xs),
+    ELEMENT(out), ELEMENT(held), ELEMENT(ids), ELEMENT(xq), ELEMENT(xd), ELEMENT(xs),
 };
 
 /* The facts, and how many there are. */

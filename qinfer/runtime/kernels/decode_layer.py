@@ -1,12 +1,12 @@
-"""One native call per layer for a LLaMA-shaped decode step on the CPU (decode_layer.c): one new token for each of
-one or more sequences, each in its own slot of the KV cache.
+"""One native call per layer for a decode step on the CPU (decode_layer.c): one new token for each of one or more
+sequences, each in its own slot of the KV cache.
 
 `DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
 rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
-made in between. It applies to llama, bamboo and qwen2 files whose matrices are F16, Q4_0 or Q8_0 rows, with a
-dense FFN, the predictor's sparse one or a calibrated gate's, and a full KV cache on the CPU in float32 or f16;
-everything else (prompts, the window cache, the GPU split, the oracle) keeps the torch path, which computes the
-same layer.
+made in between. It applies to llama, bamboo, qwen2 and falcon files whose matrices are F16, Q4_0 or Q8_0 rows,
+with a dense FFN, the predictor's sparse one or a calibrated gate's, and a full KV cache on the CPU in float32 or
+f16; everything else (prompts, the window cache, opt, the GPU split, the oracle) keeps the torch path, which
+computes the same layer.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from qinfer.runtime.kernels.abi import SCRATCH, Dims, Layer, Matrix, Scratch, fo
 from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
 
 
-# What the layer step reads of the rooms above it (the model's weights and step, the FFN runner, the KV cache),
-# described here rather than imported, so that the kernels depend on nothing above them.
-class AttentionRows(Protocol):
-    """One layer's weights besides its FFN (model/llama.py's AttentionWeights)."""
+@dataclass(frozen=True)
+class LayerRows:
+    """One layer's weights besides its FFN, as the layer step reads them; each family describes its own
+    (model/llama.py, model/falcon.py). A LayerNorm has biases, an RMSNorm none."""
 
     attn_norm: torch.Tensor
     q: Weight
@@ -37,11 +37,15 @@ class AttentionRows(Protocol):
     v: Weight
     o: Weight
     ffn_norm: torch.Tensor
-    q_bias: torch.Tensor | None
-    k_bias: torch.Tensor | None
-    v_bias: torch.Tensor | None
+    attn_norm_bias: torch.Tensor | None = None
+    ffn_norm_bias: torch.Tensor | None = None
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
 
 
+# What the layer step reads of the rooms above it (the FFN runner, the forward's step, the KV cache), described
+# here rather than imported, so that the kernels depend on nothing above them.
 class FFNRows(Protocol):
     """One layer's FFN rows and predictor (ffn/sparse.py's FFNWeights)."""
 
@@ -146,8 +150,11 @@ class DecodeLayers:
         self._buffers: dict[str, torch.Tensor] = {}  # what the scratch points into
 
     @classmethod
-    def build(cls, cfg: ModelSpec, attn: Sequence[AttentionRows], runner: object) -> DecodeLayers | None:
-        """The layers' description, or None where the kernel does not apply to this model and FFN runner."""
+    def build(
+        cls, cfg: ModelSpec, attn: Sequence[LayerRows], runner: object, parallel: bool = False
+    ) -> DecodeLayers | None:
+        """The layers' description, or None where the kernel does not apply to this model and FFN runner; `parallel`:
+        attention and FFN both read the layer's input (falcon)."""
         selected = runner.native_rows() if hasattr(runner, "native_rows") else None
         if selected is None:
             return None
@@ -156,8 +163,9 @@ class DecodeLayers:
         if not row_kernels.enabled() or cfg.rope_dim != cfg.head_dim or not ffn:
             return None
         form = ffn[0].form
-        if not form.gated or form.biased or (sparse and not all(w.has_predictor for w in ffn)):
+        if form.biased or (sparse and not all(w.has_predictor for w in ffn)):
             return None
+        layer_norm = attn[0].attn_norm_bias is not None
         layers, keep, down_rows = [], [], set()
         for a, w in zip(attn, ffn, strict=True):
             layer = cls._layer(a, w, sparse, keep)
@@ -173,26 +181,27 @@ class DecodeLayers:
             hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn, ctx=0,
             tokens=0, predictor=rank, widest=max(cfg.hidden, cfg.ffn, rank), window=cfg.sliding_window or 0,
             eps=cfg.norm_eps, threshold=threshold, form=form_code(form), sparse=int(sparse), down_rows=down_rows.pop(),
-            rope_neox=int(architecture(cfg.arch).rope == "neox"),
+            rope_neox=int(architecture(cfg.arch).rope == "neox"), layer_norm=int(layer_norm), parallel=int(parallel),
         )  # fmt: skip
         return cls(cfg, runner, layers, dims, keep)
 
     @staticmethod
-    def _layer(a: AttentionRows, w: FFNRows, sparse: bool, keep: list[object]) -> tuple[Layer, int] | None:
+    def _layer(a: LayerRows, w: FFNRows, sparse: bool, keep: list[object]) -> tuple[Layer, int] | None:
         down, down_rows = _down(w.down_t)
-        weights = {"q": a.q, "k": a.k, "v": a.v, "o": a.o, "gate": w.gate, "up": w.up}
+        weights = {"q": a.q, "k": a.k, "v": a.v, "o": a.o, "up": w.up}
+        if w.gate is not None:
+            weights["gate"] = w.gate
         if sparse:
             weights |= {"fc1": w.fc1, "fc2": w.fc2}
         matrices = {name: _matrix(t) for name, t in weights.items()}
         if down is None or any(m is None for m in matrices.values()):
             return None
-        norms = [n.float().contiguous() for n in (a.attn_norm, a.ffn_norm)]
-        biases = {name: getattr(a, name) for name in ("q_bias", "k_bias", "v_bias")}
-        floats = {name: b.float().contiguous() for name, b in biases.items() if b is not None}
-        keep.extend([*norms, *floats.values(), *weights.values(), w.down_t])
+        vectors = ("attn_norm", "ffn_norm", "attn_norm_bias", "ffn_norm_bias", "q_bias", "k_bias", "v_bias")
+        floats = {name: v.float().contiguous() for name in vectors if (v := getattr(a, name)) is not None}
+        keep.extend([*floats.values(), *weights.values(), w.down_t])
         layer = Layer(
-            **matrices, down=down, attn_norm=norms[0].data_ptr(), ffn_norm=norms[1].data_ptr(),
-            **{name: b.data_ptr() for name, b in floats.items()}, gate_threshold=w.gate_threshold,
+            **matrices, down=down, **{name: v.data_ptr() for name, v in floats.items()},
+            gate_threshold=w.gate_threshold,
         )  # fmt: skip
         return layer, down_rows
 

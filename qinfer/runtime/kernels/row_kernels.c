@@ -33,7 +33,8 @@ enum { F16 = 0, Q4_0 = 1, Q8_0 = 2 };
 /* relu(gate) * up, relu(gate) * relu(up), relu(up), silu(gate) * up (SwiGLU) */
 enum { FORM_GATED = 0, FORM_GATED_RELU_UP = 1, FORM_UP = 2, FORM_GATED_SILU = 3 };
 
-/* The gate's activation of a gated form: silu for SwiGLU, relu otherwise (0 means the neuron adds nothing). */
+/* The activation of a neuron's first product: silu of SwiGLU's gate, relu of any other gate or of up where there
+ * is no gate (0 means the neuron adds nothing). */
 static inline float gate_act(int form, float g) {
     if (form == FORM_GATED_SILU) return g / (1.0f + expf(-g));
     return g > 0.0f ? g : 0.0f;

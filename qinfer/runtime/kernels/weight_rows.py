@@ -36,6 +36,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Ten
     return F.linear(x.to(weight.dtype), weight).float()
 
 
+def row_slice(weight: torch.Tensor | QuantizedMatrix, start: int, rows: int) -> torch.Tensor | QuantizedMatrix:
+    """Rows start..start+rows of a weight, as a view that keeps its type (a fused matrix's parts)."""
+    if isinstance(weight, QuantizedMatrix):
+        return QuantizedMatrix(weight.blocks[start : start + rows], weight.qtype, weight.dtype)
+    return weight[start : start + rows]
+
+
 def _expanded_linear(
     x: torch.Tensor, row_range: Callable[[int, int], torch.Tensor], rows: int, step: int
 ) -> torch.Tensor:

@@ -225,7 +225,7 @@ def test_every_neuron_selected_gives_the_dense_perplexity(gguf_files: dict[str, 
     everything = forward_for(gguf_files["pi-f16"], "sparse")
     assert isinstance(everything.ffn, SparseRunner)
     everything.ffn.threshold = -float("inf")
-    everything.native = DecodeLayers.build(everything.cfg, everything.attn, everything.ffn)  # type: ignore[attr-defined]
+    everything.native = everything.native_layers()  # type: ignore[attr-defined]
     dense_ppl = perplexity(dense, ids, CTX, tokenizer.bos_id, token_by_token=True).perplexity
     sparse_ppl = perplexity(everything, ids, CTX, tokenizer.bos_id, token_by_token=True).perplexity
     assert sparse_ppl == pytest.approx(dense_ppl, rel=1e-4)

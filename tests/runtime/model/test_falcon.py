@@ -24,6 +24,7 @@ from qinfer.prep.synth.corpus import synth_corpus
 from qinfer.prep.synth.falcon import FalconShape, build_synth_falcon
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.model.model_file import open_model
+from tests.runtime.kernels.test_decode_layer import STEPS, counting_runs, decode_together, forward_for
 from tests.support.runtime_logits import our_logits
 
 SHAPE = FalconShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=2, vocab=512)
@@ -131,3 +132,21 @@ def test_trained_falcon_predictors_convert_and_run(falcon: dict[str, Path], tmp_
     dense, sparse = our_logits(path, ids, "dense"), our_logits(path, ids, "sparse")
     # Missed neurons change the output a little; the prompt (dense) part is identical.
     assert torch.equal(dense[:5], sparse[:5]) and 0 < (dense - sparse).abs().max().item() < 1.0
+
+
+@pytest.mark.parametrize(("kind", "ffn"), [("pi-f16", "sparse"), ("pi-f16", "dense"), ("pi-q4", "sparse")])
+def test_the_native_step_gives_the_torch_paths_logits(
+    falcon: dict[str, Path], monkeypatch: pytest.MonkeyPatch, kind: str, ffn: str
+) -> None:
+    """The native layer step computes falcon's parallel block (LayerNorms with biases, the fused QKV rows, relu(up)
+    without a gate, the predictor reading the layer's input) for three sequences at once, as the torch path does;
+    over Q4_0 rows to the rounding of the inputs each path quantizes in its own order."""
+    forward = forward_for(falcon[kind], ffn)
+    assert forward.native is not None  # type: ignore[attr-defined]
+    calls = counting_runs(monkeypatch)
+    native, _ = decode_together(forward, True, 3, together=True)
+    assert calls == list(range(SHAPE.layers)) * STEPS
+    reference, _ = decode_together(forward, False, 3, together=True)
+    tolerance = 1e-4 if kind == "pi-f16" else 2e-2
+    for mine, theirs in zip(native, reference, strict=True):
+        assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
