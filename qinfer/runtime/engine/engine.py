@@ -161,7 +161,7 @@ class Engine:
         self._kept[slot] = []  # its rows are rewritten from `reused` on
         with torch.inference_mode():
             suffix = torch.tensor(prompt[reused:])
-            logits = self.forward.forward(TokenBatch.prompt(suffix, reused, slot), self.cache)
+            logits = self.forward.forward(TokenBatch.prompt(suffix, reused, slot), self.cache, last_only=True)
         generator = torch.Generator().manual_seed(request.seed)
         self._active[slot] = _Sequence(request, len(prompt), 0, logits[-1].cpu(), generator, list(prompt), reused)
         return slot

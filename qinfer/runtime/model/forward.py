@@ -70,7 +70,7 @@ class ModelForward(Protocol):
     cfg: ModelSpec
     device: torch.device
 
-    def forward(self, batch: TokenBatch, cache: Cache) -> torch.Tensor: ...
+    def forward(self, batch: TokenBatch, cache: Cache, last_only: bool = False) -> torch.Tensor: ...
 
 
 class TransformerForward:
@@ -117,8 +117,10 @@ class TransformerForward:
         cos, sin = rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
         return Step(batch, positions, attention_mask(batch, self.device, self.cfg.sliding_window), cos, sin)
 
-    def forward(self, batch: TokenBatch, cache: Cache) -> torch.Tensor:
-        """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`."""
+    def forward(self, batch: TokenBatch, cache: Cache, last_only: bool = False) -> torch.Tensor:
+        """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`; with `last_only`, [1, V]
+        for the last token alone (a prompt needs no more, and the output head of a large vocabulary over every
+        prompt token costs as much as a layer or more)."""
         if int(batch.positions.max()) >= cache.ctx:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
         h = self.embed_tokens(batch)
@@ -131,7 +133,7 @@ class TransformerForward:
         else:
             for i in range(self.cfg.layers):
                 h = self.block(i, h, step, cache, prefill)
-        return self.head(h)
+        return self.head(h[-1:] if last_only else h)
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: Cache, slot: int = 0) -> torch.Tensor:
         return self.forward(TokenBatch.prompt(tokens, start, slot), cache)

@@ -11,6 +11,7 @@ from qinfer.core.errors import UserError
 from qinfer.runtime.engine.engine import Engine, Request, StepOutput
 from qinfer.runtime.engine.generate import generate, generate_many
 from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.kv.batch import TokenBatch
 
 PROMPTS = ["Once upon a time", "The dog ran fast, and the cat slept.", "Tom said", "One day a little girl named Lily"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -83,3 +84,15 @@ def test_eos_stops_a_sequence_unless_ignored(gguf_files: dict[str, Path]) -> Non
         seq.logits = seq.logits.clone().index_fill_(0, torch.tensor([eos]), 1e9)
         assert engine.step() == [expected]
         engine.cancel(slot)
+
+
+def test_a_prompt_computes_the_head_for_its_last_token_alone(gguf_files: dict[str, Path]) -> None:
+    """The engine asks a prompt's forward for the last token's logits only: the row the full head gives (to the
+    float rounding of a product of one token rather than of many)."""
+    engine = Engine.open(gguf_files["pi-f16"], ctx_size=64)
+    ids = torch.tensor(engine.tokenizer.encode(PROMPTS[1]))
+    with torch.inference_mode():
+        full = engine.forward.forward(TokenBatch.prompt(ids, 0), engine.cache)
+        last = engine.forward.forward(TokenBatch.prompt(ids, 0), engine.cache, last_only=True)
+    assert last.shape == (1, full.shape[1])
+    assert (last[0] - full[-1]).abs().max() <= 1e-5 * full[-1].abs().max()
