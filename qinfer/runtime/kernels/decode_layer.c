@@ -1,10 +1,10 @@
-/* One decode step of one layer of a rope family (llama, bamboo, qwen2, falcon) for a batch of tokens, one per
- * sequence, in one native call: attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and
- * their biases), rope, the KV-cache write (float or f16), attention of each token over its own sequence's cached
- * positions (the last `window` of them where the model slides one), the output product and residual, the FFN norm,
- * the predictor (fc1, relu, fc2, threshold), the sparse or dense FFN over the union of the neurons the tokens
- * select, and its residual; or, for a parallel block (falcon), attention and FFN both from the layer's input and
- * added to it together.
+/* One decode step of one layer (llama, bamboo, qwen2, falcon, opt) for a batch of tokens, one per sequence, in one
+ * native call: attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and their biases), rope
+ * (where the family has it), the KV-cache write (float or f16), attention of each token over its own sequence's
+ * cached positions (the last `window` of them where the model slides one), the output product (and its bias) and
+ * residual, the FFN norm, the predictor (fc1, relu, fc2, threshold), the sparse or dense FFN over the union of the
+ * neurons the tokens select (with up's and down's biases where there are), and its residual; or, for a parallel
+ * block (falcon), attention and FFN both from the layer's input and added to it together.
  *
  * A decode step in torch is some thirty small operator calls per layer, each with its own dispatch and allocation:
  * about 1 ms a layer on two cores, a third of the time a 7B layer's sparse Q4_0 rows take to read. Here the
@@ -36,6 +36,7 @@ typedef struct {
     const float *attn_norm, *ffn_norm;
     const float *attn_norm_bias, *ffn_norm_bias; /* a LayerNorm's biases */
     const float *q_bias, *k_bias, *v_bias;       /* NULL where the family has none */
+    const float *o_bias, *up_bias, *down_bias;   /* opt's */
     void *k_cache, *v_cache;               /* this layer's [slots, kv_heads, ctx, head_dim], float or half */
     float gate_threshold;                  /* without a predictor: a neuron fires where |act(gate)| exceeds it */
 } layer;
@@ -236,7 +237,8 @@ static void masked_row(int type, const uint8_t *row, const uint8_t *next, const 
         float all[TOKEN_BLOCK];
         q8_act block = {a->q + t0 * e, a->d + t0 * nb, a->sum + t0 * nb};
         row_tokens(type, row, next, x + t0 * e, &block, n, e, all, 1);
-        for (int64_t t = t0; t < t0 + n; t++) out[(t - t0) * out_stride] = keep[t * keep_stride] != 0.0f ? all[t - t0] : 0.0f;
+        for (int64_t t = t0; t < t0 + n; t++)
+            out[(t - t0) * out_stride] = keep[t * keep_stride] != 0.0f ? all[t - t0] : 0.0f;
         return;
     }
     for (int64_t t = t0; t < t0 + n; t++)
@@ -275,10 +277,10 @@ static void unpack_union(float *act, int64_t tokens, int64_t f, const int64_t *i
 }
 
 /* h [tokens, E] += this layer's attention, then += its FFN, for tokens of distinct slots slot[t] (< slots) at
- * positions pos[t], whose keys and values land in the cache. cos/sin hold head_dim / 2 values per token. The FFN
- * reads each selected neuron's rows once for all the tokens that need it. Returns the number of neurons whose rows
- * were read (the union over the tokens), -1 (nothing read or written) where a matrix does not fit the dimensions
- * or the scratch, -3 where a position or a slot is outside the cache. */
+ * positions pos[t], whose keys and values land in the cache. cos/sin hold head_dim / 2 values per token (NULL: no
+ * rope). The FFN reads each selected neuron's rows once for all the tokens that need it. Returns the number of
+ * neurons whose rows were read (the union over the tokens), -1 (nothing read or written) where a matrix does not
+ * fit the dimensions or the scratch, -3 where a position or a slot is outside the cache. */
 int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *h, int64_t tokens,
                             const int64_t *pos, const int64_t *slot, int64_t slots, const float *cos, const float *sin,
                             int threads) {
@@ -323,8 +325,10 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
             add_bias(q, w->q_bias, heads);
             add_bias(k, w->k_bias, kv);
             add_bias(v, w->v_bias, kv);
-            rope(q, d->heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
-            rope(k, d->kv_heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
+            if (cos) {
+                rope(q, d->heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
+                rope(k, d->kv_heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
+            }
             for (int64_t j = 0; j < d->kv_heads; j++) {
                 int64_t row = (slot[t] * d->kv_heads + j) * block / hd + pos[t];
                 cache_store(d->k_half, hd, w->k_cache, row, k + j * hd);
@@ -336,6 +340,7 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
         product(&w->o, s->att, &a, tokens, s->out);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; t++) {
+            add_bias(s->out + t * e, w->o_bias, e);
             /* A parallel block's FFN reads the layer's input too: attention's output waits to be added with it. */
             if (d->parallel)
                 memcpy(s->held + t * e, s->out + t * e, (size_t)e * sizeof(float));
@@ -366,10 +371,16 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
                 const uint8_t *next_first = first->data + next * first->stride;
                 for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
                     int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
+                    float selected[TOKEN_BLOCK];
+                    for (int64_t t = t0; t < t0 + n; t++) selected[t - t0] = s->g[t * count + j];
                     masked_row(first->type, first_row, gated ? up_row : next_first, s->x, &a, e, t0, n, s->g + j,
                                count, s->g + t0 * count + j, count);
                     /* A neuron whose gate does not fire for a token contributes nothing: no up product for it. */
-                    for (int64_t t = t0; t < t0 + n; t++) s->g[t * count + j] = gate_act(d->form, s->g[t * count + j]);
+                    for (int64_t t = t0; t < t0 + n; t++) {
+                        float *g = s->g + t * count + j;
+                        float bias = w->up_bias ? w->up_bias[id] : 0.0f;
+                        *g = selected[t - t0] != 0.0f ? gate_act(d->form, *g + bias) : 0.0f;
+                    }
                     if (!gated) continue;
                     float u[TOKEN_BLOCK];
                     masked_row(w->up.type, up_row, next_first, s->x, &a, e, t0, n, s->g + j, count, u, 1);
@@ -390,7 +401,7 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
              * one that will be used. */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < tokens * f; i++) {
-                float g = gate_act(d->form, s->g[i]);
+                float g = gate_act(d->form, s->g[i] + (w->up_bias ? w->up_bias[i % f] : 0.0f));
                 s->g[i] = fabsf(g) > w->gate_threshold ? g : 0.0f;
             }
 #pragma omp single
@@ -422,7 +433,8 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
         /* add_weighted_rows ends without a barrier; every thread's slice of out must be in. */
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < tokens * e; i++) h[i] += s->out[i] + (d->parallel ? s->held[i] : 0.0f);
+        for (int64_t i = 0; i < tokens * e; i++)
+            h[i] += s->out[i] + (d->parallel ? s->held[i] : 0.0f) + (w->down_bias ? w->down_bias[i % e] : 0.0f);
     }
     return count;
 }
@@ -456,14 +468,17 @@ static const abi_fact abi_facts[] = {
     FIELD(matrix, cols),
     SIZE(layer), FIELD(layer, q), FIELD(layer, k), FIELD(layer, v), FIELD(layer, o), FIELD(layer, gate),
     FIELD(layer, up), FIELD(layer, down), FIELD(layer, fc1), FIELD(layer, fc2), FIELD(layer, attn_norm),
-    FIELD(layer, ffn_norm), FIELD(layer, attn_norm_bias), FIELD(layer, ffn_norm_bias), FIELD(layer, q_bias), FIELD(layer, k_bias), FIELD(layer, v_bias), FIELD(layer, k_cache),
-    FIELD(layer, v_cache), FIELD(layer, gate_threshold),
+    FIELD(layer, ffn_norm), FIELD(layer, attn_norm_bias), FIELD(layer, ffn_norm_bias), FIELD(layer, q_bias),
+    FIELD(layer, k_bias), FIELD(layer, v_bias), FIELD(layer, o_bias), FIELD(layer, up_bias), FIELD(layer, down_bias),
+    FIELD(layer, k_cache), FIELD(layer, v_cache), FIELD(layer, gate_threshold),
     SIZE(dims), FIELD(dims, hidden), FIELD(dims, heads), FIELD(dims, kv_heads), FIELD(dims, head_dim),
-    FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, window), FIELD(dims, tokens),
+    FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, window),
+    FIELD(dims, tokens),
     FIELD(dims, eps), FIELD(dims, threshold), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
     FIELD(dims, rope_neox), FIELD(dims, k_half), FIELD(dims, v_half), FIELD(dims, layer_norm), FIELD(dims, parallel),
     SIZE(scratch), FIELD(scratch, x), FIELD(scratch, q), FIELD(scratch, k), FIELD(scratch, v),
-    FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out), FIELD(scratch, held),
+    FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out),
+    FIELD(scratch, held),
     FIELD(scratch, ids), FIELD(scratch, xq), FIELD(scratch, xd), FIELD(scratch, xs),
     ELEMENT(x), ELEMENT(q), ELEMENT(k), ELEMENT(v), ELEMENT(att), ELEMENT(scores), ELEMENT(pred), ELEMENT(g),
     ELEMENT(out), ELEMENT(held), ELEMENT(ids), ELEMENT(xq), ELEMENT(xd), ELEMENT(xs),

@@ -3,10 +3,10 @@ sequences, each in its own slot of the KV cache.
 
 `DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
 rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
-made in between. It applies to llama, bamboo, qwen2 and falcon files whose matrices are F16, Q4_0 or Q8_0 rows,
+made in between. It applies to llama, bamboo, qwen2, falcon and opt files whose matrices are F16, Q4_0 or Q8_0 rows,
 with a dense FFN, the predictor's sparse one or a calibrated gate's, and a full KV cache on the CPU in float32 or
-f16; everything else (prompts, the window cache, opt, the GPU split, the oracle) keeps the torch path, which
-computes the same layer.
+f16; everything else (prompts, the window cache, the GPU split, the oracle) keeps the torch path, which computes
+the same layer.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class LayerRows:
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None  # the FFN's, which belongs to no neuron
 
 
 # What the layer step reads of the rooms above it (the FFN runner, the forward's step, the KV cache), described
@@ -61,6 +63,8 @@ class FFNRows(Protocol):
     def fc1(self) -> Weight | None: ...
     @property
     def fc2(self) -> Weight | None: ...
+    @property
+    def up_bias(self) -> torch.Tensor | None: ...
     @property
     def has_predictor(self) -> bool: ...
     @property
@@ -160,10 +164,10 @@ class DecodeLayers:
             return None
         ffn, chosen = selected
         sparse, threshold = chosen is not None, chosen or 0.0
-        if not row_kernels.enabled() or cfg.rope_dim != cfg.head_dim or not ffn:
+        if not row_kernels.enabled() or cfg.rope_dim not in (0, cfg.head_dim) or not ffn:
             return None
         form = ffn[0].form
-        if form.biased or (sparse and not all(w.has_predictor for w in ffn)):
+        if (form.biased and any(w.up_bias is None for w in ffn)) or (sparse and not all(w.has_predictor for w in ffn)):
             return None
         layer_norm = attn[0].attn_norm_bias is not None
         layers, keep, down_rows = [], [], set()
@@ -196,8 +200,13 @@ class DecodeLayers:
         matrices = {name: _matrix(t) for name, t in weights.items()}
         if down is None or any(m is None for m in matrices.values()):
             return None
-        vectors = ("attn_norm", "ffn_norm", "attn_norm_bias", "ffn_norm_bias", "q_bias", "k_bias", "v_bias")
+        vectors = (
+            "attn_norm", "ffn_norm", "attn_norm_bias", "ffn_norm_bias", "q_bias", "k_bias", "v_bias", "o_bias",
+            "down_bias",
+        )  # fmt: skip
         floats = {name: v.float().contiguous() for name in vectors if (v := getattr(a, name)) is not None}
+        if w.up_bias is not None:
+            floats["up_bias"] = w.up_bias.float().contiguous()
         keep.extend([*floats.values(), *weights.values(), w.down_t])
         layer = Layer(
             **matrices, down=down, **{name: v.data_ptr() for name, v in floats.items()},
@@ -219,7 +228,7 @@ class DecodeLayers:
             and cache.k.device.type == "cpu"
             and cache.k.dtype in KV_TYPES
             and cache.v.dtype in KV_TYPES
-            and step.cos is not None
+            and (step.cos is not None) == (self.cfg.rope_dim > 0)
             and bool(((slots >= 0) & (slots < cache.k.shape[1])).all())
             and (h.shape[0] == 1 or slots.unique().numel() == h.shape[0])
             and row_kernels.enabled()
@@ -245,12 +254,11 @@ class DecodeLayers:
         if cache.ctx != self.dims.ctx or n > self.dims.tokens:
             self._scratch_for(cache.ctx, max(n, self.dims.tokens))
         self.dims.k_half, self.dims.v_half = int(cache.k.dtype == torch.float16), int(cache.v.dtype == torch.float16)
-        assert step.cos is not None and step.sin is not None
         return NativeStep(
             step.batch.slots.to(torch.int64).contiguous(),
             step.batch.positions.to(torch.int64).contiguous(),
-            step.cos.float().contiguous(),
-            step.sin.float().contiguous(),
+            None if step.cos is None else step.cos.float().contiguous(),
+            None if step.sin is None else step.sin.float().contiguous(),
         )
 
     def run(self, i: int, h: torch.Tensor, call: NativeStep, cache: CacheRows) -> torch.Tensor:
@@ -267,8 +275,9 @@ class DecodeLayers:
         layer.v_cache = cache.v[i].data_ptr()
         status = row_kernels.kernel().qinfer_decode_layer(  # type: ignore[union-attr]
             ctypes.addressof(layer), ctypes.addressof(self.dims), ctypes.addressof(self._scratch), h.data_ptr(),
-            tokens, call.positions.data_ptr(), call.slots.data_ptr(), cache.k.shape[1], call.cos.data_ptr(),
-            call.sin.data_ptr(), torch.get_num_threads(),
+            tokens, call.positions.data_ptr(), call.slots.data_ptr(), cache.k.shape[1],
+            None if call.cos is None else call.cos.data_ptr(), None if call.sin is None else call.sin.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if status == -3:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
@@ -280,9 +289,10 @@ class DecodeLayers:
 
 @dataclass(frozen=True)
 class NativeStep:
-    """One forward call's tokens as the kernel reads them: int64 slots and positions, float rope tables."""
+    """One forward call's tokens as the kernel reads them: int64 slots and positions, float rope tables (None
+    without rope)."""
 
     slots: torch.Tensor
     positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None

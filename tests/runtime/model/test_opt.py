@@ -32,6 +32,7 @@ from qinfer.prep.synth.opt import OPTShape, build_synth_opt
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
+from tests.runtime.kernels.test_decode_layer import STEPS, counting_runs, decode_together, forward_for
 from tests.support.fake_activation import write_power_law_activation
 from tests.support.runtime_logits import our_logits
 
@@ -74,6 +75,7 @@ def opt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     files["dense-f32"] = convert(model_dir, out / "o-f32.gguf", None, "f32").outfile
     files["biased-pi"] = convert(biased_dir, out / "b-f32.powerinfer.gguf", predictor_dir, "f32").outfile
     files["biased-dense"] = convert(biased_dir, out / "b-f32.gguf", None, "f32").outfile
+    files["biased-pi-f16"] = convert(biased_dir, out / "b-f16.powerinfer.gguf", predictor_dir, "f16").outfile
     files["pi-q4"] = quantize_gguf(files["pi-f16"], out / "o-q4.powerinfer.gguf", "Q4_0").outfile
     return files
 
@@ -222,3 +224,24 @@ def test_published_checkpoint_names_convert_to_the_same_bytes(opt: dict[str, Pat
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors, strict=True):
         assert np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.parametrize(
+    ("kind", "ffn"),
+    [("pi-f16", "sparse"), ("biased-pi-f16", "sparse"), ("biased-pi-f16", "dense"), ("pi-q4", "sparse")],
+)
+def test_the_native_step_gives_the_torch_paths_logits(
+    opt: dict[str, Path], monkeypatch: pytest.MonkeyPatch, kind: str, ffn: str
+) -> None:
+    """The native layer step computes opt's block (LayerNorms, a bias on every projection, no rope, relu(up + bias)
+    and down's bias) for three sequences at once, as the torch path does; over Q4_0 rows to the rounding of the
+    inputs each path quantizes in its own order."""
+    forward = forward_for(opt[kind], ffn)
+    assert forward.native is not None  # type: ignore[attr-defined]
+    calls = counting_runs(monkeypatch)
+    native, _ = decode_together(forward, True, 3, together=True)
+    assert calls == list(range(SHAPE.layers)) * STEPS
+    reference, _ = decode_together(forward, False, 3, together=True)
+    tolerance = 1e-4 if kind != "pi-q4" else 2e-2
+    for mine, theirs in zip(native, reference, strict=True):
+        assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
