@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.core.names import Tensor, tensor_name
-from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
+from qinfer.runtime.kernels.decode_layer import LayerRows
 from qinfer.runtime.kernels.weight_rows import linear, row_slice
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.cache import Cache
-from qinfer.runtime.model.forward import FFNRunner, TransformerForward
+from qinfer.runtime.model.forward import TransformerForward
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import Norm, layer_norm, norm_weights
 from qinfer.runtime.model.rope import rotate_half
@@ -37,21 +37,16 @@ class FalconForward(TransformerForward):
     layer step (kernels/decode_layer.py) computes `block`'s decode steps, as one call a layer, with the fused QKV
     rows read as q's, k's and v's."""
 
-    def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
-        super().__init__(model, ffn, device)
-        self.native = self.native_layers()
+    parallel = True
 
-    def native_layers(self) -> DecodeLayers | None:
-        """The native layer step for these weights and the current FFN runner, where it applies."""
-        if self.device.type != "cpu":
-            return None
+    def native_rows(self) -> list[LayerRows]:
         q_rows, kv_rows = self.cfg.heads * self.cfg.head_dim, self.cfg.kv_heads * self.cfg.head_dim
         rows = []
         for a in self.attn:
             q, k, v = (row_slice(a.qkv, start, n) for start, n in ((0, q_rows), (q_rows, kv_rows),
                                                                    (q_rows + kv_rows, kv_rows)))  # fmt: skip
             rows.append(LayerRows(a.attn_norm[0], q, k, v, a.o, a.ffn_norm[0], a.attn_norm[1], a.ffn_norm[1]))
-        return DecodeLayers.build(self.cfg, rows, self.ffn, parallel=True)
+        return rows
 
     def load_block(self, model: ModelFile, i: int) -> FalconAttention:
         return FalconAttention(

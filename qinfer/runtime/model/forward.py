@@ -18,7 +18,7 @@ from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import BIAS, Tensor, tensor_name
 from qinfer.runtime.ffn.runners import DenseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
-from qinfer.runtime.kernels.decode_layer import DecodeLayers
+from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
 from qinfer.runtime.kv.batch import Step, TokenBatch, attention_mask
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.model_file import ModelFile
@@ -83,9 +83,10 @@ class TransformerForward:
     device: torch.device
     embed: torch.Tensor
     ffn: FFNRunner
-    # The whole layer as one native call (kernels/decode_layer.py), for the steps it takes; set by a family that has
-    # one, and computing exactly what `block` computes.
+    # The whole layer as one native call (kernels/decode_layer.py), for the steps it takes, computing exactly what
+    # `block` computes; for a family that describes its layers (`native_rows`), on the CPU.
     native: DecodeLayers | None = None
+    parallel = False  # attention and FFN both read the layer's input (falcon)
 
     def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
         self.cfg = model.config
@@ -95,6 +96,17 @@ class TransformerForward:
         self.inv_freq = inv_freq(model) if self.cfg.rope_dim else None
         self.load_head(model)
         self.ffn = ffn or DenseRunner([ffn_weights(model, i) for i in range(self.cfg.layers)])
+        self.native = self.native_layers()
+
+    def native_rows(self) -> list[LayerRows] | None:
+        """Every layer's weights besides the FFN as the native layer step reads them; None: the family has no
+        native step."""
+        return None
+
+    def native_layers(self) -> DecodeLayers | None:
+        """The native layer step for these weights and the current FFN runner, where it applies."""
+        rows = self.native_rows() if self.device.type == "cpu" else None
+        return None if rows is None else DecodeLayers.build(self.cfg, rows, self.ffn, self.parallel)
 
     def load_block(self, model: ModelFile, i: int) -> Any:
         raise NotImplementedError

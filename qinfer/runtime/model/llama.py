@@ -14,7 +14,7 @@ import torch
 
 from qinfer.core.architectures import architecture
 from qinfer.core.names import BIAS, Tensor, tensor_name
-from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
+from qinfer.runtime.kernels.decode_layer import LayerRows
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.cache import Cache
@@ -49,15 +49,10 @@ class LlamaForward(TransformerForward):
     def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
         super().__init__(model, ffn, device)
         self.rotate = ROTATIONS[architecture(self.cfg.arch).rope]
-        self.native = self.native_layers()
 
-    def native_layers(self) -> DecodeLayers | None:
-        """The native layer step for these weights and the current FFN runner, where it applies."""
-        if self.device.type != "cpu":
-            return None
-        rows = [LayerRows(a.attn_norm, a.q, a.k, a.v, a.o, a.ffn_norm, None, None, a.q_bias, a.k_bias, a.v_bias)
+    def native_rows(self) -> list[LayerRows]:
+        return [LayerRows(a.attn_norm, a.q, a.k, a.v, a.o, a.ffn_norm, None, None, a.q_bias, a.k_bias, a.v_bias)
                 for a in self.attn]  # fmt: skip
-        return DecodeLayers.build(self.cfg, rows, self.ffn)
 
     def load_block(self, model: ModelFile, i: int) -> AttentionWeights:
         t = model.tensor

@@ -13,11 +13,11 @@ import torch
 
 from qinfer.core.architectures import architecture
 from qinfer.core.names import BIAS, Tensor, tensor_name
-from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
+from qinfer.runtime.kernels.decode_layer import LayerRows
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step, TokenBatch
 from qinfer.runtime.kv.cache import Cache
-from qinfer.runtime.model.forward import FFNRunner, TransformerForward, down_bias
+from qinfer.runtime.model.forward import TransformerForward, down_bias
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import Norm, layer_norm, norm_weights
 
@@ -46,22 +46,14 @@ def affine(x: torch.Tensor, w: Linear) -> torch.Tensor:
 class OPTForward(TransformerForward):
     """The native layer step (kernels/decode_layer.py) computes `block`'s decode steps, one call a layer."""
 
-    def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
-        super().__init__(model, ffn, device)
-        self.native = self.native_layers()
-
-    def native_layers(self) -> DecodeLayers | None:
-        """The native layer step for these weights and the current FFN runner, where it applies."""
-        if self.device.type != "cpu":
-            return None
-        rows = [
+    def native_rows(self) -> list[LayerRows]:
+        return [
             LayerRows(
                 a.attn_norm[0], a.q[0], a.k[0], a.v[0], a.o[0], a.ffn_norm[0], a.attn_norm[1], a.ffn_norm[1],
                 a.q[1], a.k[1], a.v[1], a.o[1], a.down_bias,
             )
             for a in self.attn
         ]  # fmt: skip
-        return DecodeLayers.build(self.cfg, rows, self.ffn)
 
     def load_block(self, model: ModelFile, i: int) -> OPTBlock:
         return OPTBlock(

@@ -125,6 +125,20 @@ def decode_together(
 STEPS = 6
 
 
+def assert_native_batch_matches_torch(
+    forward: TransformerForward, monkeypatch: pytest.MonkeyPatch, tolerance: float
+) -> None:
+    """Three sequences decoded together natively (one call per layer and step) give the torch path's logits, to
+    `tolerance` of their largest."""
+    assert forward.native is not None  # type: ignore[attr-defined]
+    calls = counting_runs(monkeypatch)
+    native, _ = decode_together(forward, True, 3, together=True)
+    assert calls == list(range(forward.cfg.layers)) * STEPS
+    reference, _ = decode_together(forward, False, 3, together=True)
+    for mine, theirs in zip(native, reference, strict=True):
+        assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
+
+
 def counting_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = DecodeLayers.run

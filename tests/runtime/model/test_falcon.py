@@ -24,7 +24,7 @@ from qinfer.prep.synth.corpus import synth_corpus
 from qinfer.prep.synth.falcon import FalconShape, build_synth_falcon
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.model.model_file import open_model
-from tests.runtime.kernels.test_decode_layer import STEPS, counting_runs, decode_together, forward_for
+from tests.runtime.kernels.test_decode_layer import assert_native_batch_matches_torch, forward_for
 from tests.support.runtime_logits import our_logits
 
 SHAPE = FalconShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=2, vocab=512)
@@ -141,12 +141,5 @@ def test_the_native_step_gives_the_torch_paths_logits(
     """The native layer step computes falcon's parallel block (LayerNorms with biases, the fused QKV rows, relu(up)
     without a gate, the predictor reading the layer's input) for three sequences at once, as the torch path does;
     over Q4_0 rows to the rounding of the inputs each path quantizes in its own order."""
-    forward = forward_for(falcon[kind], ffn)
-    assert forward.native is not None  # type: ignore[attr-defined]
-    calls = counting_runs(monkeypatch)
-    native, _ = decode_together(forward, True, 3, together=True)
-    assert calls == list(range(SHAPE.layers)) * STEPS
-    reference, _ = decode_together(forward, False, 3, together=True)
-    tolerance = 1e-4 if kind == "pi-f16" else 2e-2
-    for mine, theirs in zip(native, reference, strict=True):
-        assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
+    tolerance = 1e-4 if kind != "pi-q4" else 2e-2
+    assert_native_batch_matches_torch(forward_for(falcon[kind], ffn), monkeypatch, tolerance)

@@ -32,7 +32,7 @@ from qinfer.prep.synth.opt import OPTShape, build_synth_opt
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
-from tests.runtime.kernels.test_decode_layer import STEPS, counting_runs, decode_together, forward_for
+from tests.runtime.kernels.test_decode_layer import assert_native_batch_matches_torch, forward_for
 from tests.support.fake_activation import write_power_law_activation
 from tests.support.runtime_logits import our_logits
 
@@ -236,12 +236,5 @@ def test_the_native_step_gives_the_torch_paths_logits(
     """The native layer step computes opt's block (LayerNorms, a bias on every projection, no rope, relu(up + bias)
     and down's bias) for three sequences at once, as the torch path does; over Q4_0 rows to the rounding of the
     inputs each path quantizes in its own order."""
-    forward = forward_for(opt[kind], ffn)
-    assert forward.native is not None  # type: ignore[attr-defined]
-    calls = counting_runs(monkeypatch)
-    native, _ = decode_together(forward, True, 3, together=True)
-    assert calls == list(range(SHAPE.layers)) * STEPS
-    reference, _ = decode_together(forward, False, 3, together=True)
     tolerance = 1e-4 if kind != "pi-q4" else 2e-2
-    for mine, theirs in zip(native, reference, strict=True):
-        assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
+    assert_native_batch_matches_torch(forward_for(opt[kind], ffn), monkeypatch, tolerance)
