@@ -15,7 +15,8 @@ S_TG), best of --rounds interleaved rounds.
   costs does not depend on them. Sampling is left out, as the peers leave it out.
 - llama.cpp: `llama-batched-bench` (-ctk f16 -ctv f16, a shared prompt of the position's length) on the dense
   files; it applies SiLU to a `llama` file, so the speed compares, not the tokens.
-- PowerInfer: the engine's `batched-bench` (built from its source) on the dense and the PowerInfer files.
+- PowerInfer: the engine's `batched-bench` (built from its source; it runs on every physical core) on the dense and
+  the PowerInfer files.
 - limit: B / (the bytes a step must read: every weight once, dense, plus each sequence's KV rows) * the read
   bandwidth measured at the start. Past a few sequences the products' arithmetic binds instead, which this limit
   leaves out.
@@ -139,15 +140,14 @@ def llama_command(binary: Path, file: Path, threads: int, steps: int) -> Callabl
     return argv
 
 
-def engine_command(binary: Path, file: Path, threads: int, steps: int) -> Callable[[int, list[int]], list[str]]:
-    """The engine's batched-bench, which takes positional arguments: MODEL N_KV_MAX IS_PP_SHARED NGL MMQ PP TG PL,
-    and its threads from -t after them."""
+def engine_command(binary: Path, file: Path, steps: int) -> Callable[[int, list[int]], list[str]]:
+    """The engine's batched-bench, which takes positional arguments only (MODEL N_KV_MAX IS_PP_SHARED NGL MMQ PP TG
+    PL) and runs on every physical core: the bench's -t should match the cores for a fair column."""
 
     def argv(position: int, batches: list[int]) -> list[str]:
         ctx = position + max(batches) * steps + 16
         return [
             str(binary), str(file), str(ctx), "1", "0", "0", str(position), str(steps), ",".join(map(str, batches)),
-            "-t", str(threads),
         ]  # fmt: skip
 
     return argv
@@ -207,7 +207,7 @@ def main() -> None:
                 command = llama_command(args.llama_batched_bench, path, threads, args.steps)
                 timers[f"llama.cpp {path.name}"] = peer(command, mine, args.steps)
             if args.powerinfer_batched_bench is not None and qtype in ENGINE_TYPES:
-                command = engine_command(args.powerinfer_batched_bench, path, threads, args.steps)
+                command = engine_command(args.powerinfer_batched_bench, path, args.steps)
                 timers[f"engine {path.name}"] = peer(command, mine, args.steps)
     best: dict[tuple[str, Case], float] = {}
     # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run.
