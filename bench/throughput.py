@@ -101,7 +101,7 @@ def parse_batched_bench(text: str) -> dict[tuple[int, int], float]:
     for line in text.splitlines():
         if (match := ROW.match(line.strip())) is not None:
             pp, _, batch = (int(match.group(i)) for i in (1, 2, 3))
-            found[pp, batch] = float(match.group(9))
+            found[pp, batch] = float(match.group(8))
     return found
 
 
@@ -210,7 +210,8 @@ def main() -> None:
                 command = engine_command(args.powerinfer_batched_bench, path, args.steps)
                 timers[f"engine {path.name}"] = peer(command, mine, args.steps)
     best: dict[tuple[str, Case], float] = {}
-    # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run.
+    # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run. The table
+    # so far is printed after every round, so that a long run gives figures before it ends.
     for round_ in range(args.rounds):
         for name, timer in timers.items():
             started = time.perf_counter()
@@ -218,7 +219,16 @@ def main() -> None:
                 key = (name.split(" ", 1)[0], case)
                 best[key] = max(best.get(key, 0.0), speed)
             console.print(f"round {round_ + 1}: {name} ({time.perf_counter() - started:.0f} s)")
-    table = Table(title=f"aggregate decode tokens/s ({threads} threads, {args.steps} steps, f16 KV cache)")
+        console.print(results(cases, best, powerinfer, bandwidth, args.steps, threads, round_ + 1))
+
+
+def results(
+    cases: list[Case], best: dict[tuple[str, Case], float], powerinfer: dict[str, Path], bandwidth: float, steps: int,
+    threads: int, rounds: int,
+) -> Table:  # fmt: skip
+    table = Table(
+        title=f"aggregate decode tokens/s ({threads} threads, {steps} steps, f16 KV cache, best of {rounds} rounds)"
+    )
     for column in ("file", "B", "KV pos", "ours", "llama.cpp", "PowerInfer", "limit", "ours/llama.cpp",
                    "ours/PowerInfer", "ours/limit", "sparse/dense"):  # fmt: skip
         table.add_column(column, justify="right" if column != "file" else "left", no_wrap=True)
@@ -226,7 +236,7 @@ def main() -> None:
         mine = best.get(("ours", case), math.nan)
         llama = best.get(("llama.cpp", case), math.nan)
         engine = best.get(("engine", case), math.nan)
-        limit = step_limit(powerinfer[case.qtype], case, args.steps, bandwidth)
+        limit = step_limit(powerinfer[case.qtype], case, steps, bandwidth)
         dense = next((c for c in cases if c.kind == "dense" and (c.qtype, c.batch, c.position) ==
                       (case.qtype, case.batch, case.position)), None)  # fmt: skip
         versus_dense = mine / best.get(("ours", dense), math.nan) if case.kind == "sparse" and dense else math.nan
@@ -234,7 +244,7 @@ def main() -> None:
             case.file.name, str(case.batch), str(case.position), *(_cell(v) for v in (mine, llama, engine, limit)),
             *(_ratio(mine, other) for other in (llama, engine, limit)), _ratio(versus_dense, 1.0),
         )  # fmt: skip
-    console.print(table)
+    return table
 
 
 def _cell(value: float) -> str:

@@ -29,7 +29,7 @@ from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
 @dataclass(frozen=True)
 class LayerRows:
     """One layer's weights besides its FFN, as the layer step reads them; each family describes its own
-    (model/llama.py, model/falcon.py). A LayerNorm has biases, an RMSNorm none."""
+    (`native_rows` in model/llama.py, falcon.py, opt.py). A LayerNorm has biases, an RMSNorm none."""
 
     attn_norm: torch.Tensor
     q: Weight
