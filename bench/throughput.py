@@ -29,6 +29,7 @@ import math
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,7 +116,9 @@ def peer(command: Callable[[int, list[int]], list[str]], cases: list[Case], step
         speeds = {}
         for position, group in by_position.items():
             argv = command(position, sorted({c.batch for c in group}))
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+            # The engine writes llama.log where it runs: a directory of its own, not the caller's.
+            with tempfile.TemporaryDirectory(prefix="qinfer-peer-") as scratch:
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=scratch)
             table = parse_batched_bench(done.stdout + done.stderr)
             if not table:
                 tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -129,6 +132,8 @@ def peer(command: Callable[[int, list[int]], list[str]], cases: list[Case], step
 
 
 def llama_command(binary: Path, file: Path, threads: int, steps: int) -> Callable[[int, list[int]], list[str]]:
+    binary, file = binary.resolve(), file.resolve()  # the peers run in a directory of their own
+
     def argv(position: int, batches: list[int]) -> list[str]:
         ctx = position + max(batches) * steps + 16
         return [
@@ -143,6 +148,7 @@ def llama_command(binary: Path, file: Path, threads: int, steps: int) -> Callabl
 def engine_command(binary: Path, file: Path, steps: int) -> Callable[[int, list[int]], list[str]]:
     """The engine's batched-bench, which takes positional arguments only (MODEL N_KV_MAX IS_PP_SHARED NGL MMQ PP TG
     PL) and runs on every physical core: the bench's -t should match the cores for a fair column."""
+    binary, file = binary.resolve(), file.resolve()  # the peers run in a directory of their own
 
     def argv(position: int, batches: list[int]) -> list[str]:
         ctx = position + max(batches) * steps + 16
