@@ -25,6 +25,7 @@ S_TG), best of --rounds interleaved rounds.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import subprocess
@@ -42,7 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qinfer.core.kv_policy import KVTypes
-from qinfer.planner.model_layout import read_model_layout
+from qinfer.planner.model_layout import ModelLayout, read_model_layout
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache, make_kv_cache
 from qinfer.runtime.model.forward import ModelForward
@@ -79,6 +80,9 @@ def ours(forward: ModelForward, cases: list[Case], steps: int) -> Timer:
             tokens = torch.randint(1, forward.cfg.vocab_size, (steps, case.batch)).tolist()
             slots = list(range(case.batch))
             with torch.inference_mode():
+                # One untimed step first, as llama.cpp's bench warms up: the first call after a change of shape
+                # sizes the layer step's scratch and touches the new cache's pages. Its row is written again below.
+                forward.forward(TokenBatch.decode(tokens[0], [case.position] * case.batch, slots), cache)
                 started = time.perf_counter()
                 for j in range(steps):
                     positions = [case.position + j] * case.batch
@@ -159,10 +163,16 @@ def engine_command(binary: Path, file: Path, steps: int) -> Callable[[int, list[
     return argv
 
 
+@functools.cache
+def model_layout(powerinfer: Path) -> ModelLayout:
+    """The planner's accounting of a file, read once for all the cases and rounds that ask for it."""
+    return read_model_layout(powerinfer)
+
+
 def step_limit(powerinfer: Path, case: Case, steps: int, bandwidth: float) -> float:
     """B / (every weight once + every sequence's KV rows at its position) * bandwidth: the dense step's read bound,
     by the planner's accounting of the PowerInfer file of the case's type (the dense file holds the same weights)."""
-    layout = read_model_layout(powerinfer)
+    layout = model_layout(powerinfer)
     weights = layout.output_bytes + sum(
         layer.attention_bytes + layer.ffn_neurons * layer.neuron_bytes for layer in layout.layers
     )

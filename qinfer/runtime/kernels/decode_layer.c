@@ -209,7 +209,9 @@ static void attend(const dims *d, const layer *w, const scratch *s, int64_t toke
         float *sc = s->scores + th * d->ctx, *o = s->att + th * hd, top = -INFINITY, total = 0.0f;
         for (int64_t p = first; p <= last; p++) {
             const uint8_t *kp = kc + p * hd * k_size;
-            sc[p] = (d->k_half ? dot_f16((const uint16_t *)kp, kp, q, hd) : dot_f32(q, (const float *)kp, hd)) * scale;
+            /* A slot's rows are consecutive: the stream needs no read-ahead of its own. */
+            float dot = d->k_half ? dot_f16((const uint16_t *)kp, NULL, q, hd) : dot_f32(q, (const float *)kp, hd);
+            sc[p] = dot * scale;
             top = fmaxf(top, sc[p]);
         }
         for (int64_t p = first; p <= last; p++) total += sc[p] = expf(sc[p] - top);
