@@ -37,7 +37,7 @@ PROFILE_TOKENS ?= 20000
 TINY_VRAM ?= 0.2518
 TINY_CTX ?= 256
 
-.PHONY: all setup test lint clean tiny model FORCE
+.PHONY: all setup test test-floor lint clean tiny model FORCE
 
 ifeq ($(MODEL),)
 all: tiny
@@ -50,8 +50,26 @@ setup: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[serve,dev]'
 	touch $@
+
+# The suite on the oldest release of every dependency that pyproject.toml allows (itself and the `serve` extra;
+# the dev tools are taken as they come), in an environment of its own. Its torch comes from PyPI: a CUDA build.
+FLOOR_VENV ?= .venv-floor
+FLOOR_BIN := $(FLOOR_VENV)/bin
+FLOOR_TESTS ?= tests
+
+$(FLOOR_BIN)/.installed: pyproject.toml .ci/floor_constraints.py
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_BIN)/python .ci/floor_constraints.py serve > $(FLOOR_VENV)/floors.txt
+	$(FLOOR_BIN)/pip install -q -c $(FLOOR_VENV)/floors.txt -e '.[serve,dev]'
+	touch $@
+
+test-floor: $(FLOOR_BIN)/.installed
+	@echo "floor environment: $$($(FLOOR_BIN)/python --version)," \
+		$$($(FLOOR_BIN)/pip list --format=freeze 2>/dev/null | grep -iE "^($$(cut -d= -f1 $(FLOOR_VENV)/floors.txt | sed 's/-/[-_]/g' | paste -sd'|'))==")
+	$(FLOOR_BIN)/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
 # Plan settings that changed since the last plan (the echo differs from the file) make this stamp newer, so the
 # plan is made again; unchanged ones leave it alone.

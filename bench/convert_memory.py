@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qinfer.core.predictor_dir import FC1, FC2
+from qinfer.formats.predictor_dir import FC1, FC2
 from qinfer.prep.synth.build import SynthShape, build_synth
 
 E, F, V, HEADS, RANK = 4096, 11008, 32000, 32, 1024

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from qinfer.core.predictor_dir import FC1, FC2, load_layer
+from qinfer.formats.predictor_dir import FC1, FC2, load_layer
 from qinfer.prep.predictor.quality import layer_quality, mean_nll, predictor_logits, predictor_sparse_ffn
 from qinfer.prep.predictor.residual_sample import collect_residuals
 from qinfer.prep.predictor.training import TrainSettings, train_predictors

@@ -22,9 +22,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
 from qinfer.core.architectures import ARCHITECTURES
-from qinfer.core.gguf_writer import TensorPlan, write_gguf
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import PREDICTOR, split_tensor_name
+from qinfer.formats.gguf_writer import TensorPlan, write_gguf
 from qinfer.prep.convert.quantize import TARGETS, tensor_type
 
 E, F, V = 4096, 11008, 32000

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from qinfer.core.gpuidx import gpuidx_path_for
+from qinfer.formats.gpuidx import gpuidx_path_for
 from qinfer.planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
@@ -40,9 +40,16 @@ def _sha(path: Path) -> str:
 
 
 def _tree_sha(directory: Path) -> str:
+    """The directory's files, each config's `transformers_version` left out: it names the library that saved the
+    checkpoint (the floor test's is older), which no writer reads."""
     digest = hashlib.sha256()
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(directory).as_posix().encode() + b"\0" + path.read_bytes())
+        data = path.read_bytes()
+        if path.name.endswith("config.json"):
+            config = json.loads(data)
+            config.pop("transformers_version", None)
+            data = json.dumps(config, sort_keys=True).encode()
+        digest.update(path.relative_to(directory).as_posix().encode() + b"\0" + data)
     return digest.hexdigest()
 
 

@@ -1,5 +1,5 @@
-"""The packages import only downward: core <- prep, profiles <- planner <- runtime <- cli, and inside the runtime
-kernels <- ffn, kv <- model <- engine <- server. Deferred imports (inside functions) count too."""
+"""The packages import only downward: core <- formats <- prep, profiles <- planner <- runtime <- cli, and inside the
+runtime kernels <- ffn, kv <- model <- engine <- server. Deferred imports (inside functions) count too."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lower rank = lower layer; `profiles` is data that any layer above the core may read.
 RANKS = {
     "qinfer.core": 0,
+    "qinfer.formats": 0.5,
     "qinfer.profiles": 1,
     "qinfer.prep": 1,
     "qinfer.planner": 2,
@@ -61,7 +62,8 @@ def test_every_import_goes_downward() -> None:
 
 def test_the_check_sees_upward_imports(tmp_path: Path) -> None:
     for package, source in {
-        "qinfer/core": "import torch\nfrom qinfer.prep.convert.convert import convert\n",
+        "qinfer/core": "import torch\nfrom qinfer.formats.gpuidx import read_gpuidx\n",
+        "qinfer/formats": "from qinfer.core import names\nfrom qinfer.prep.convert.convert import convert\n",
         "qinfer/planner": "from qinfer.core import names\nfrom qinfer.runtime.engine import engine\n",
         "qinfer/runtime/kernels": "from qinfer.planner import budget\nfrom qinfer.runtime.kv.cache import KVCache\n",
         "qinfer/runtime/ffn": "from qinfer.runtime.kv import window\nfrom qinfer.runtime.kernels import row_kernels\n",
@@ -70,7 +72,8 @@ def test_the_check_sees_upward_imports(tmp_path: Path) -> None:
         (tmp_path / package).mkdir(parents=True)
         (tmp_path / package / "m.py").write_text(source)
     assert upward_imports(tmp_path) == [
-        "qinfer/core/m.py imports qinfer.prep",
+        "qinfer/core/m.py imports qinfer.formats",
+        "qinfer/formats/m.py imports qinfer.prep",
         "qinfer/planner/m.py imports qinfer.runtime.engine",
         "qinfer/runtime/ffn/m.py imports qinfer.runtime.kv",
         "qinfer/runtime/kernels/m.py imports qinfer.runtime.kv",

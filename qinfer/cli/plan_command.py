@@ -57,7 +57,7 @@ def plan_cmd(
 ) -> None:
     """Decide which FFN neurons live on the GPU and write <model>.generated.gpuidx beside the model."""
     # Imported here, as in the other commands, so that `qinfer --help` and unrelated commands start fast.
-    from qinfer.core.atomic_file import check_output_file
+    from qinfer.formats.atomic_file import check_output_file
     from qinfer.planner.budget import GIB
     from qinfer.planner.make_plan import (
         PlanOptions,

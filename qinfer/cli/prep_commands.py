@@ -13,7 +13,7 @@ from qinfer.cli.app import err, prep, progress_bar
 from qinfer.cli.options import SEED_MAX, Real
 
 if TYPE_CHECKING:
-    from qinfer.core.gguf_writer import TensorPlan
+    from qinfer.formats.gguf_writer import TensorPlan
 
 SPARSITY = Real(0.5, 1.0, high_open=True)
 
@@ -115,7 +115,7 @@ def _convert(
     calibration: Path | None = None,
     dense: bool = False,
 ) -> None:
-    from qinfer.core.atomic_file import check_output_file
+    from qinfer.formats.atomic_file import check_output_file
     from qinfer.prep.convert.convert import convert
 
     # Checked before the progress bar starts, so that the error is the only output.
@@ -179,8 +179,8 @@ def corpus_cmd(
     seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Random seed; the same seed gives the same text.")] = 0,
 ) -> None:
     """Write the synth model's TinyStories-like corpus, for profiling or training predictors offline."""
-    from qinfer.core.atomic_file import atomic_output, check_output_file
     from qinfer.core.errors import UserError
+    from qinfer.formats.atomic_file import atomic_output, check_output_file
     from qinfer.prep.synth.corpus import SPLITS, synth_corpus
 
     if split not in SPLITS:
@@ -199,7 +199,7 @@ def quantize_cmd(
     qtype: Annotated[str, typer.Argument(help="Q4_0 or Q8_0.")] = "Q4_0",
 ) -> None:
     """Quantize 2-D weights to Q4_0 or Q8_0 (output.weight to Q8_0, norms stay F32), keeping the file's magic."""
-    from qinfer.core.atomic_file import check_output_file
+    from qinfer.formats.atomic_file import check_output_file
     from qinfer.prep.convert.quantize import quantize_gguf
 
     check_output_file(outfile)  # before the progress bar starts, so that the error is the only output

@@ -118,8 +118,8 @@ def profile_cmd(
 def _make_output_directory(out: Path) -> None:
     """The activation directory is the command's own output, so it is made (as `mkdir -p` would): the profiler
     saves its checkpoint there before anything else, and a file output is never given a missing directory."""
-    from qinfer.core.atomic_file import check_writable, disk_errors
     from qinfer.core.errors import UserError
+    from qinfer.formats.atomic_file import check_writable, disk_errors
 
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; --out names the directory for the activation files")

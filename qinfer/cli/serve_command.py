@@ -21,6 +21,7 @@ from qinfer.cli.options import (
     kv_types,
     use_threads,
 )
+from qinfer.core.errors import needs_extra
 
 
 @app.command("serve")
@@ -76,11 +77,13 @@ def serve_cmd(
     --chat-template) in a sandbox; a model without one gets a plain "System: / User: / Assistant:" transcript, and
     generation stops before the next "User:" line.
     """
-    from qinfer.runtime.engine.chat_template import load_chat_template
     from qinfer.runtime.engine.engine import Engine
     from qinfer.runtime.engine.worker import EngineWorker
-    from qinfer.runtime.server.app import ServerOptions, create_app
-    from qinfer.runtime.server.thread import uvicorn_server
+
+    with needs_extra("serve", "qinfer serve"):
+        from qinfer.runtime.engine.chat_template import load_chat_template
+        from qinfer.runtime.server.app import ServerOptions, create_app
+        from qinfer.runtime.server.thread import uvicorn_server
 
     use_threads(threads)
     policy = kv_policy(kv_policy_kind, kv_budget)

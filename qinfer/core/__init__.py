@@ -1,4 +1,3 @@
-"""The bottom layer: names, model specs, architectures and file formats that every stage shares.
-
-It imports no other package of the project; prep, planner, runtime and the CLI build on it (docs/formats.md).
+"""The bottom layer: the model facts every stage shares (GGUF names and keys, architectures, model specs, KV
+policies, vocabularies, the one UserError). It imports no other package of the project.
 """

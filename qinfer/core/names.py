@@ -85,7 +85,8 @@ class Key:
     ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
     SLIDING_WINDOW = Keys.Attention.SLIDING_WINDOW
 
-    TOKENIZER_PREFIX = "tokenizer."
+    TOKENIZER_MODEL = Keys.Tokenizer.MODEL
+    TOKENIZER_PRE = Keys.Tokenizer.PRE
     TOKENS = Keys.Tokenizer.LIST
     BOS_ID = Keys.Tokenizer.BOS_ID
     EOS_ID = Keys.Tokenizer.EOS_ID
@@ -123,7 +124,7 @@ TOKEN_ID_KEYS = (
 
 _S, _U32, _F32 = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32
 _U64, _BOOL, _ARRAY = GGUFValueType.UINT64, GGUFValueType.BOOL, GGUFValueType.ARRAY
-# A `.gpuidx`'s provenance keys (after Key.PLAN_PREFIX), in the order they are written (qinfer.core.gpuidx's
+# A `.gpuidx`'s provenance keys (after Key.PLAN_PREFIX), in the order they are written (qinfer.formats.gpuidx's
 # Provenance has a field of each name): the value type, and the words that tell a user which of them went stale;
 # attention_on_gpu and output_on_gpu record what the plan chose rather than what it was made from, so never do.
 PLAN_KEYS: dict[str, tuple[GGUFValueType, str | None]] = {
@@ -144,7 +145,7 @@ PLAN_KEYS: dict[str, tuple[GGUFValueType, str | None]] = {
     "kv_rows": (_U32, "kv window rows"),
 }
 # The value type (and an array's item type) of every key we read, as the format gives them; a file whose key has
-# another type is refused (qinfer.core.gguf_layout).
+# another type is refused (qinfer.formats.gguf_layout).
 KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     Key.ARCHITECTURE: (_S, None),
     Key.NAME: (_S, None),
@@ -170,8 +171,8 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
         key: (_BOOL, None)
         for key in (Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.ADD_EOS, Keys.Tokenizer.ADD_SEP, Keys.Tokenizer.ADD_PREFIX)
     },
-    Keys.Tokenizer.MODEL: (_S, None),
-    Keys.Tokenizer.PRE: (_S, None),
+    Key.TOKENIZER_MODEL: (_S, None),
+    Key.TOKENIZER_PRE: (_S, None),
     Keys.Tokenizer.CHAT_TEMPLATE: (_S, None),
     Key.SLIDING_WINDOW: (_U32, None),
     Key.SPARSE_THRESHOLD: (_F32, None),

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qinfer.core.activation_files import activation_paths, load_counts
 from qinfer.core.errors import UserError
+from qinfer.formats.activation_files import activation_paths, load_counts
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from typing import Literal
 import numpy as np
 
 from qinfer.core.errors import UserError
-from qinfer.core.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.core.kv_policy import KVPolicy
 from qinfer.core.names import PLAN_KEYS
+from qinfer.formats.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.planner.activation_stats import ActivationStats, load_activation
 from qinfer.planner.baselines import greedy_placement
 from qinfer.planner.budget import BudgetOptions, VramAccount, account, minimum_budget, require_budget, vram_used

@@ -10,11 +10,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qinfer.core.architectures import architecture
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_reader import metadata, open_gguf
 from qinfer.core.model_check import check_model, tensor_entries
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import FFN_ROWS, PREDICTOR, WEIGHT, Key, Tensor, split_tensor_name, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
+from qinfer.formats.gguf_reader import metadata, open_gguf
 
 
 @dataclass(frozen=True)

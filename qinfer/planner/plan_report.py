@@ -6,9 +6,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from qinfer.core.atomic_file import atomic_output
-from qinfer.core.errors import UserError
+from qinfer.core.errors import needs_extra
 from qinfer.core.names import Tensor
+from qinfer.formats.atomic_file import atomic_output
 from qinfer.planner.budget import GIB, MIB, VramAccount, minimum_budget
 from qinfer.planner.make_plan import FullKVComparison, Plan
 
@@ -110,14 +110,12 @@ def _window_rows(plan: Plan, full_kv: FullKVComparison) -> list[tuple[str, str]]
 
 def write_report_png(plan: Plan, path: Path) -> None:
     """Per layer: neurons on GPU vs CPU (bars) and the share of firing the GPU serves (line)."""
-    try:
+    with needs_extra("plot", "--report"):
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
-    except ImportError as exc:
-        raise UserError("--report needs matplotlib: pip install 'qinfer[plot]'") from exc
     layers = list(range(len(plan.placement.gpu_neurons)))
     gpu = [int(m.sum()) for m in plan.placement.gpu_neurons]
     cpu = [len(m) - g for m, g in zip(plan.placement.gpu_neurons, gpu, strict=True)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qinfer.core.gpuidx import read_gpuidx
+from qinfer.formats.gpuidx import read_gpuidx
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qinfer.core.atomic_file import atomic_directory, atomic_output, check_replaceable
 from qinfer.core.errors import UserError
+from qinfer.formats.atomic_file import atomic_directory, atomic_output, check_replaceable
 from qinfer.prep.predictor.training import PREDICTOR_OUTPUT
 from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth
 from qinfer.prep.synth.corpus import synth_corpus

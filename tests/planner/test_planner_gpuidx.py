@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from qinfer.core.errors import UserError
-from qinfer.core.gpuidx import GpuIndex, Provenance, read_gpuidx, write_gpuidx
 from qinfer.core.names import KEY_TYPES, PLAN_KEYS, Key
+from qinfer.formats.gpuidx import GpuIndex, Provenance, read_gpuidx, write_gpuidx
 
 I32 = 26
 

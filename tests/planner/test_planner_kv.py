@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from qinfer.core.errors import UserError
-from qinfer.core.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.core.kv_policy import WINDOW_ROW_EXTRA_BYTES, KVPolicy
 from qinfer.core.model_spec import ModelSpec
+from qinfer.formats.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.planner.activation_stats import power_law_firing
 from qinfer.planner.baselines import greedy_placement
 from qinfer.planner.budget import GIB, KV_ELEMENT_BYTES, SCRATCH_FIXED, BudgetOptions, account

@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from qinfer.cli.main import app
-from qinfer.core.activation_files import activation_paths
 from qinfer.core.errors import UserError
-from qinfer.core.gpuidx import GpuIndex, gpuidx_path_for, read_gpuidx, write_gpuidx
+from qinfer.formats.activation_files import activation_paths
+from qinfer.formats.gpuidx import GpuIndex, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.planner.activation_stats import load_activation
 from qinfer.planner.budget import GIB
 from qinfer.planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx, make_plan

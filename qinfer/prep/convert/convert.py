@@ -15,13 +15,13 @@ import torch
 from gguf import GGUFWriter
 
 from qinfer.core.architectures import Architecture, Shapes, architecture
-from qinfer.core.calibration_dir import Calibration, read_calibration
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_writer import TensorPlan, write_gguf
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import PREDICTOR, Key, Tensor, split_tensor_name, tensor_name
-from qinfer.core.predictor_dir import FC1, FC2, PredictorDir, load_layer, open_predictors
 from qinfer.core.spec_readers import spec_from_hf_dir
+from qinfer.formats.calibration_dir import Calibration, read_calibration
+from qinfer.formats.gguf_writer import TensorPlan, write_gguf
+from qinfer.formats.predictor_dir import FC1, FC2, PredictorDir, load_layer, open_predictors
 from qinfer.prep.convert.hf_checkpoint import TensorRef, index_checkpoint, load_tensor
 from qinfer.prep.convert.rope_factors import llama3_rope_factors
 from qinfer.prep.convert.tokenizer_vocab import add_vocab

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from qinfer.core.errors import UserError
-from qinfer.core.torch_files import load_torch_file
+from qinfer.formats.torch_files import load_torch_file
 
 
 @dataclass(frozen=True)

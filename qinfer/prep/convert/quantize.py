@@ -20,11 +20,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.quants import quant_shape_to_byte_shape
 
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_reader import metadata, open_gguf
-from qinfer.core.gguf_writer import TensorPlan, write_gguf
 from qinfer.core.model_check import check_model, tensor_entries
 from qinfer.core.names import WEIGHT, Key, Tensor, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
+from qinfer.formats.gguf_reader import metadata, open_gguf
+from qinfer.formats.gguf_writer import TensorPlan, write_gguf
 from qinfer.prep.convert.quant_blocks import quantize_q4_0, quantize_q8_0
 
 QType = GGMLQuantizationType

@@ -15,12 +15,9 @@ from typing import Any
 
 from gguf import GGUFWriter, TokenType
 from gguf.vocab import LlamaHfVocab, SentencePieceVocab, SpecialVocab, Vocab
-from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
 from qinfer.core.errors import UserError
-
-# llama.cpp's names (tokenizer.ggml.pre) for the text splits we write, by the regular expression of each.
-PRE_TOKENIZER_SPLITS = {name: GGUF_PRE_TOKENIZER_SPLITS[name] for name in ("llama-bpe", "qwen2")}
+from qinfer.core.vocabulary import PRE_TOKENIZER_SPLITS
 
 
 def _open_vocab(model_dir: Path) -> Vocab:
@@ -61,6 +58,7 @@ def pre_tokenizer_name(model_dir: Path) -> str | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{tokenizer_json} is not readable JSON ({exc})") from exc
     regex = _split_regex(spec.get("pre_tokenizer")) if isinstance(spec, dict) else None
+    # The first name of an expression is llama.cpp's name for the original model's split.
     return next((name for name, split in PRE_TOKENIZER_SPLITS.items() if split == regex), None)
 
 

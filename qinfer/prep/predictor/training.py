@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from qinfer.core.atomic_file import OutputKind, atomic_directory, check_replaceable
-from qinfer.core.calibration_dir import read_calibration
 from qinfer.core.errors import UserError
-from qinfer.core.predictor_dir import FC1, FC2
+from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_replaceable
+from qinfer.formats.calibration_dir import read_calibration
+from qinfer.formats.predictor_dir import FC1, FC2
 from qinfer.prep.predictor.quality import LayerQuality, Predictor, layer_quality, predictor_logits
 from qinfer.prep.predictor.rank import RANK_STEP, RankPlan, auto_ranks, fixed_ranks
 from qinfer.prep.predictor.residual_sample import ResidualSample, collect_residuals

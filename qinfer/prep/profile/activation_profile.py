@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qinfer.core.activation_files import LayerSummary, summarise, write_activations
-from qinfer.core.atomic_file import atomic_output, disk_errors
 from qinfer.core.errors import UserError
-from qinfer.core.torch_files import load_torch_file
+from qinfer.formats.activation_files import LayerSummary, summarise, write_activations
+from qinfer.formats.atomic_file import atomic_output, disk_errors
+from qinfer.formats.torch_files import load_torch_file
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
 from qinfer.prep.profile.ffn_taps import firing_counts
 from qinfer.prep.profile.relu_model import load_relu_model, resolve_device

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qinfer.core.activation_files import LayerSummary, write_activations
-from qinfer.core.atomic_file import disk_errors
-from qinfer.core.calibration_dir import Calibration, write_calibration
 from qinfer.core.errors import UserError
+from qinfer.formats.activation_files import LayerSummary, write_activations
+from qinfer.formats.atomic_file import disk_errors
+from qinfer.formats.calibration_dir import Calibration, write_calibration
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
 from qinfer.prep.profile.ffn_taps import forward_hooks, hooked
 from qinfer.prep.profile.relu_model import ReluModel, load_relu_model

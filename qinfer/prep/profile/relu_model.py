@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
+from transformers import logging as hf_logging
 
 from qinfer.core.architectures import Architecture, FfnForm, architecture
 from qinfer.core.errors import UserError
@@ -35,7 +35,7 @@ class ReluModel:
     device: torch.device
     dtype: torch.dtype
     fell_back: bool  # CUDA was asked for but is not available, so the model runs on the CPU
-    # A calibrated model's per-layer thresholds on |act(gate)|: where a neuron fires (qinfer.core.calibration_dir).
+    # A calibrated model's per-layer thresholds on |act(gate)|: where a neuron fires (qinfer.formats.calibration_dir).
     gate_thresholds: list[float] | None = None
 
     @property

@@ -19,8 +19,8 @@ import sentencepiece as spm
 import torch
 from transformers import LlamaForCausalLM
 
-from qinfer.core.atomic_file import OutputKind, atomic_directory, check_replaceable
 from qinfer.core.errors import UserError
+from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_replaceable
 from qinfer.prep.synth.corpus import synth_corpus
 from qinfer.prep.synth.model import (
     BATCH,

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 from transformers import FalconConfig, FalconForCausalLM
-from transformers.initialization import no_init_weights
 
-from qinfer.core.atomic_file import atomic_directory
 from qinfer.core.errors import UserError
+from qinfer.formats.atomic_file import atomic_directory
 from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.prep.synth.model import blank_model
 from qinfer.prep.synth.predictors import save_predictors
 from qinfer.prep.synth.tokenizer import BOS, EOS, TOKENIZER_CHARS, save_tokenizer, train_tokenizer
 
@@ -61,8 +61,7 @@ def init_falcon(shape: FalconShape, gen: torch.Generator) -> FalconForCausalLM:
     """Unit-scale random weights (transformers' 0.02 init would make every logit nearly zero)."""
     if shape.hidden % shape.heads or shape.heads % shape.kv_heads or (shape.hidden // shape.heads) % 2:
         raise UserError(f"cannot build a synth falcon with hidden={shape.hidden}, heads={shape.heads}/{shape.kv_heads}")
-    with no_init_weights():
-        model = FalconForCausalLM(falcon_config(shape))
+    model = blank_model(FalconForCausalLM, falcon_config(shape))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("word_embeddings.weight"):

@@ -16,17 +16,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.initialization import no_init_weights
-from transformers.utils import logging as hf_logging
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import logging as hf_logging
 
 from qinfer.prep.profile.ffn_taps import forward_hooks, hooked
 from qinfer.prep.synth.tokenizer import BOS, EOS, SEQ_LEN, save_tokenizer
 
 Progress = Callable[[str, int, int], None]
+M = TypeVar("M", bound=PreTrainedModel)
 BIAS_VALUE = 1.0  # residual channel 0; the embedding std is 1 too, so after RMSNorm the channel is ordinary-sized
 BATCH = 16
 LR = 3e-3
@@ -76,12 +77,17 @@ def llama_config(shape: SynthShape) -> LlamaConfig:
     )
 
 
+def blank_model(model_class: type[M], config: PretrainedConfig) -> M:
+    """A model of `config` whose weights the caller then draws from its own generator. transformers' own init draws
+    from the global generator, which is left as it was, so a build's output depends on its seed alone."""
+    with torch.random.fork_rng():
+        return model_class(config)
+
+
 def init_model(shape: SynthShape, gen: torch.Generator) -> tuple[LlamaForCausalLM, list[torch.Tensor]]:
     """The model with every weight drawn from `gen`, and per layer the basis [hidden - 1, gate_rank] that the
-    rows of gate_proj (bias column aside) stay in. transformers' own init is skipped: it would draw from the
-    global RNG, and for 7B-sized layers it would double the build time."""
-    with no_init_weights():
-        model = LlamaForCausalLM(llama_config(shape))
+    rows of gate_proj (bias column aside) stay in."""
+    model = blank_model(LlamaForCausalLM, llama_config(shape))
     residual_scale = 1.0 / math.sqrt(2 * shape.layers)
     with torch.no_grad():
         for name, param in model.named_parameters():

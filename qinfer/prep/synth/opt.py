@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 from transformers import OPTConfig, OPTForCausalLM
-from transformers.initialization import no_init_weights
 
-from qinfer.core.atomic_file import atomic_directory
 from qinfer.core.errors import UserError
+from qinfer.formats.atomic_file import atomic_directory
 from qinfer.prep.synth.bpe import OPT_BOS, OPT_EOS, OPT_PAD, save_bpe_tokenizer
 from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.prep.synth.model import blank_model
 from qinfer.prep.synth.predictors import save_predictors
 from qinfer.prep.synth.tokenizer import TOKENIZER_CHARS
 
@@ -63,8 +63,7 @@ def init_opt(shape: OPTShape, gen: torch.Generator, exact_predictors: bool) -> O
     """Unit-scale random weights (transformers' 0.02 init would make every logit nearly zero)."""
     if shape.hidden % shape.heads:
         raise UserError(f"cannot build a synth OPT with hidden={shape.hidden} and {shape.heads} heads")
-    with no_init_weights():
-        model = OPTForCausalLM(opt_config(shape))
+    model = blank_model(OPTForCausalLM, opt_config(shape))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("embed_tokens.weight"):

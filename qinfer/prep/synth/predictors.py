@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from qinfer.core.predictor_dir import FC1, FC2
+from qinfer.formats.predictor_dir import FC1, FC2
 from qinfer.prep.synth.model import Observed
 
 Predictor = tuple[torch.Tensor, torch.Tensor]  # fc1.weight [P, E], fc2.weight [F, P]

@@ -26,10 +26,10 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.utils import logging as hf_logging
+from transformers import logging as hf_logging
 
-from qinfer.core.atomic_file import atomic_directory
-from qinfer.prep.convert.tokenizer_vocab import PRE_TOKENIZER_SPLITS
+from qinfer.core.vocabulary import LLAMA3_SPLIT, QWEN2_SPLIT
+from qinfer.formats.atomic_file import atomic_directory
 from qinfer.prep.synth.corpus import paragraphs, synth_corpus
 from qinfer.prep.synth.tokenizer import TOKENIZER_CHARS, save_tokenizer, train_tokenizer
 
@@ -68,7 +68,7 @@ _SPECIALS = {
     ),
     "qwen2": Specials(None, "<|endoftext|>", ("<|im_start|>", "<|im_end|>")),
 }
-_SPLITS = {"llama3": PRE_TOKENIZER_SPLITS["llama-bpe"], "qwen2": PRE_TOKENIZER_SPLITS["qwen2"]}
+_SPLITS = {"llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
 
 
 def _byte_level_tokenizer(family: str, text: str, vocab: int, context: int) -> PreTrainedTokenizerFast:

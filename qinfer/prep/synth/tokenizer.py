@@ -9,8 +9,8 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 from transformers import LlamaTokenizer
-from transformers.tokenization_utils_base import generate_merges
 
+from qinfer.core.vocabulary import implied_merges
 from qinfer.prep.synth.corpus import paragraphs, synth_corpus
 
 SEQ_LEN = 128
@@ -57,7 +57,7 @@ def save_tokenizer(tokenizer_model: bytes, context: int, model_dir: Path) -> Non
     (model_dir / "tokenizer.model").write_bytes(tokenizer_model)
     sp = spm.SentencePieceProcessor(model_proto=tokenizer_model)
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
-    merges = generate_merges(vocab, skip_tokens=set(SPECIAL_PIECES))
+    merges = implied_merges(vocab, skip=SPECIAL_PIECES)
     unk, bos, eos = SPECIAL_PIECES
     tokenizer = LlamaTokenizer(
         vocab=vocab,

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
-from qinfer.runtime.engine.grammar_constraint import Constraint
 from qinfer.runtime.engine.sampling import SamplingParams, sample_next
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.batch import TokenBatch
@@ -26,6 +26,10 @@ from qinfer.runtime.kv.cache import make_kv_cache
 from qinfer.runtime.model.forward import ModelForward
 from qinfer.runtime.model.loader import LoadedRuntime, RuntimeOptions, fit_context, load_forward
 from qinfer.runtime.model.model_file import open_model
+
+if TYPE_CHECKING:
+    # Only the server builds constraints; llguidance is part of the `serve` extra.
+    from qinfer.runtime.engine.grammar_constraint import Constraint
 
 
 @dataclass

@@ -1,44 +1,90 @@
-"""Rebuild the model's tokenizer from GGUF metadata with transformers' own GGUF tokenizer converter."""
+"""Rebuild the model's tokenizer from GGUF metadata as a `tokenizers.Tokenizer`, the way the model's own tokenizer is
+built: a SentencePiece vocabulary ("llama") as BPE with byte fallback, a byte-level one ("gpt2") as GPT-2's BPE with
+the text split its tokenizer.ggml.pre names (qinfer.core.vocabulary)."""
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-from tokenizers import Tokenizer
-from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+from gguf import TokenType
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from qinfer.core.errors import UserError
 from qinfer.core.names import Key
+from qinfer.core.vocabulary import PRE_TOKENIZER_SPLITS, SPM_SPACE, byte_alphabet, implied_merges
 
 SUPPORTED = ("llama", "gpt2")
-_PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
 # Control tokens that end a chat turn, by text, as llama.cpp recognises them where a file names no eot id: a chat
 # template ends the assistant's turn with one of these rather than with EOS.
 END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-CONTROL = 3  # tokenizer.ggml.token_type of a control token
+# The `[PAD{i}]` fillers a converter writes where an embedding is longer than its tokenizer (OPT's): Hugging Face's
+# tokenizer has no such tokens, so text naming one stays text.
+_PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
 
 
-def _drop_foreign_added_tokens(backend: Tokenizer, n_vocab: int) -> Tokenizer:
-    """The backend without added tokens the model's own tokenizer does not match in text.
+def _sentencepiece(tokens: list[str], scores: list[float] | None) -> Tokenizer:
+    """BPE over the pieces, merged in the order their scores imply, with unknown characters spelled as byte tokens:
+    how transformers' LlamaTokenizer builds a SentencePiece vocabulary."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranks = dict(zip(tokens, scores, strict=True)) if scores is not None else None
+    backend = Tokenizer(models.BPE(vocab, implied_merges(vocab, ranks), fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPM_SPACE, prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return backend
 
-    transformers' GPT2Tokenizer always registers `<|endoftext|>` as its default unk/bos/eos, so a vocabulary
-    without it (OPT's) gets it appended at id n_vocab, past the embedding. And the converter adds the `[PAD{i}]`
-    fillers as user-defined tokens, which Hugging Face's tokenizer never has, so text naming one would encode to
-    an id the model never saw. Added tokens cannot be removed in place, hence the JSON round trip.
-    """
-    state = json.loads(backend.to_str())
 
-    def foreign(token: dict[str, Any]) -> bool:
-        placeholder = _PLACEHOLDER.fullmatch(token["content"])
-        return token["id"] >= n_vocab or (placeholder is not None and int(placeholder[1]) == token["id"])
+def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+    """GPT-2's byte-level BPE, splitting text with the expression `pre` names (GPT-2's own where it names none)."""
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    # A token written in plain text rather than in the byte alphabet (a control token's, say) is respelled, as
+    # transformers does, so that its merges still apply.
+    vocab = {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): i
+        for i, token in enumerate(tokens)
+    }
+    pairs = [tuple(rule.split(" ", 1)) for rule in merges]
+    backend = Tokenizer(models.BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    split = PRE_TOKENIZER_SPLITS.get(pre or "")
+    backend.pre_tokenizer = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if split is None
+        else pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
-    kept = [token for token in state["added_tokens"] if not foreign(token)]
-    if len(kept) == len(state["added_tokens"]):
-        return backend
-    state["added_tokens"] = kept
-    return Tokenizer.from_str(json.dumps(state))
+
+def _add_marked_tokens(backend: Tokenizer, tokens: list[str], types: list[int], byte_level: bool) -> None:
+    """Control and unknown tokens as special tokens and user-defined ones as plain added tokens, each matched whole
+    in text, as llama.cpp matches them. In a byte-level vocabulary a token outside the byte alphabet is a mislabel,
+    and a `[PAD{i}]` filler is not the model's, so neither is added."""
+    alphabet = set(byte_alphabet().values()) if byte_level else None
+
+    def marked(kind: TokenType) -> list[tuple[int, str]]:
+        return [(i, text) for i, (text, t) in enumerate(zip(tokens, types, strict=True)) if t == kind]
+
+    control = [
+        AddedToken(text, normalized=False, special=True)
+        for _, text in marked(TokenType.CONTROL) + marked(TokenType.UNKNOWN)
+        if alphabet is None or set(text) <= alphabet
+    ]
+    user = [
+        AddedToken(text, normalized=False, special=False)
+        for i, text in marked(TokenType.USER_DEFINED)
+        if (alphabet is None or set(text) <= alphabet)
+        and (not (placeholder := _PLACEHOLDER.fullmatch(text)) or int(placeholder[1]) != i)
+    ]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
 
 
 def require_utf8(text: str) -> str:
@@ -56,30 +102,27 @@ def require_utf8(text: str) -> str:
 
 class GGUFTokenizer:
     def __init__(self, meta: dict[str, Any]):
-        renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
-        # transformers names the keys without their "tokenizer." prefix.
-        keys = {name: Key.TOKENIZER_PREFIX + key for key, name in renames.items()}
-        spec = {name: meta[key] for name, key in keys.items() if key in meta}
-        kind = spec.get("tokenizer_type")
+        kind = meta.get(Key.TOKENIZER_MODEL)
         if kind not in SUPPORTED:
             raise UserError(f"tokenizer type {kind!r} is not supported; expected one of {', '.join(SUPPORTED)}")
-        if kind == "gpt2" and not spec.get("merges"):
-            raise UserError(f"the GGUF's gpt2 vocabulary has no {Key.MERGES}; re-create it with qinfer prep")
-        backend = convert_gguf_tokenizer(meta[Key.ARCHITECTURE], spec)[0]
-        # Only transformers' GPT-2 builder adds tokens of its own; a SentencePiece backend is used as it is built.
-        self.backend: Tokenizer = (
-            _drop_foreign_added_tokens(backend, len(spec["tokens"])) if kind == "gpt2" else backend
-        )
+        tokens: list[str] = meta[Key.TOKENS]
+        types: list[int] = meta.get(Key.TOKEN_TYPE) or [int(TokenType.NORMAL)] * len(tokens)
+        if kind == "gpt2":
+            if not meta.get(Key.MERGES):
+                raise UserError(f"the GGUF's gpt2 vocabulary has no {Key.MERGES}; re-create it with qinfer prep")
+            backend = _byte_level(tokens, meta[Key.MERGES], meta.get(Key.TOKENIZER_PRE))
+        else:
+            backend = _sentencepiece(tokens, meta.get(Key.SCORES))
+        _add_marked_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+        self.backend: Tokenizer = backend
         self.bos_id: int | None = meta.get(Key.BOS_ID)
         self.eos_id: int | None = meta.get(Key.EOS_ID)
         # Generation ends at EOS or at the end of a chat turn.
-        types = spec.get("token_type") or [0] * len(spec["tokens"])
-        pairs = enumerate(zip(spec["tokens"], types, strict=True))
-        turn_ends = {i for i, (text, kind) in pairs if kind == CONTROL and text in END_OF_TURN}
+        pairs = enumerate(zip(tokens, types, strict=True))
+        turn_ends = {i for i, (text, t) in pairs if t == TokenType.CONTROL and text in END_OF_TURN}
         self.end_ids: frozenset[int] = frozenset(
             {i for i in (self.eos_id, meta.get(Key.EOT_ID)) if i is not None} | turn_ends
         )
-        tokens = spec["tokens"]
         self.vocab_size = len(tokens)
         # The special tokens' texts, by the names a chat template knows them by; and the template itself.
         names = {"bos_token": Key.BOS_ID, "eos_token": Key.EOS_ID, "unk_token": Key.UNK_ID, "pad_token": Key.PAD_ID}

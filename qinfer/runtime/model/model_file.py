@@ -10,11 +10,11 @@ import torch
 from gguf.quants import dequantize
 
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_reader import PowerInferReader, metadata, open_gguf
 from qinfer.core.model_check import check_model, tensor_entries
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import Key, Tensor, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
+from qinfer.formats.gguf_reader import PowerInferReader, metadata, open_gguf
 from qinfer.runtime.kernels.quant_rows import QUANTIZED_TYPES, QuantizedMatrix
 
 # Quantized matrices stay raw blocks (the native kernels read them as they are; elsewhere rows are expanded as

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from qinfer.core.gguf_reader import metadata, open_gguf
+from qinfer.formats.gguf_reader import metadata, open_gguf
 from qinfer.prep.synth.build import SynthReport
 from tests.conftest import TINY
 

@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_reader import metadata, open_gguf
+from qinfer.formats.gguf_reader import metadata, open_gguf
 from qinfer.prep.convert.tokenizer_vocab import add_vocab
 from qinfer.prep.synth.bpe import OPT_BOS, OPT_EOS, OPT_PAD, OPT_SPECIALS, save_bpe_tokenizer
 from qinfer.prep.synth.corpus import synth_corpus

@@ -16,9 +16,9 @@ from gguf.quants import dequantize, quantize
 
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_reader import metadata, open_gguf
-from qinfer.core.gguf_writer import TensorPlan, write_gguf
 from qinfer.core.model_spec import ModelSpec
+from qinfer.formats.gguf_reader import metadata, open_gguf
+from qinfer.formats.gguf_writer import TensorPlan, write_gguf
 from qinfer.prep.convert.quant_blocks import quantize_q4_0, quantize_q8_0
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.runtime.kernels.quant_rows import dequantize_rows

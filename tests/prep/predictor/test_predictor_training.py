@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from qinfer.cli.main import app
 from qinfer.core.errors import UserError
-from qinfer.core.predictor_dir import FC1, FC2, load_layer, open_predictors
+from qinfer.formats.predictor_dir import FC1, FC2, load_layer, open_predictors
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.predictor.quality import layer_quality, mean_nll, predictor_logits, predictor_sparse_ffn
 from qinfer.prep.predictor.rank import auto_ranks

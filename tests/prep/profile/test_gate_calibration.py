@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qinfer.core.activation_files import read_activations
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import F32_KV
+from qinfer.formats.activation_files import read_activations
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.predictor.training import TrainSettings, train_predictors
 from qinfer.prep.profile.activation_profile import profile_activations

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from qinfer.cli.main import app
-from qinfer.core.activation_files import read_activations, summarise, write_activations
 from qinfer.core.errors import UserError
+from qinfer.formats.activation_files import read_activations, summarise, write_activations
 from qinfer.prep.profile.activation_profile import STATE_FILE, profile_activations
 from qinfer.prep.profile.corpus_reader import corpus_files, documents, token_windows
 from qinfer.prep.profile.relu_model import load_relu_model

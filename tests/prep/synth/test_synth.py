@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 import qinfer.prep.synth.build as synth
 import qinfer.prep.synth.model as synth_model
 from qinfer.core.errors import UserError
-from qinfer.core.predictor_dir import open_predictors
+from qinfer.formats.predictor_dir import open_predictors
 from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth
 from qinfer.prep.synth.corpus import paragraphs, synth_corpus
 from tests.conftest import TINY, TINY_STEPS

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qinfer.core.errors import UserError
-from qinfer.core.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
+from qinfer.formats.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
 from qinfer.planner.budget import GIB
 from qinfer.planner.make_plan import PlanOptions, dry_run_account
 from qinfer.runtime.engine.engine import Engine

@@ -15,7 +15,7 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVPolicy, KVTypes
-from qinfer.core.predictor_dir import FC1, FC2
+from qinfer.formats.predictor_dir import FC1, FC2
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.build import SynthReport

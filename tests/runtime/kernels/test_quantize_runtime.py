@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from qinfer.core.activation_files import write_activations
-from qinfer.core.gguf_reader import open_gguf
+from qinfer.formats.activation_files import write_activations
+from qinfer.formats.gguf_reader import open_gguf
 from qinfer.planner.budget import GIB
 from qinfer.planner.make_plan import PlanOptions, dry_run_account
 from qinfer.prep.convert.quantize import quantize_gguf

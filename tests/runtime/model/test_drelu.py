@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, MistralForCausalLM
 
-from qinfer.core.activation_files import read_activations
+from qinfer.formats.activation_files import read_activations
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.predictor.training import TrainSettings, train_predictors
 from qinfer.prep.profile.activation_profile import profile_activations

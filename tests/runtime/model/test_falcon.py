@@ -11,8 +11,8 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 from transformers import FalconForCausalLM
 
-from qinfer.core.activation_files import read_activations
-from qinfer.core.gguf_reader import metadata, open_gguf
+from qinfer.formats.activation_files import read_activations
+from qinfer.formats.gguf_reader import metadata, open_gguf
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.predictor.residual_sample import collect_residuals

@@ -15,10 +15,10 @@ from transformers import AutoTokenizer, OPTForCausalLM
 from typer.testing import CliRunner
 
 from qinfer.cli.main import app
-from qinfer.core.activation_files import read_activations
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_reader import metadata, open_gguf
-from qinfer.core.gpuidx import gpuidx_path_for, read_gpuidx
+from qinfer.formats.activation_files import read_activations
+from qinfer.formats.gguf_reader import metadata, open_gguf
+from qinfer.formats.gpuidx import gpuidx_path_for, read_gpuidx
 from qinfer.planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Tokenizer
 
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
@@ -52,6 +52,19 @@ def test_tokenizer_ids_equal_transformers(swiglu: dict[str, dict[str, Path]], fa
     tokenizer = GGUFTokenizer(open_model(swiglu[family]["dense-f32"]).metadata)
     for text in TRICKY:
         assert tokenizer.encode(text) == hf_ids(swiglu[family]["model"], text), text
+
+
+def test_qwen2_split_is_transformers_own(swiglu: dict[str, dict[str, Path]]) -> None:
+    """The split we name `qwen2` (qinfer.core.vocabulary) cuts text as transformers' own Qwen2Tokenizer does, given
+    the same vocabulary and merges: the synth tokenizer above is built with our expression, this one with theirs."""
+    spec = json.loads((swiglu["qwen2"]["model"] / "tokenizer.json").read_text(encoding="utf-8"))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["model"]["merges"]]
+    reference = Qwen2Tokenizer(vocab=spec["model"]["vocab"], merges=merges)
+    ours = GGUFTokenizer(open_model(swiglu["qwen2"]["dense-f32"]).metadata)
+    split, reference_split = ours.backend.pre_tokenizer, reference.backend_tokenizer.pre_tokenizer
+    for text in [TEXT, *TRICKY[:-1], "It's 12345 o'clock;\r\n  \t done!!  "]:
+        assert split.pre_tokenize_str(text) == reference_split.pre_tokenize_str(text), text
+        assert ours.encode(text, add_bos=False) == reference(text, add_special_tokens=False)["input_ids"], text
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,7 +10,7 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.names import Tensor, tensor_name
-from qinfer.core.torch_files import load_torch_file
+from qinfer.formats.torch_files import load_torch_file
 
 # A predictor state_dict names its two matrices as the GGUF does, without the block prefix.
 FC1 = tensor_name(Tensor.FC1)

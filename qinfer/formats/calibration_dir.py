@@ -8,8 +8,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qinfer.core.atomic_file import atomic_output
 from qinfer.core.errors import UserError
+from qinfer.formats.atomic_file import atomic_output
 
 THRESHOLDS_FILE = "gate_thresholds.json"
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qinfer.core.activation_files import read_activations
 from qinfer.core.errors import UserError
-from qinfer.core.gpuidx import gpuidx_path_for, read_gpuidx
-from qinfer.core.predictor_dir import load_layer
+from qinfer.formats.activation_files import read_activations
+from qinfer.formats.gpuidx import gpuidx_path_for, read_gpuidx
+from qinfer.formats.predictor_dir import load_layer
 from qinfer.planner.make_plan import PlanOptions, dry_run_account, load_or_make_gpuidx
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.runtime.engine.engine import Engine

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from qinfer.core.atomic_file import atomic_output
 from qinfer.core.errors import UserError
-from qinfer.core.torch_files import load_torch_file
+from qinfer.formats.atomic_file import atomic_output
+from qinfer.formats.torch_files import load_torch_file
 
 LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
 TOP_SHARES = (0.1, 0.2, 0.5)

@@ -14,8 +14,8 @@ import pytest
 from gguf import GGUFReader, GGUFValueType
 
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_layout import MAX_TOKEN_BYTES
 from qinfer.core.names import Key
+from qinfer.formats.gguf_layout import MAX_TOKEN_BYTES
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.synth.opt import OPTShape, build_synth_opt
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from qinfer.core.atomic_file import atomic_output
+from qinfer.formats.atomic_file import atomic_output
 
 PWRI_BYTES = b"PWRI"
 

@@ -14,10 +14,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_reader import field_value, open_gguf
-from qinfer.core.gguf_writer import TensorPlan, write_gguf
 from qinfer.core.kv_policy import KV_POLICIES
 from qinfer.core.names import PLAN_KEYS, Key, Tensor, tensor_name
+from qinfer.formats.gguf_reader import field_value, open_gguf
+from qinfer.formats.gguf_writer import TensorPlan, write_gguf
 
 # Written only for a plan whose KV policy is not `full`, so that a `full` plan keeps the bytes it had before KV
 # policies existed, and a file without them (older, or `full`) reads as `full`.

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from gguf import GGUF_MAGIC, GGUFReader
 
 from qinfer.core.errors import UserError
-from qinfer.core.gguf_layout import Layout, scan_layout
+from qinfer.formats.gguf_layout import Layout, scan_layout
 
 # "PWRI" read as a little-endian u32: the first four bytes of a PowerInfer GGUF.
 PWRI_MAGIC = 0x49525750
@@ -40,7 +40,7 @@ MODEL_FIX = "re-download it or re-create it with `qinfer prep convert`"
 
 
 def check_layout(path: Path, fix: str = MODEL_FIX) -> Layout:
-    """The file's layout, every byte of its header checked (qinfer.core.gguf_layout) before any reader trusts it."""
+    """The file's layout, every byte of its header checked (qinfer.formats.gguf_layout) before any reader trusts it."""
     try:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
