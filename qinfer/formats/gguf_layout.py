@@ -17,6 +17,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from qinfer.core.names import KEY_TYPES, Key, Tensor, tensor_name
 
 MAGICS = (b"GGUF", b"PWRI")
+POWERINFER_MAGIC = b"PWRI"
+# The PowerInfer engine's ggml predates the i-quants, so its integer types keep their first codes (I8 = 16, I16 = 17,
+# I32 = 18) where today's ggml numbers them 24 to 26. A PowerInfer GGUF holds them under the engine's codes, the only
+# ones it reads; a plain GGUF under today's.
+ENGINE_INTEGER_TYPES = {
+    16: GGMLQuantizationType.I8,
+    17: GGMLQuantizationType.I16,
+    18: GGMLQuantizationType.I32,
+}
 # The longest token or merge rule accepted, in bytes: real vocabularies' longest are a few hundred bytes (runs of
 # spaces, code indentation), and the GPT-2 tokenizer's rebuild of a vocabulary is quadratic in a token's length.
 MAX_TOKEN_BYTES = 1024
@@ -49,9 +58,10 @@ class LayoutError(ValueError):
 class TensorEntry:
     name: str
     ne: tuple[int, ...]  # ggml order, innermost first
-    qtype: GGMLQuantizationType
+    qtype: GGMLQuantizationType  # today's numbering, whichever the file uses
     offset: int  # from the start of the data section
     nbytes: int
+    type_at: int  # the file offset of the type's code
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,9 @@ def _value(cur: _Cursor, kind: GGUFValueType, key: str, kept: dict[str, tuple[in
     return Value(kind, item, count)
 
 
-def _tensor(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+def _tensor(
+    cur: _Cursor, index: int, engine_types: bool
+) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]:
     name = cur.string(f"the name of tensor {index}")
     if not name or len(name.encode()) >= MAX_NAME:
         raise LayoutError(f"tensor {index} has a name of {len(name.encode())} bytes (1 to {MAX_NAME - 1} allowed)")
@@ -149,14 +161,16 @@ def _tensor(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], GGMLQuantiz
     if not 1 <= dims <= MAX_DIMS:
         raise LayoutError(f"{name} has {dims} dimensions (1 to {MAX_DIMS} allowed)")
     ne = tuple(int(cur.scalar("<Q", f"a dimension of {name}")) for _ in range(dims))
+    type_at = cur.pos
     raw_type = int(cur.scalar("<I", f"the type of {name}"))
     try:
-        qtype = GGMLQuantizationType(raw_type)
+        qtype = ENGINE_INTEGER_TYPES[raw_type] if engine_types and raw_type in ENGINE_INTEGER_TYPES else None
+        qtype = qtype or GGMLQuantizationType(raw_type)
     except ValueError:
         raise LayoutError(f"{name} has unknown tensor type {raw_type}") from None
     if qtype not in GGML_QUANT_SIZES:
         raise LayoutError(f"{name} has tensor type {qtype.name}, which has no known size")
-    return name, ne, qtype, int(cur.scalar("<Q", f"the offset of {name}"))
+    return name, ne, qtype, int(cur.scalar("<Q", f"the offset of {name}")), type_at
 
 
 def _nbytes(name: str, ne: tuple[int, ...], qtype: GGMLQuantizationType, limit: int) -> int:
@@ -210,10 +224,10 @@ def scan_layout(buf: memoryview) -> Layout:
     alignment = keys[Key.ALIGNMENT].value if Key.ALIGNMENT in keys else DEFAULT_ALIGNMENT
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise LayoutError(f"{Key.ALIGNMENT} is {alignment!r}, not a power of two")
-    raw = [_tensor(cur, i) for i in range(n_tensors)]
+    raw = [_tensor(cur, i, magic == POWERINFER_MAGIC) for i in range(n_tensors)]
     data_start = -(-cur.pos // alignment) * alignment
     tensors, names, running = [], set(), 0
-    for name, ne, qtype, offset in raw:
+    for name, ne, qtype, offset, type_at in raw:
         if name in names:
             raise LayoutError(f"the tensor {name} appears twice")
         names.add(name)
@@ -222,7 +236,7 @@ def scan_layout(buf: memoryview) -> Layout:
             raise LayoutError(f"{name} is at data offset {offset}, but the tensors before it end at {running}")
         if data_start + offset + nbytes > len(buf):
             raise LayoutError(f"{name} ends at byte {data_start + offset + nbytes}, past the end of the file")
-        tensors.append(TensorEntry(name, ne, qtype, offset, nbytes))
+        tensors.append(TensorEntry(name, ne, qtype, offset, nbytes, type_at))
         running = -(-(offset + nbytes) // alignment) * alignment
     # Writers end the file with the last tensor (and at most its padding): more bytes after it mean a header that
     # no longer describes the data, such as a last tensor given a smaller type.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from qinfer.formats.atomic_file import atomic_output
-
-PWRI_BYTES = b"PWRI"
+from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC, scan_layout
 
 
 @dataclass(frozen=True)
@@ -69,5 +70,23 @@ def write_gguf(
         finally:
             writer.close()
         if powerinfer:
-            with open(tmp, "r+b") as fh:
-                fh.write(PWRI_BYTES)
+            _make_powerinfer(tmp)
+
+
+def _make_powerinfer(path: Path) -> None:
+    """Turn the GGUF at `path` into a PowerInfer GGUF in place: the PWRI magic, and integer tensors under the engine's
+    type codes (qinfer.formats.gguf_layout.ENGINE_INTEGER_TYPES), which are the only ones it reads."""
+    engine_codes = {qtype: code for code, qtype in ENGINE_INTEGER_TYPES.items()}
+    with open(path, "r+b") as fh:
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                tensors = scan_layout(view).tensors
+            finally:
+                view.release()
+        for tensor in tensors:
+            if tensor.qtype in engine_codes:
+                fh.seek(tensor.type_at)
+                fh.write(struct.pack("<I", engine_codes[tensor.qtype]))
+        fh.seek(0)
+        fh.write(POWERINFER_MAGIC)

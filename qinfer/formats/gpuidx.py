@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KV_POLICIES
 from qinfer.core.names import PLAN_KEYS, Key, Tensor, tensor_name
-from qinfer.formats.gguf_reader import field_value, open_gguf
+from qinfer.formats.gguf_layout import Value
+from qinfer.formats.gguf_reader import check_layout
 from qinfer.formats.gguf_writer import TensorPlan, write_gguf
 
 # Written only for a plan whose KV policy is not `full`, so that a `full` plan keeps the bytes it had before KV
@@ -88,47 +89,56 @@ def write_gpuidx(path: Path, index: GpuIndex) -> None:
 
 
 def read_gpuidx(path: Path) -> GpuIndex:
-    """Read ours or the engine's; anything that is not a consistent GPU index is a user error naming the fix."""
+    """Read ours or the engine's, its integer tensors under either type code (formats.gguf_layout); anything that is
+    not a consistent GPU index is a user error naming the fix. Read from the checked layout rather than with gguf's
+    reader, which takes the engine's I32 code for today's IQ3_XXS."""
     fix = "delete it or rerun `qinfer plan --reset-gpu-index`"
-    reader = open_gguf(path, fix=fix)
-    if field_value(reader, Key.ARCHITECTURE) != Key.GPU_INDEX_ARCH:
+    layout = check_layout(path, fix)
+
+    def value(key: str) -> Any:
+        found = layout.keys.get(key)
+        return None if found is None else found.value
+
+    if value(Key.ARCHITECTURE) != Key.GPU_INDEX_ARCH:
         raise UserError(f"{path} is not a GPU index (general.architecture is not {Key.GPU_INDEX_ARCH!r}); {fix}")
-    layers = field_value(reader, Key.GPU_INDEX_BLOCK_COUNT)
-    capacity = field_value(reader, Key.VRAM_CAPACITY)
+    layers, capacity = value(Key.GPU_INDEX_BLOCK_COUNT), value(Key.VRAM_CAPACITY)
     if layers is None or capacity is None:
         raise UserError(f"{path} lacks {Key.GPU_INDEX_BLOCK_COUNT} or {Key.VRAM_CAPACITY}; {fix}")
-    tensors = list(reader.tensors)
+    tensors = layout.tensors
     if len(tensors) != 2 * int(layers):
         raise UserError(f"{path} has {len(tensors)} tensors for {layers} layers (expected {2 * int(layers)}); {fix}")
+    for tensor in tensors:
+        if tensor.qtype != GGMLQuantizationType.I32 or len(tensor.ne) != 1:
+            raise UserError(f"{path}: {tensor.name} is not a vector of I32; {fix}")
+    data = np.fromfile(path, dtype=np.uint8)
     masks = []
     for i in range(int(layers)):
-        idx, bucket = tensors[2 * i], tensors[2 * i + 1]
-        for tensor in (idx, bucket):
-            if tensor.tensor_type != GGMLQuantizationType.I32:
-                raise UserError(f"{path}: {tensor.name} is not I32; {fix}")
-        mask = np.array(idx.data, dtype=np.int32).reshape(-1)
-        ids = np.array(bucket.data, dtype=np.int32).reshape(-1)
-        if not np.isin(mask, (0, 1)).all() or not np.array_equal(np.flatnonzero(mask), ids):
+        idx, bucket = (
+            data[layout.data_start + t.offset : layout.data_start + t.offset + t.nbytes].view(np.int32)
+            for t in tensors[2 * i : 2 * i + 2]
+        )
+        if not np.isin(idx, (0, 1)).all() or not np.array_equal(np.flatnonzero(idx), bucket):
             raise UserError(f"{path}: layer {i} gpu_idx and gpu_bucket disagree; {fix}")
-        masks.append(mask)
-    return GpuIndex(vram_capacity=int(capacity), gpu_idx=tuple(masks), provenance=_provenance(reader, path, fix))
+        masks.append(idx.copy())
+    provenance = _provenance(layout.keys, int(layers), path, fix)
+    return GpuIndex(vram_capacity=int(capacity), gpu_idx=tuple(masks), provenance=provenance)
 
 
-def _provenance(reader: GGUFReader, path: Path, fix: str) -> Provenance | None:
+def _provenance(keys: dict[str, Value], layers: int, path: Path, fix: str) -> Provenance | None:
     """Ours, or None for a file made by the engine, which has no qinfer.plan.* keys at all. A partial set is a
     damaged file, not an engine's: taking it for one would silently turn off the staleness check."""
 
-    def get(key: str) -> Any:
-        return field_value(reader, Key.PLAN_PREFIX + key)
+    def get(name: str) -> Any:
+        found = keys.get(Key.PLAN_PREFIX + name)
+        return None if found is None else found.value
 
-    present = {key for key in reader.fields if key.startswith(Key.PLAN_PREFIX)}
+    present = {key for key in keys if key.startswith(Key.PLAN_PREFIX)}
     if not present:
         return None
     kv_keys = {Key.PLAN_PREFIX + name for name in KV_POLICY_KEYS}
     wanted = {Key.PLAN_PREFIX + name for name in PLAN_KEYS} - kv_keys
     if present & kv_keys:
         wanted |= kv_keys
-    layers = int(field_value(reader, Key.GPU_INDEX_BLOCK_COUNT))
     attention = str(get("attention_on_gpu") or "")
     kv_policy = str(get("kv_policy") or "full")
     if present != wanted or len(attention) != layers or set(attention) - {"0", "1"} or kv_policy not in KV_POLICIES:

@@ -13,7 +13,8 @@ from qinfer.core.errors import UserError
 from qinfer.core.names import KEY_TYPES, PLAN_KEYS, Key
 from qinfer.formats.gpuidx import GpuIndex, Provenance, read_gpuidx, write_gpuidx
 
-I32 = 26
+# I32 as the engine's ggml numbers it, the code its loader reads; today's ggml numbers it 26, which we wrote before.
+ENGINE_I32, TODAYS_I32 = 18, 26
 
 
 def _s(text: str) -> bytes:
@@ -21,8 +22,8 @@ def _s(text: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _tensor_info(name: str, length: int, offset: int) -> bytes:
-    return _s(name) + struct.pack("<IQIQ", 1, length, I32, offset)
+def _tensor_info(name: str, length: int, offset: int, i32: int) -> bytes:
+    return _s(name) + struct.pack("<IQIQ", 1, length, i32, offset)
 
 
 def _pad(data: bytes) -> bytes:
@@ -41,15 +42,15 @@ def required_kv() -> bytes:
     )
 
 
-def reference_bytes() -> bytes:
+def reference_bytes(i32: int = ENGINE_I32) -> bytes:
     """Two layers of 4 neurons: layer 0 has neurons 0 and 2 on the GPU, layer 1 none (an empty bucket)."""
     header = b"PWRI" + struct.pack("<IQQ", 3, 4, 3)
     kv = required_kv()
     infos = (
-        _tensor_info("blk.0.gpu_idx", 4, 0)
-        + _tensor_info("blk.0.gpu_bucket", 2, 32)
-        + _tensor_info("blk.1.gpu_idx", 4, 64)
-        + _tensor_info("blk.1.gpu_bucket", 0, 96)
+        _tensor_info("blk.0.gpu_idx", 4, 0, i32)
+        + _tensor_info("blk.0.gpu_bucket", 2, 32, i32)
+        + _tensor_info("blk.1.gpu_idx", 4, 64, i32)
+        + _tensor_info("blk.1.gpu_bucket", 0, 96, i32)
     )
     data = _pad(struct.pack("<4i", 1, 0, 1, 0)) + _pad(struct.pack("<2i", 0, 2)) + _pad(struct.pack("<4i", 0, 0, 0, 0))
     return _pad(header + kv + infos) + data
@@ -66,14 +67,24 @@ def test_written_bytes_match_the_design_layout(tmp_path: Path) -> None:
     assert path.read_bytes() == reference_bytes()
 
 
-def test_reads_a_file_made_by_the_reference_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("i32", [ENGINE_I32, TODAYS_I32], ids=["engine-code", "earlier-qinfer-code"])
+def test_reads_a_file_made_by_the_reference_engine(tmp_path: Path, i32: int) -> None:
     path = tmp_path / "engine.gpuidx"
-    path.write_bytes(reference_bytes())
+    path.write_bytes(reference_bytes(i32))
     index = read_gpuidx(path)
     assert index.provenance is None
     assert index.vram_capacity == 1234
     assert [m.tolist() for m in index.gpu_idx] == [[1, 0, 1, 0], [0, 0, 0, 0]]
     assert [b.tolist() for b in index.buckets] == [[0, 2], []]
+
+
+def test_a_plain_gguf_reads_18_as_todays_type(tmp_path: Path) -> None:
+    """Only a PowerInfer GGUF takes 18 for the engine's I32; in a plain GGUF it is IQ3_XXS, whose blocks of 256
+    values a 4-neuron vector cannot hold."""
+    path = tmp_path / "plain.gpuidx"
+    path.write_bytes(b"GGUF" + reference_bytes()[4:])
+    with pytest.raises(UserError, match="IQ3_XXS blocks"):
+        read_gpuidx(path)
 
 
 def test_provenance_follows_the_required_keys_and_round_trips(tmp_path: Path) -> None:
