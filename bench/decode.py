@@ -125,14 +125,16 @@ class _Stamps(LogitsProcessor):
         return scores
 
 
-def transformers_decoder(model_dir: Path, prompt_ids: list[int], n: int, dtype: torch.dtype) -> Timer:
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+def transformers_decoder(
+    model_dir: Path, prompt_ids: list[int], n: int, dtype: torch.dtype, device: str = "cpu"
+) -> Timer:
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     def tps() -> Speed:
         stamps = _Stamps()
         with torch.inference_mode():
             model.generate(
-                torch.tensor([prompt_ids]),
+                torch.tensor([prompt_ids], device=device),
                 max_new_tokens=n + 1,
                 min_new_tokens=n + 1,
                 do_sample=False,

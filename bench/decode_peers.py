@@ -105,11 +105,15 @@ def parse_engine_timings(stderr: str) -> Speed:
     return Speed(found["eval"], prompt if prompt is not None and math.isfinite(prompt) else None)
 
 
-def powerinfer_decoder(main: Path, path: Path, prompt: str, n: int, threads: int, ctx: int) -> Timer:
-    """The engine's `main` on `path` with our options: greedy (its default repeat penalty is 1.1), n tokens."""
-    # Its tokenizer drops SentencePiece's leading space, so a leading space gives it the same ids as ours.
-    command = [str(main.resolve()), "-m", str(path.resolve()), "-p", f" {prompt}", "-n", str(n), "-t", str(threads)]
-    command += ["-c", str(ctx), "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos"]
+def powerinfer_decoder(
+    main: Path, path: Path, prompt: str, n: int, threads: int, ctx: int, extra: tuple[str, ...] = ()
+) -> Timer:
+    """The engine's `main` on `path` with our options: greedy (its default repeat penalty is 1.1), n tokens;
+    `extra`: more of its options (a GPU build's --vram-budget or -ngl)."""
+    # Its tokenizer drops SentencePiece's leading space, so a leading space gives it the same ids as ours. A path
+    # is given as it is, not resolved: the engine looks for the file's .gpuidx and activations beside that name.
+    command = [str(main.resolve()), "-m", str(path.absolute()), "-p", f" {prompt}", "-n", str(n), "-t", str(threads)]
+    command += ["-c", str(ctx), "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos", *extra]
 
     def run() -> Speed:
         # It writes a main.log into its working directory on every run: keep that out of the user's.

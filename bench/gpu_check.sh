@@ -1,103 +1,77 @@
 #!/usr/bin/env bash
-# The hybrid runtime on one GPU: the 7B-shaped slice with a VRAM budget that holds only part of the FFN.
-# Prints decode tokens/s for the static and dynamic schedules, all-CPU and all-GPU, and peak VRAM against the
-# budget (must stay under). Without CUDA it runs the same on a simulated GPU side (CPU tensors) and reports the
-# simulated device's bytes instead of peak VRAM.
+# The GPU check, from a fresh checkout in one go (about 10 minutes on an H200 with 16 cores and no network):
+#   1. the Python packages the machine's image lacks, from the wheels in --wheels (gguf, pulp, llguidance, and
+#      cvxopt for the engine's own solver), installed into .gpu-deps (git-ignored) and put on PYTHONPATH;
+#   2. the PowerInfer engine from --powerinfer-src, built for Hopper alone (target `main`, about 50 s), under
+#      --build, outside the repository;
+#   3. the GPU's hot-FFN kernels, the split that uses them and the .gpuidx bytes, against their references (pytest,
+#      on the GPU);
+#   4. bench/gpu.py: our split beside the engine's on the same files and budgets, f16 and Q4_0, best of --rounds.
+# Without --powerinfer-src the engine's rows are left out; without a GPU everything runs on a simulated GPU side.
 #
-#   bench/gpu_check.sh [--small] [--tokens N] [--work DIR]     (--small: a quarter-width slice, for CPU machines)
+#   bench/gpu_check.sh [--wheels DIR] [--powerinfer-src DIR] [--build DIR] [--work DIR] [--rounds N] [--tokens N]
+#                      [--models LIST]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-SHAPE=7b-slice
-TOKENS=48
+PY=${PY:-python3}
+WHEELS=""
+ENGINE_SRC=""
+BUILD="${TMPDIR:-/tmp}/qinfer-powerinfer-build"
 WORK=work/bench
+ROUNDS=3
+TOKENS=64
+MODELS=7b-slice
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --small) SHAPE=small-slice; shift ;;
-    --tokens) TOKENS="$2"; shift 2 ;;
+    --wheels) WHEELS="$2"; shift 2 ;;
+    --powerinfer-src) ENGINE_SRC="$2"; shift 2 ;;
+    --build) BUILD="$2"; shift 2 ;;
     --work) WORK="$2"; shift 2 ;;
-    *) echo "usage: $0 [--small] [--tokens N] [--work DIR]" >&2; exit 2 ;;
+    --rounds) ROUNDS="$2"; shift 2 ;;
+    --tokens) TOKENS="$2"; shift 2 ;;
+    --models) MODELS="$2"; shift 2 ;;
+    *) echo "usage: $0 [--wheels DIR] [--powerinfer-src DIR] [--build DIR] [--work DIR] [--rounds N]" \
+            "[--tokens N] [--models LIST]" >&2; exit 2 ;;
   esac
 done
+started=$SECONDS
+stage() { echo "== [$((SECONDS - started)) s] $*"; }
 
-"$PY" - "$SHAPE" "$TOKENS" "$WORK" <<'PYTHON'
-import sys
-import time
-from pathlib import Path
-
+if [[ -n "$WHEELS" ]]; then
+  stage "installing the wheels in $WHEELS into .gpu-deps"
+  "$PY" -m pip install -q --no-index --no-deps --upgrade --target .gpu-deps "$WHEELS"/*.whl
+fi
+export PYTHONPATH="$PWD/.gpu-deps:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" - <<'PYTHON'
+import importlib.metadata as md
 import torch
-
-from qinfer.planner.budget import GIB
-from qinfer.planner.make_plan import PlanOptions, dry_run_account
-from qinfer.prep.profile.activation_profile import profile_activations
-from qinfer.prep.synth.corpus import synth_corpus
-from qinfer.runtime.engine.engine import Engine, Request
-from qinfer.runtime.ffn.hybrid import HybridRunner
-from qinfer.runtime.engine.sampling import SamplingParams
-
-shape, tokens, work = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-sys.path.insert(0, "bench")
-import decode as decode_bench  # noqa: E402 - bench/decode.py builds the benchmark models
-
-cuda = torch.cuda.is_available()
-device = "cuda" if cuda else "cpu"
-started = time.perf_counter()
-model = decode_bench.bench_model(work, shape)
-root = model.powerinfer.parent
-if not (root / "activation" / "activation_0.pt").exists():
-    corpus = root / "corpus.txt"
-    corpus.write_text(synth_corpus(1, 400_000, "calibrate"))
-    profile_activations(model.model_dir, corpus, root / "activation", tokens=16384, seq_len=256, device=device)
-print(f"{shape} on {torch.cuda.get_device_name() if cuda else 'CPU (simulated GPU side)'}; "
-      f"model ready in {time.perf_counter() - started:.0f} s", flush=True)
-
-ctx, slots = 256, 1
-_, acct = dry_run_account(model.powerinfer, 1 << 50, PlanOptions(ctx_size=ctx, batch=slots))
-partial = (acct.dense + 0.35 * acct.ffn_total) / GIB
-whole = (acct.dense + 1.05 * acct.ffn_total) / GIB
-greedy = SamplingParams(temperature=0.0)
-prompt = "Once upon a time there was a little dog who"
-
-
-def run(name: str, budget: float | None, schedule: str) -> None:
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    engine = Engine.open(model.powerinfer, slots=slots, ctx_size=ctx, vram_budget_gib=budget, schedule=schedule,
-                         reset_gpu_index=budget is not None, device=device if budget is not None else None)
-    ids = engine.tokenizer.encode(prompt)
-    engine.submit(Request(ids, tokens + 2, greedy, ignore_eos=True))
-    engine.step()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        engine.step()
-    if cuda:
-        torch.cuda.synchronize()
-    tps = tokens / (time.perf_counter() - t0)
-    runner = engine.runtime.forward.ffn if engine.runtime else None
-    line = f"{name:>10}: {tps:7.2f} tokens/s"
-    if isinstance(runner, HybridRunner):
-        on_dev = sum(s.device for s in runner.last)
-        total = on_dev + sum(s.cpu for s in runner.last)
-        line += f" | last step: {on_dev}/{total} active neurons on the device, swaps {sum(c.swaps for c in runner.caches)}"
-    if budget is not None:
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() - base
-            verdict = "under" if peak <= budget * GIB else "OVER"
-            line += f" | peak VRAM {peak / GIB:.2f} GiB vs budget {budget:.2f} GiB ({verdict})"
-        elif isinstance(runner, HybridRunner):
-            line += f" | simulated device neuron rows {runner.device_bytes() / GIB:.2f} GiB, budget {budget:.2f} GiB"
-    print(line, flush=True)
-    del engine
-
-
-print(f"budget for the split: {partial:.2f} GiB (dense parts + 35% of the FFN); all-GPU: {whole:.2f} GiB")
-run("static", partial, "static")
-run("dynamic", partial, "dynamic")
-run("all-CPU", None, "static")
-run("all-GPU", whole, "static")
-print(f"total {time.perf_counter() - started:.0f} s")
+import qinfer.cli.main  # noqa: F401 - fails here, in one place, if a dependency is missing or too old
+names = ("torch", "triton", "transformers", "tokenizers", "gguf", "pulp", "llguidance", "typer", "huggingface_hub")
+versions = []
+for name in names:
+    try:
+        versions.append(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        versions.append(f"{name} missing")
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+print(f"{gpu}; " + ", ".join(versions))
 PYTHON
+
+MAIN=()
+if [[ -n "$ENGINE_SRC" ]]; then
+  stage "building the PowerInfer engine from $ENGINE_SRC in $BUILD"
+  cmake -S "$ENGINE_SRC" -B "$BUILD" -DLLAMA_CUBLAS=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
+    > "$BUILD.cmake.log" 2>&1 || { tail -20 "$BUILD.cmake.log"; exit 1; }
+  cmake --build "$BUILD" --target main -j "$(nproc)" > "$BUILD.build.log" 2>&1 || { tail -20 "$BUILD.build.log"; exit 1; }
+  MAIN=(--powerinfer-main "$BUILD/bin/main")
+  # The engine runs its own solver (powerinfer-py) where a model has no .gpuidx yet.
+  export PYTHONPATH="$PYTHONPATH:$(cd "$ENGINE_SRC" && pwd)/powerinfer-py"
+fi
+
+stage "the GPU's kernels and split against their references"
+"$PY" -m pytest -q -p no:cacheprovider tests/runtime/kernels/test_hot_ffn.py tests/runtime/ffn/test_hybrid_split.py \
+  tests/planner/test_planner_gpuidx.py
+
+stage "bench/gpu.py"
+"$PY" bench/gpu.py --models "$MODELS" --quant Q4_0 --rounds "$ROUNDS" --tokens "$TOKENS" --work "$WORK" "${MAIN[@]}"
+stage "done"

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on a machine without a GPU; triton reads the setting when first imported,
+    # which transformers does as the modules below load.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth

@@ -3,8 +3,10 @@
 Per decode step and layer: the predictor (on the device) selects neurons; selected resident ones are computed
 on the device while a CPU thread computes the others, and the two disjoint partial sums are added. With the
 dynamic schedule the split moves per step (split_cost.balance) and a neuron cache (neuron_cache.NeuronCache)
-promotes neurons hot for this prompt into device slots. The device may be "cpu": a second tensor set that
-simulates the GPU side, for tests and for machines without one.
+promotes neurons hot for this prompt into device slots. On a CUDA device with the static schedule the device's
+share runs in the hot-FFN kernels (kernels/hot_ffn.py), which select among the slots themselves, with one host wait
+per layer. The device may be "cpu": a second tensor set that simulates the GPU side, for tests and for machines
+without one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from qinfer.core.architectures import FfnForm
 from qinfer.core.errors import UserError
@@ -22,7 +26,7 @@ from qinfer.runtime.ffn.runners import active_ids
 from qinfer.runtime.ffn.sparse import FFNWeights, activations, gate_mask, predicted_mask, sparse_rows
 from qinfer.runtime.ffn.split_cost import SplitCosts, balance
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
-from qinfer.runtime.kernels.weight_rows import rows_to, weighted_row_sum
+from qinfer.runtime.kernels.weight_rows import linear, rows_to, weighted_row_sum
 
 
 def empty_rows(t: Weight, capacity: int, device: torch.device) -> Weight:
@@ -85,6 +89,8 @@ class DeviceSlots:
 
     def dense(self, form: FfnForm, x: torch.Tensor) -> torch.Tensor:
         """The FFN over every slot (prefill); quantized slots are expanded a chunk of rows at a time."""
+        if self.up.shape[0] == 0:  # a layer the plan gave no GPU neuron
+            return torch.zeros(x.shape[0], self.down_t.shape[1], device=x.device)
         if not isinstance(self.up, QuantizedMatrix):
             return weighted_row_sum(activations(form, x, self.gate, self.up), self.down_t)
         # Chunks of rows, so the expanded transient stays inside the planner's scratch reserve.
@@ -105,6 +111,19 @@ class LayerSplit:
     moved: int = 0
 
 
+def _kernel_reads(t: Weight) -> bool:
+    """Whether the hot-FFN kernels read these rows: float, or Q4_0 blocks."""
+    return not isinstance(t, QuantizedMatrix) or t.qtype == GGMLQuantizationType.Q4_0
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, queued without waiting where the device is a GPU (into pinned memory)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 def require_split_support(form: FfnForm) -> None:
     """Device slots hold FFN rows only, not per-neuron biases: such a model is refused before anything is planned."""
     if form.biased:
@@ -122,7 +141,11 @@ class HybridRunner:
         costs: SplitCosts,
         dynamic: bool,
         policy: CachePolicy | None = None,
+        in_kernel: bool | None = None,
     ):
+        """`in_kernel`: the device side selects and computes its neurons in the hot-FFN kernels (kernels/hot_ffn.py)
+        rather than in torch ops over a host list of ids; None: where it can, on a CUDA device with the static
+        schedule (the dynamic one ships rows by host ids each step)."""
         require_split_support(layers[0].form)
         self.layers = layers
         self.threshold = threshold
@@ -141,6 +164,16 @@ class HybridRunner:
             self.slots.append(slots)
         self.last = [LayerSplit() for _ in layers]
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qinfer-cpu-ffn")
+        kernel_rows = all(_kernel_reads(t) for s in self.slots for t in (s.up, s.down_t, s.gate) if t is not None)
+        if in_kernel is None:
+            # The simulated device keeps torch's ops unless asked (the tests run the kernels in Triton's interpreter).
+            in_kernel = device.type == "cuda" and kernel_rows and not dynamic
+        elif in_kernel and (dynamic or not kernel_rows):
+            raise ValueError("the hot-FFN kernels take the static schedule over float or Q4_0 rows")
+        self.in_kernel = in_kernel
+        # Per layer: which neuron each slot holds, on the device, and which neurons are resident, on the host.
+        self.slot_neuron = [cache.slot_neuron.to(device, torch.int32) for cache in self.caches]
+        self.resident = [cache.neuron_slot >= 0 for cache in self.caches]
 
     def device_bytes(self) -> int:
         """Bytes of neuron rows held on the device (slots, empty ones included)."""
@@ -169,7 +202,39 @@ class HybridRunner:
         future = self.pool.submit(cpu_part)
         return s.dense(w.form, x) + future.result().to(self.device)
 
+    def _decode_in_kernel(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The device selects among its slots inside the hot-FFN kernels while the host, after one wait for the
+        selection and x, computes the other selected neurons in the CPU's row kernels."""
+        from qinfer.runtime.kernels.hot_ffn import Select, hot_ffn
+
+        w, s = self.layers[layer], self.slots[layer]
+        scores: torch.Tensor | None = None
+        if w.has_predictor and s.fc1 is not None:
+            scores = linear(F.relu(linear(h, s.fc1)), s.fc2)
+        # Copies the host waits for, queued before the device's own FFN so that the two sides run together.
+        x_host, picked = _to_host(x), None if scores is None else _to_host(scores >= self.threshold)
+        ready = torch.cuda.Event() if x.device.type == "cuda" else None
+        if ready is not None:
+            ready.record()
+        out = torch.zeros(x.shape[0], w.down_t.shape[1], device=x.device)
+        if s.fc1 is not None or not w.has_predictor:
+            select = Select.PREDICTOR if scores is not None else Select.GATE
+            threshold = self.threshold if scores is not None else w.gate_threshold
+            out = hot_ffn(w.form, x, s.gate, s.up, s.down_t, self.slot_neuron[layer], select, threshold, scores)
+        if ready is not None:
+            ready.synchronize()
+        if picked is None:
+            # A calibrated model's gate (on the host, over every row), or the predictor of a layer with no GPU rows.
+            picked = gate_mask(w, x_host) if not w.has_predictor else predicted_mask(w, h.cpu(), self.threshold)
+        cold = picked & ~self.resident[layer]
+        ids = active_ids(cold)
+        cpu_out = sparse_rows(w.form, x_host, w.gate, w.up, w.down_t, ids, cold[:, ids] if x.shape[0] > 1 else None)
+        self.last[layer] = LayerSplit(int((picked & self.resident[layer]).any(0).sum()), int(ids.numel()), 0)
+        return out + cpu_out.to(out.device, non_blocking=True)
+
     def _decode(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self.in_kernel:
+            return self._decode_in_kernel(layer, x, h)
         w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
         batch = x.shape[0]
         if not w.has_predictor:

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from qinfer.core.errors import UserError
+from qinfer.core.kv_policy import F32_KV
 from qinfer.formats.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
 from qinfer.planner.budget import GIB
 from qinfer.planner.make_plan import PlanOptions, dry_run_account
+from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.generate import generate, generate_many
 from qinfer.runtime.engine.sampling import SamplingParams
@@ -86,6 +88,50 @@ def test_split_logits_match_cpu_logits_whichever_way_neurons_move(model: Path) -
                 expected = cpu_only.forward(ids[j : j + 1], j, a)
                 assert torch.allclose(split.forward(ids[j : j + 1], j, b), expected, rtol=0, atol=1e-4)
         assert all(s.moved * moved > 0 for s in runner.last)
+
+
+@pytest.mark.parametrize("rows", ["f32", "Q4_0"])
+def test_in_kernel_split_logits_match_cpu_logits(model: Path, rows: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device side selecting and computing its neurons in the hot-FFN kernels (Triton's interpreter here, the
+    GPU's compiler on a GPU) while the CPU computes the rest: the same logits as all on the CPU."""
+    pytest.importorskip("triton")
+    if rows == "Q4_0":
+        model = quantize_gguf(model, model.with_name("tiny.q4.powerinfer.gguf"), "Q4_0").outfile
+        # The kernels multiply float x by the dequantized rows, as torch's path does; the CPU's row kernels
+        # quantize x to Q8_0 first (as llama.cpp does), which moves logits by about 1e-2.
+        monkeypatch.setenv("QINFER_NATIVE", "0")
+    cuda = torch.cuda.is_available()
+    cpu_only = Engine.open(model, ctx_size=96, ffn="sparse")
+    budget = _budget_gib(model, 2, 0.4)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="static", device="cuda" if cuda else "cpu")
+    runner = _hybrid(split)
+    assert runner.in_kernel == cuda  # a simulated device takes torch's ops unless asked
+    runner.in_kernel = True
+    ids = torch.tensor(cpu_only.tokenizer.encode(PROMPTS[1]))
+    a = KVCache(cpu_only.forward.cfg, 96, types=F32_KV)
+    b = KVCache(split.forward.cfg, 96, device=split.forward.device, types=F32_KV)
+    # A GPU keeps its cache in f16 whatever the types say (as the planner budgets it).
+    tolerance = 1e-2 if cuda else 1e-4
+    with torch.inference_mode():
+        cpu_only.forward(ids[:4], 0, a), split.forward(ids[:4], 0, b)
+        for j in range(4, 10):
+            expected = cpu_only.forward(ids[j : j + 1], j, a)
+            assert torch.allclose(split.forward(ids[j : j + 1], j, b).cpu(), expected, rtol=0, atol=tolerance)
+    assert sum(s.device for s in runner.last) > 0 and sum(s.cpu for s in runner.last) > 0
+
+
+def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[str, Path]) -> None:
+    """A plan may give a layer no GPU neuron: its empty slots add nothing to a prompt, in f16 rows too."""
+    model = tmp_path / "tiny.powerinfer.gguf"
+    shutil.copy(gguf_files["pi-f16"], model)
+    write_power_law_activation(tmp_path / "activation")
+    first = np.zeros(256, np.int32)
+    first[:64] = 1
+    write_gpuidx(gpuidx_path_for(model), GpuIndex(1, (first, np.zeros(256, np.int32))))
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="static", device="cpu")
+    assert [c.resident for c in _hybrid(split).caches] == [64, 0]
+    expected = generate(Engine.open(model, ctx_size=96, ffn="sparse"), PROMPTS[1], 8, GREEDY, ignore_eos=True)
+    assert generate(split, PROMPTS[1], 8, GREEDY, ignore_eos=True).tokens == expected.tokens
 
 
 def test_neuron_rows_on_device_stay_within_the_budget(model: Path) -> None:

@@ -1,0 +1,212 @@
+"""Our GPU/CPU split beside the PowerInfer engine's, on one GPU, on the same files and budgets, in one run.
+
+    python bench/gpu.py --powerinfer-main PATH [--models 7b-slice] [--quant Q4_0] [--rounds 3] [--tokens 64]
+                        [--work work/bench] [-c 256]
+
+Per file (the f16 PowerInfer GGUF, and with --quant the file quantized to that type) and budget, decode tokens/s,
+best of --rounds interleaved rounds:
+- split, the dense parts and 35% of the FFN on the GPU: ours static (the device selects and computes its neurons
+  in the hot-FFN kernels), ours static on torch's ops (the earlier path), ours dynamic; the engine with its own
+  plan (its solver, run by `main`), and the engine with our plan (our .gpuidx beside the file);
+- all FFN on the GPU: ours, the engine (its own plan);
+- dense, every layer on the GPU: the engine on the dense GGUF (-ngl 99);
+- ours all on the CPU, and transformers' eager `generate` on the GPU (f16), as references.
+Our rows also give peak VRAM (torch's allocator, from opening the model to the end of its first round) against the
+budget. Without --powerinfer-main the engine's rows are left out. The first line names the GPU and the CPU.
+
+Each configuration runs beside its own link to the model in a directory of its own under --work, so that the
+engine's plan and ours never meet unless a row asks for ours. bench/gpu_check.sh runs this on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from decode import GREEDY, bench_model, bench_prompt, quantized, transformers_decoder
+from decode_peers import Speed, Timer, engine_main_problem, powerinfer_decoder
+from rich.console import Console
+from rich.table import Table
+
+from qinfer.planner.budget import GIB
+from qinfer.planner.make_plan import PlanOptions, dry_run_account
+from qinfer.prep.profile.activation_profile import profile_activations
+from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.ffn.hybrid import HybridRunner
+from qinfer.runtime.model.model_file import open_model
+
+SPLIT_SHARE, WHOLE_SHARE = 0.35, 1.05  # of the FFN's bytes, beside the dense parts
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        cpu = f"{names[0]} ({len(names)} threads)" if names else cpu
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"GPU: {gpu}; CPU: {cpu}; torch {torch.__version__}"
+
+
+def placed(model: Path, work: Path, name: str) -> Path:
+    """`model` linked into a directory of its own, its activation files beside it, as the engine and our planner
+    both look for them."""
+    directory = work / name
+    directory.mkdir(parents=True, exist_ok=True)
+    for source in (model, model.parent / "activation"):
+        link = directory / source.name
+        if not link.exists():
+            link.symlink_to(source.resolve())
+    return directory / model.name
+
+
+@dataclass
+class Ours:
+    """One of our configurations, opened once and stepped each round; peak VRAM from its first round."""
+
+    timer: Timer
+    peak: Callable[[], float | None]
+
+
+def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | None, schedule: str,
+         in_kernel: bool | None = None) -> Ours:  # fmt: skip
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    device = ("cuda" if cuda else "cpu") if budget is not None else None
+    engine = Engine.open(path, ctx_size=ctx, vram_budget_gib=budget, schedule=schedule, device=device)
+    runner = engine.runtime.forward.ffn if engine.runtime is not None else None
+    if in_kernel is not None and isinstance(runner, HybridRunner):
+        runner.in_kernel = in_kernel
+    peaks: list[float] = []
+
+    def tps() -> Speed:
+        started = time.perf_counter()
+        engine.submit(Request(prompt_ids, n + 2, GREEDY, ignore_eos=True))
+        engine.step()
+        prompt_seconds = time.perf_counter() - started
+        seconds = []
+        for _ in range(n):
+            started = time.perf_counter()
+            engine.step()  # reads the sampled token back: the step is over when this returns
+            seconds.append(time.perf_counter() - started)
+        engine.cancel(engine.active_slots()[0])
+        engine.erase(0)
+        if cuda and not peaks:
+            peaks.append((torch.cuda.max_memory_allocated() - base) / GIB)
+        return Speed(1.0 / statistics.median(seconds), len(prompt_ids) / prompt_seconds)
+
+    return Ours(tps, lambda: peaks[0] if peaks else None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="7b-slice", help="comma-separated, from bench/decode.py's shapes")
+    parser.add_argument("--quant", choices=["Q4_0"], help="also run the files quantized to this type")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("work/bench"))
+    parser.add_argument("-c", "--ctx", type=int, default=256)
+    parser.add_argument("--powerinfer-main", type=Path, help="the `main` of a PowerInfer engine CUDA build")
+    args = parser.parse_args()
+    if args.powerinfer_main is not None and (problem := engine_main_problem(args.powerinfer_main)):
+        print(problem, file=sys.stderr)
+        raise SystemExit(2)
+    console = Console(width=max(Console().width, 150))
+    console.print(machine(), markup=False)
+    cuda = torch.cuda.is_available()
+    threads = os.cpu_count() or 1
+    for name in args.models.split(","):
+        model = bench_model(args.work, name)
+        root = model.powerinfer.parent
+        if not (root / "activation" / "activation_0.pt").exists():
+            corpus = root / "corpus.txt"
+            corpus.write_text(synth_corpus(1, 400_000, "calibrate"))
+            profile_activations(model.model_dir, corpus, root / "activation", tokens=16384, seq_len=256,
+                                device="cuda" if cuda else "cpu")  # fmt: skip
+        tokenizer = GGUFTokenizer(open_model(model.powerinfer).metadata)
+        prompt = bench_prompt(tokenizer, 32)
+        prompt_ids = tokenizer.encode(prompt)
+        variants = [model, *([quantized(model, args.quant)] if args.quant else [])]
+        timers: dict[str, Timer] = {}
+        peaks: dict[str, tuple[Callable[[], float | None], float]] = {}
+        for v in variants:
+            _, acct = dry_run_account(v.powerinfer, 1 << 50, PlanOptions(ctx_size=args.ctx, batch=1))
+            split = (acct.dense + SPLIT_SHARE * acct.ffn_total) / GIB
+            whole = (acct.dense + WHOLE_SHARE * acct.ffn_total) / GIB
+            rows: list[tuple[str, str, float | None, str, bool | None]] = [
+                ("split ours static", "split-ours", split, "static", None),
+                ("split ours static, torch ops", "split-ours", split, "static", False),
+                ("split ours dynamic", "split-ours", split, "dynamic", None),
+                ("all FFN ours", "whole-ours", whole, "static", None),
+                ("all-CPU ours", "cpu", None, "static", None),
+            ]
+            for label, directory, budget, schedule, in_kernel in rows:
+                path = placed(v.powerinfer, args.work / "gpu" / v.name.replace(" ", "-"), directory)
+                run = ours(path, prompt_ids, args.tokens, args.ctx, budget, schedule, in_kernel)
+                timers[f"{v.name}|{label}"] = run.timer
+                if budget is not None:
+                    peaks[f"{v.name}|{label}"] = (run.peak, budget)
+            if args.powerinfer_main is not None:
+                engine_rows = [
+                    ("split engine, own plan", v.powerinfer, "split-engine", ("--vram-budget", f"{split:.4f}")),
+                    ("split engine, our plan", v.powerinfer, "split-ours", ("--vram-budget", f"{split:.4f}")),
+                    ("all FFN engine", v.powerinfer, "whole-engine", ("--vram-budget", f"{whole:.4f}")),
+                    ("dense all-GPU engine", v.dense, "dense-engine", ("-ngl", "99")),
+                ]
+                for label, file, directory, extra in engine_rows:
+                    path = placed(file, args.work / "gpu" / v.name.replace(" ", "-"), directory)
+                    timers[f"{v.name}|{label}"] = powerinfer_decoder(
+                        args.powerinfer_main, path, prompt, args.tokens, threads, args.ctx, extra
+                    )
+        if cuda:
+            timers[f"{model.name}|transformers eager, GPU f16"] = transformers_decoder(
+                model.model_dir, prompt_ids, args.tokens, torch.float16, "cuda"
+            )
+        best: dict[str, Speed] = {}
+        failed: dict[str, str] = {}
+        for _ in range(args.rounds):
+            for key, timer in timers.items():
+                if key in failed:
+                    continue
+                try:
+                    speed = timer()
+                except RuntimeError as exc:  # an engine row that does not run is reported, not fatal
+                    failed[key] = str(exc)
+                    continue
+                best[key] = best[key].best(speed) if key in best else speed
+        table = Table(title=f"{name}: decode tokens/s, best of {args.rounds} interleaved rounds, {args.tokens} tokens")
+        for column in ("file", "configuration", "tokens/s", "peak VRAM / budget GiB", "vs engine"):
+            table.add_column(column, justify="right" if column != "configuration" else "left")
+        for key in timers:
+            file, label = key.split("|")
+            tps = best[key].decode if key in best else math.nan
+            peak = ""
+            if key in peaks:
+                measured, budget = peaks[key][0](), peaks[key][1]
+                peak = f"{measured:.3f} / {budget:.3f}" if measured is not None else f"- / {budget:.3f}"
+            peer = {"split ours static": "split engine, own plan", "all FFN ours": "all FFN engine"}.get(label)
+            versus = best.get(f"{file}|{peer}") if peer else None
+            ratio = f"{tps / versus.decode:.2f}x" if versus is not None and not math.isnan(tps) else ""
+            table.add_row(file, label, "failed" if key in failed else f"{tps:.1f}", peak, ratio)
+        console.print(table)
+        for key, why in failed.items():
+            console.print(f"{key}: {why}", markup=False)
+
+
+if __name__ == "__main__":
+    main()
