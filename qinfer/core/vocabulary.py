@@ -1,4 +1,4 @@
-"""What a GGUF vocabulary's names stand for, kept here once (docs/formats.md#vocabulary): the text splits that
+"""What a GGUF vocabulary's names stand for, kept here once (docs/formats.md#tokenizer-keys): the text splits that
 `tokenizer.ggml.pre` names, the byte alphabet of byte-level BPE, and the merges a SentencePiece vocabulary implies.
 
 These are facts of llama.cpp's format and of the models' own tokenizers, written out here so that the converter and
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 # How a byte-level vocabulary splits text before its merges apply, by llama.cpp's name for it (tokenizer.ggml.pre).
-# The expressions are the ones the models' own tokenizer.json files carry; tests/prep/convert checks them against
-# transformers' tokenizers. The first name of each expression is the one the converter writes.
+# The expressions are the ones the models' own tokenizer.json files carry; tests/runtime/model/test_swiglu_families.py
+# checks them against transformers' tokenizers. The first name of each expression is the one the converter writes.
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

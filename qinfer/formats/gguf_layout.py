@@ -16,8 +16,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from qinfer.core.names import KEY_TYPES, Key, Tensor, tensor_name
 
-MAGICS = (b"GGUF", b"PWRI")
 POWERINFER_MAGIC = b"PWRI"
+MAGICS = (b"GGUF", POWERINFER_MAGIC)
 # The PowerInfer engine's ggml predates the i-quants, so its integer types keep their first codes (I8 = 16, I16 = 17,
 # I32 = 18) where today's ggml numbers them 24 to 26. A PowerInfer GGUF holds them under the engine's codes, the only
 # ones it reads; a plain GGUF under today's.
@@ -163,11 +163,13 @@ def _tensor(
     ne = tuple(int(cur.scalar("<Q", f"a dimension of {name}")) for _ in range(dims))
     type_at = cur.pos
     raw_type = int(cur.scalar("<I", f"the type of {name}"))
-    try:
-        qtype = ENGINE_INTEGER_TYPES[raw_type] if engine_types and raw_type in ENGINE_INTEGER_TYPES else None
-        qtype = qtype or GGMLQuantizationType(raw_type)
-    except ValueError:
-        raise LayoutError(f"{name} has unknown tensor type {raw_type}") from None
+    if engine_types and raw_type in ENGINE_INTEGER_TYPES:
+        qtype = ENGINE_INTEGER_TYPES[raw_type]
+    else:
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise LayoutError(f"{name} has unknown tensor type {raw_type}") from None
     if qtype not in GGML_QUANT_SIZES:
         raise LayoutError(f"{name} has tensor type {qtype.name}, which has no known size")
     return name, ne, qtype, int(cur.scalar("<Q", f"the offset of {name}")), type_at

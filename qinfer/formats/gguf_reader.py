@@ -11,29 +11,38 @@ import numpy.typing as npt
 from gguf import GGUF_MAGIC, GGUFReader
 
 from qinfer.core.errors import UserError
-from qinfer.formats.gguf_layout import Layout, scan_layout
+from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC, Layout, scan_layout
 
-# "PWRI" read as a little-endian u32: the first four bytes of a PowerInfer GGUF.
-PWRI_MAGIC = 0x49525750
+# The PWRI magic read as a little-endian u32, as the gguf package reads the first four bytes.
+PWRI_MAGIC = int.from_bytes(POWERINFER_MAGIC, "little")
 
 
 class PowerInferReader(GGUFReader):
-    """A `GGUFReader` that also accepts the PWRI magic; `is_powerinfer` tells which one the file has.
+    """A `GGUFReader` that also reads PowerInfer GGUFs; `is_powerinfer` tells which magic the file has.
 
-    The only difference between the two formats is the magic, so the reader swaps it for GGUF's
-    when it reads offset 0 and leaves every other byte to the gguf package.
+    A PowerInfer GGUF differs in its magic and in the codes of integer tensors (the engine's, which today's gguf
+    takes for i-quants: gguf_layout.ENGINE_INTEGER_TYPES). The reader answers GGUF's magic at offset 0 and today's
+    code at each such tensor's type field (`layout`, the checked scan, says where those are), and leaves every
+    other byte to the gguf package.
     """
 
     is_powerinfer: bool = False
+
+    def __init__(self, path: Path, mode: Literal["r", "c"], layout: Layout):
+        integer_types = set(ENGINE_INTEGER_TYPES.values())
+        self._codes = {t.type_at: t.qtype.value for t in layout.tensors if t.qtype in integer_types}
+        super().__init__(path, mode)
 
     def _get(
         self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: None | Literal["I", "S", "<"] = None
     ) -> npt.NDArray[Any]:
         value = super()._get(offset, dtype, count, override_order)
-        if offset == 0 and count == 1 and np.dtype(dtype) == np.uint32 and int(value[0]) == PWRI_MAGIC:
+        if count != 1 or np.dtype(dtype) != np.uint32:
+            return value
+        if offset == 0 and int(value[0]) == PWRI_MAGIC:
             self.is_powerinfer = True
             return np.array([GGUF_MAGIC], dtype=np.uint32)
-        return value
+        return np.array([self._codes[offset]], dtype=np.uint32) if offset in self._codes else value
 
 
 MODEL_FIX = "re-download it or re-create it with `qinfer prep convert`"
@@ -59,9 +68,9 @@ def open_gguf(path: Path, mode: Literal["r", "c"] = "r", fix: str = MODEL_FIX) -
     corrupt or foreign file."""
     if not path.is_file():
         raise UserError(f"model file not found: {path}")
-    check_layout(path, fix)
+    layout = check_layout(path, fix)
     try:
-        return PowerInferReader(path, mode)
+        return PowerInferReader(path, mode, layout)
     except (ValueError, KeyError, IndexError, OverflowError) as exc:
         raise UserError(f"{path} is not a readable GGUF file ({exc}); {fix}") from exc
 

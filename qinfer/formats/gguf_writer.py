@@ -70,20 +70,24 @@ def write_gguf(
         finally:
             writer.close()
         if powerinfer:
-            _make_powerinfer(tmp)
+            _make_powerinfer(tmp, retype=any(np.issubdtype(plan.dtype, np.integer) for plan in tensors))
 
 
-def _make_powerinfer(path: Path) -> None:
-    """Turn the GGUF at `path` into a PowerInfer GGUF in place: the PWRI magic, and integer tensors under the engine's
-    type codes (qinfer.formats.gguf_layout.ENGINE_INTEGER_TYPES), which are the only ones it reads."""
+def _make_powerinfer(path: Path, retype: bool) -> None:
+    """Turn the GGUF at `path` into a PowerInfer GGUF in place: the PWRI magic and, where it holds integer tensors
+    (`retype`: a .gpuidx), their type codes as the engine numbers them (qinfer.formats.gguf_layout's
+    ENGINE_INTEGER_TYPES), the only ones it reads. A model file is left to its magic: its scan would check its
+    vocabulary too, which is the reader's job."""
     engine_codes = {qtype: code for code, qtype in ENGINE_INTEGER_TYPES.items()}
     with open(path, "r+b") as fh:
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                tensors = scan_layout(view).tensors
-            finally:
-                view.release()
+        tensors = ()
+        if retype:
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    tensors = scan_layout(view).tensors
+                finally:
+                    view.release()
         for tensor in tensors:
             if tensor.qtype in engine_codes:
                 fh.seek(tensor.type_at)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from qinfer.core.errors import UserError
 from qinfer.core.names import KEY_TYPES, PLAN_KEYS, Key
+from qinfer.formats.gguf_reader import open_gguf
 from qinfer.formats.gpuidx import GpuIndex, Provenance, read_gpuidx, write_gpuidx
 
 # I32 as the engine's ggml numbers it, the code its loader reads; today's ggml numbers it 26, which we wrote before.
@@ -76,6 +78,15 @@ def test_reads_a_file_made_by_the_reference_engine(tmp_path: Path, i32: int) -> 
     assert index.vram_capacity == 1234
     assert [m.tolist() for m in index.gpu_idx] == [[1, 0, 1, 0], [0, 0, 0, 0]]
     assert [b.tolist() for b in index.buckets] == [[0, 2], []]
+
+
+def test_ggufs_own_reader_gets_the_engine_code_as_i32(tmp_path: Path) -> None:
+    """gguf's reader (through open_gguf) would take 18 for IQ3_XXS; ours answers it today's I32 code."""
+    path = tmp_path / "engine.gpuidx"
+    path.write_bytes(reference_bytes())
+    tensors = open_gguf(path).tensors
+    assert [t.tensor_type for t in tensors] == [GGMLQuantizationType.I32] * 4
+    assert [np.asarray(t.data).tolist() for t in tensors] == [[1, 0, 1, 0], [0, 2], [0, 0, 0, 0], []]
 
 
 def test_a_plain_gguf_reads_18_as_todays_type(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_tur
 # The `[PAD{i}]` fillers a converter writes where an embedding is longer than its tokenizer (OPT's): Hugging Face's
 # tokenizer has no such tokens, so text naming one stays text.
 _PLACEHOLDER = re.compile(r"\[PAD(\d+)\]")
+# Tokens that text names whole, whatever their spelling.
+MARKED = (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED)
 
 
 def _sentencepiece(tokens: list[str], scores: list[float] | None) -> Tokenizer:
@@ -36,15 +38,16 @@ def _sentencepiece(tokens: list[str], scores: list[float] | None) -> Tokenizer:
     return backend
 
 
-def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+def _byte_level(tokens: list[str], types: list[int], merges: list[str], pre: str | None) -> Tokenizer:
     """GPT-2's byte-level BPE, splitting text with the expression `pre` names (GPT-2's own where it names none)."""
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
-    # A token written in plain text rather than in the byte alphabet (a control token's, say) is respelled, as
-    # transformers does, so that its merges still apply.
+    # Another token written in plain text rather than in the byte alphabet is respelled, as transformers does, so
+    # that its merges still apply. Marked tokens keep their text, which is what text matches them by
+    # (`_add_marked_tokens`): DeepSeek's `<｜User｜>` has no spelling in the alphabet.
     vocab = {
-        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): i
-        for i, token in enumerate(tokens)
+        token if set(token) <= alphabet or kind in MARKED else "".join(spelling[b] for b in token.encode("utf-8")): i
+        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
     }
     pairs = [tuple(rule.split(" ", 1)) for rule in merges]
     backend = Tokenizer(models.BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
@@ -63,28 +66,22 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokeni
     return backend
 
 
-def _add_marked_tokens(backend: Tokenizer, tokens: list[str], types: list[int], byte_level: bool) -> None:
+def _add_marked_tokens(backend: Tokenizer, tokens: list[str], types: list[int]) -> None:
     """Control and unknown tokens as special tokens and user-defined ones as plain added tokens, each matched whole
-    in text, as llama.cpp matches them. In a byte-level vocabulary a token outside the byte alphabet is a mislabel,
-    and a `[PAD{i}]` filler is not the model's, so neither is added."""
-    alphabet = set(byte_alphabet().values()) if byte_level else None
+    in text at its own id, as llama.cpp matches them; a `[PAD{i}]` filler is not the model's, so it is not added."""
 
     def marked(kind: TokenType) -> list[tuple[int, str]]:
         return [(i, text) for i, (text, t) in enumerate(zip(tokens, types, strict=True)) if t == kind]
 
-    control = [
-        AddedToken(text, normalized=False, special=True)
-        for _, text in marked(TokenType.CONTROL) + marked(TokenType.UNKNOWN)
-        if alphabet is None or set(text) <= alphabet
-    ]
-    user = [
-        AddedToken(text, normalized=False, special=False)
-        for i, text in marked(TokenType.USER_DEFINED)
-        if (alphabet is None or set(text) <= alphabet)
-        and (not (placeholder := _PLACEHOLDER.fullmatch(text)) or int(placeholder[1]) != i)
-    ]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user)
+    special = marked(TokenType.CONTROL) + marked(TokenType.UNKNOWN)
+    backend.add_special_tokens([AddedToken(text, normalized=False, special=True) for _, text in special])
+    backend.add_tokens(
+        [
+            AddedToken(text, normalized=False, special=False)
+            for i, text in marked(TokenType.USER_DEFINED)
+            if not (placeholder := _PLACEHOLDER.fullmatch(text)) or int(placeholder[1]) != i
+        ]
+    )
 
 
 def require_utf8(text: str) -> str:
@@ -110,10 +107,10 @@ class GGUFTokenizer:
         if kind == "gpt2":
             if not meta.get(Key.MERGES):
                 raise UserError(f"the GGUF's gpt2 vocabulary has no {Key.MERGES}; re-create it with qinfer prep")
-            backend = _byte_level(tokens, meta[Key.MERGES], meta.get(Key.TOKENIZER_PRE))
+            backend = _byte_level(tokens, types, meta[Key.MERGES], meta.get(Key.TOKENIZER_PRE))
         else:
             backend = _sentencepiece(tokens, meta.get(Key.SCORES))
-        _add_marked_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+        _add_marked_tokens(backend, tokens, types)
         self.backend: Tokenizer = backend
         self.bos_id: int | None = meta.get(Key.BOS_ID)
         self.eos_id: int | None = meta.get(Key.EOS_ID)

@@ -11,6 +11,7 @@ without one.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -124,6 +125,14 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, queued without waiting where that is a GPU: through pinned memory, since a copy from
+    pageable memory first waits for the GPU's queue to drain."""
+    if device.type == "cpu":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).to(device, non_blocking=True)
+
+
 def require_split_support(form: FfnForm) -> None:
     """Device slots hold FFN rows only, not per-neuron biases: such a model is refused before anything is planned."""
     if form.biased:
@@ -166,8 +175,10 @@ class HybridRunner:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qinfer-cpu-ffn")
         kernel_rows = all(_kernel_reads(t) for s in self.slots for t in (s.up, s.down_t, s.gate) if t is not None)
         if in_kernel is None:
-            # The simulated device keeps torch's ops unless asked (the tests run the kernels in Triton's interpreter).
-            in_kernel = device.type == "cuda" and kernel_rows and not dynamic
+            # The simulated device keeps torch's ops unless asked (the tests run the kernels in Triton's interpreter);
+            # so does a CUDA build of torch that came without triton.
+            has_triton = importlib.util.find_spec("triton") is not None
+            in_kernel = device.type == "cuda" and has_triton and kernel_rows and not dynamic
         elif in_kernel and (dynamic or not kernel_rows):
             raise ValueError("the hot-FFN kernels take the static schedule over float or Q4_0 rows")
         self.in_kernel = in_kernel
@@ -216,11 +227,12 @@ class HybridRunner:
         ready = torch.cuda.Event() if x.device.type == "cuda" else None
         if ready is not None:
             ready.record()
-        out = torch.zeros(x.shape[0], w.down_t.shape[1], device=x.device)
         if s.fc1 is not None or not w.has_predictor:
             select = Select.PREDICTOR if scores is not None else Select.GATE
             threshold = self.threshold if scores is not None else w.gate_threshold
             out = hot_ffn(w.form, x, s.gate, s.up, s.down_t, self.slot_neuron[layer], select, threshold, scores)
+        else:
+            out = torch.zeros(x.shape[0], w.down_t.shape[1], device=x.device)
         if ready is not None:
             ready.synchronize()
         if picked is None:
@@ -230,7 +242,7 @@ class HybridRunner:
         ids = active_ids(cold)
         cpu_out = sparse_rows(w.form, x_host, w.gate, w.up, w.down_t, ids, cold[:, ids] if x.shape[0] > 1 else None)
         self.last[layer] = LayerSplit(int((picked & self.resident[layer]).any(0).sum()), int(ids.numel()), 0)
-        return out + cpu_out.to(out.device, non_blocking=True)
+        return out + _to_device(cpu_out, out.device)
 
     def _decode(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         if self.in_kernel:

@@ -7,8 +7,8 @@ form), zero where slot s is not selected for token t. A slot holds neuron `slot_
 - a calibrated model's gate: |act(gate . x)| over `threshold` (`>`), its gate rows read whole and its up rows only
   where selected;
 - nothing: every filled slot (a dense FFN over the slots).
-`down` then sums act[t, s] * down_t[s] over the slots, reading only the rows some token uses, a block of slots per
-program; the blocks' partial sums are added in a fixed order, so a step's result does not depend on scheduling.
+`down` then sums act[t, s] * down_t[s] over the slots, reading only the rows some token uses, a group of slots per
+program; the groups' partial sums are added in a fixed order, so a step's result does not depend on scheduling.
 
 Rows are float (f16, bf16, f32) or Q4_0 blocks (dequantized in the kernel, so the slots stay at Q4_0 size). Shapes
 are fixed by the batch and the slot count, so the kernels can be captured in a CUDA graph. Triton ships with CUDA
@@ -31,6 +31,11 @@ from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
 ROWS_PER_PROGRAM = 32
 COLUMNS_PER_LOOP = 128
+# A program holds [tokens, rows, columns] products in registers: larger batches take more programs.
+TOKENS_PER_PROGRAM = 8
+# The down product sums this many slots in one program's loop; the groups' partial sums are added in order, from
+# scratch of slots / ROWS_PER_GROUP x tokens x E floats (360 KB for a 7B layer's 11008 slots and one token).
+ROWS_PER_GROUP = 512
 
 
 class Select(IntEnum):
@@ -78,7 +83,7 @@ def _activate_kernel(x_ptr, scores_ptr, slot_neuron_ptr, gate_ptr, up_ptr, act_p
                      Q4: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_E: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    toks = tl.arange(0, BLOCK_T)
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < n_tok
     neuron = tl.load(slot_neuron_ptr + rows, mask=rows < n_rows, other=-1)
     live = neuron >= 0
@@ -109,20 +114,22 @@ def _activate_kernel(x_ptr, scores_ptr, slot_neuron_ptr, gate_ptr, up_ptr, act_p
 
 
 @triton.jit
-def _down_kernel(act_ptr, down_ptr, partial_ptr, n_tok, n_cols, n_rows, act_stride, w_stride,
+def _down_kernel(act_ptr, down_ptr, partial_ptr, n_tok, n_cols, n_rows, act_stride, w_stride, GROUP_ROWS: tl.constexpr,
                  Q4: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    chunk = tl.program_id(1)
-    rows = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
-    toks = tl.arange(0, BLOCK_T)
+    group = tl.program_id(1)
+    toks = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < n_tok
     col_ok = cols < n_cols
-    act = tl.load(act_ptr + toks[:, None] * act_stride + rows[None, :], mask=tok_ok[:, None] & (rows < n_rows)[None, :],
-                  other=0.0)  # fmt: skip
-    need = tl.max((act != 0.0).to(tl.int32), axis=0) > 0
-    w = _rows(down_ptr, rows, cols, w_stride, need[:, None] & col_ok[None, :], Q4=Q4)
-    part = tl.sum(act[:, :, None] * w[None, :, :], axis=1)
-    out = partial_ptr + (chunk * BLOCK_T + toks[:, None]) * n_cols + cols[None, :]
+    part = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for start in range(0, GROUP_ROWS, BLOCK_R):
+        rows = group * GROUP_ROWS + start + tl.arange(0, BLOCK_R)
+        act_ok = tok_ok[:, None] & (rows < n_rows)[None, :]
+        act = tl.load(act_ptr + toks[:, None] * act_stride + rows[None, :], mask=act_ok, other=0.0)
+        need = tl.max((act != 0.0).to(tl.int32), axis=0) > 0
+        w = _rows(down_ptr, rows, cols, w_stride, need[:, None] & col_ok[None, :], Q4=Q4)
+        part += tl.sum(act[:, :, None] * w[None, :, :], axis=1)
+    out = partial_ptr + (group * n_tok + toks[:, None]) * n_cols + cols[None, :]
     tl.store(out, part, mask=tok_ok[:, None] & col_ok[None, :])
 
 
@@ -138,7 +145,8 @@ def _raw(w: Weight) -> tuple[torch.Tensor, int, bool]:
 
 
 def _token_block(tokens: int) -> int:
-    return max(2, triton.next_power_of_2(tokens))
+    """Tokens per program: a decode batch's, up to TOKENS_PER_PROGRAM; more go to further programs."""
+    return min(TOKENS_PER_PROGRAM, max(2, triton.next_power_of_2(tokens)))
 
 
 def activate(
@@ -157,16 +165,21 @@ def activate(
     if form.gated and gate is None:
         raise ValueError("a gated FFN needs its gate rows")
     up_raw, stride, q4 = _raw(up)
-    gate_raw = up_raw if gate is None else _raw(gate)[0]
+    gate_raw = up_raw
+    if gate is not None:
+        gate_raw, *layout = _raw(gate)
+        if layout != [stride, q4]:
+            raise ValueError("the GPU's FFN kernels read gate and up rows of one type and row length")
     tokens, slots = x.shape[0], slot_neuron.shape[0]
     x = x.float().contiguous()
     act = torch.empty(tokens, slots, dtype=torch.float32, device=x.device)
     picks = x if scores is None else scores.float().contiguous()
-    _activate_kernel[(triton.cdiv(slots, ROWS_PER_PROGRAM),)](
+    block_t = _token_block(tokens)
+    _activate_kernel[(triton.cdiv(slots, ROWS_PER_PROGRAM), triton.cdiv(tokens, block_t))](
         x, picks, slot_neuron, gate_raw, up_raw, act, float(threshold), tokens, slots,
         x.stride(0), picks.stride(0), stride, act.stride(0), N_COLS=up.shape[1],
         SELECT=int(select), GATED=form.gated, SILU=form.act == "silu", RELU_UP=form.relu_up, Q4=q4,
-        BLOCK_T=_token_block(tokens), BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=COLUMNS_PER_LOOP,
+        BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=COLUMNS_PER_LOOP,
     )  # fmt: skip
     return act
 
@@ -176,14 +189,14 @@ def down(act: torch.Tensor, down_t: Weight) -> torch.Tensor:
     raw, stride, q4 = _raw(down_t)
     tokens, slots = act.shape
     cols = down_t.shape[1]
-    chunks = triton.cdiv(slots, ROWS_PER_PROGRAM)
+    groups = triton.cdiv(slots, ROWS_PER_GROUP)
     block_t = _token_block(tokens)
-    partial = torch.empty(chunks, block_t, cols, dtype=torch.float32, device=act.device)
-    _down_kernel[(triton.cdiv(cols, COLUMNS_PER_LOOP), chunks)](
-        act.contiguous(), raw, partial, tokens, cols, slots, act.stride(0), stride,
+    partial = torch.empty(groups, tokens, cols, dtype=torch.float32, device=act.device)
+    _down_kernel[(triton.cdiv(cols, COLUMNS_PER_LOOP), groups, triton.cdiv(tokens, block_t))](
+        act.contiguous(), raw, partial, tokens, cols, slots, act.stride(0), stride, GROUP_ROWS=ROWS_PER_GROUP,
         Q4=q4, BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=COLUMNS_PER_LOOP,
     )  # fmt: skip
-    return partial[:, :tokens].sum(0)
+    return partial.sum(0)
 
 
 def hot_ffn(

@@ -120,6 +120,24 @@ def test_in_kernel_split_logits_match_cpu_logits(model: Path, rows: str, monkeyp
     assert sum(s.device for s in runner.last) > 0 and sum(s.cpu for s in runner.last) > 0
 
 
+def test_in_kernel_split_decodes_several_sequences(model: Path) -> None:
+    """Three sequences in one step, each token's selection its own inside the kernels: each decodes its greedy
+    tokens as all on the CPU. The synth predictors are exact, so a stricter threshold than the file's leaves out
+    neurons that do fire: a neuron selected for one token but computed for all would show."""
+    pytest.importorskip("triton")
+    cpu_only = Engine.open(model, slots=3, ctx_size=96, ffn="sparse")
+    cpu_only.forward.native = None  # the native step keeps the file's threshold
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    budget = _budget_gib(model, 3, 0.4)
+    split = Engine.open(model, slots=3, ctx_size=96, vram_budget_gib=budget, schedule="static", device=device)
+    runner = _hybrid(split)
+    runner.in_kernel = True
+    for sparse in (cpu_only.forward.ffn, runner):
+        sparse.threshold = 2.0
+    expected = [r.tokens for r in generate_many(cpu_only, PROMPTS, 12, GREEDY, ignore_eos=True)]
+    assert [r.tokens for r in generate_many(split, PROMPTS, 12, GREEDY, ignore_eos=True)] == expected
+
+
 def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[str, Path]) -> None:
     """A plan may give a layer no GPU neuron: its empty slots add nothing to a prompt, in f16 rows too."""
     model = tmp_path / "tiny.powerinfer.gguf"

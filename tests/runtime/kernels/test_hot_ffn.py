@@ -14,6 +14,7 @@ from qinfer.runtime.kernels.quant_rows import QuantizedMatrix
 
 # tests/conftest.py runs them in Triton's interpreter where there is no GPU.
 pytest.importorskip("triton")
+from qinfer.runtime.kernels import hot_ffn as kernels  # noqa: E402
 from qinfer.runtime.kernels.hot_ffn import Select, activate, down, hot_ffn  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,10 +70,19 @@ def weights(request: pytest.FixtureRequest) -> dict[str, torch.Tensor | Quantize
     return {name: w.to(dtype).to(DEVICE) for name, w in raw.items()}
 
 
+@pytest.fixture(params=["one program", "many programs"])
+def tiling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' own tiles, or tiles small enough that the test's tokens and slots span several programs (the
+    tokens two, the down product's slot groups two)."""
+    if request.param == "many programs":
+        monkeypatch.setattr(kernels, "TOKENS_PER_PROGRAM", 2)
+        monkeypatch.setattr(kernels, "ROWS_PER_GROUP", kernels.ROWS_PER_PROGRAM)
+
+
 @pytest.mark.parametrize("form_name", list(FORMS))
 @pytest.mark.parametrize("select", list(Select))
 def test_activate_and_down_equal_float64(
-    weights: dict[str, torch.Tensor | QuantizedMatrix], form_name: str, select: Select
+    weights: dict[str, torch.Tensor | QuantizedMatrix], form_name: str, select: Select, tiling: None
 ) -> None:
     form = FORMS[form_name]
     if select == Select.GATE and not form.gated:
@@ -88,13 +98,20 @@ def test_activate_and_down_equal_float64(
     args = (form, x.to(DEVICE), gate, weights["up"], slot_neuron.to(DEVICE), select, threshold, scores.to(DEVICE))
     expected = reference(*args)
     act = activate(*args)
-    assert ((expected != 0) == (act.cpu() != 0)).float().mean() > 0.99  # a product at the threshold may round over
     assert torch.allclose(act.double().cpu(), expected, rtol=1e-4, atol=1e-5)
     assert 0 < int((expected != 0).sum()) < expected.numel()
     out = down(act, weights["down_t"])
     assert torch.allclose(out.double().cpu(), act.double().cpu() @ as_float64(weights["down_t"]), rtol=1e-4, atol=1e-5)
     whole = hot_ffn(form, x.to(DEVICE), gate, weights["up"], weights["down_t"], *args[4:])
     assert torch.equal(whole, out)
+
+
+def test_gate_and_up_of_different_layouts_are_refused() -> None:
+    gate = torch.zeros(SLOTS, E, dtype=torch.float16, device=DEVICE)
+    up = q4_0(torch.zeros(SLOTS, E))
+    slot_neuron = torch.arange(SLOTS, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="one type and row length"):
+        activate(ACTIVATIONS["relu"], torch.zeros(1, E, device=DEVICE), gate, up, slot_neuron, Select.ALL)
 
 
 def test_rows_no_token_selects_are_not_read() -> None:

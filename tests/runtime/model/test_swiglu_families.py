@@ -54,6 +54,19 @@ def test_tokenizer_ids_equal_transformers(swiglu: dict[str, dict[str, Path]], fa
         assert tokenizer.encode(text) == hf_ids(swiglu[family]["model"], text), text
 
 
+def test_a_control_token_outside_the_byte_alphabet_is_matched_whole(swiglu: dict[str, dict[str, Path]]) -> None:
+    """llama.cpp writes a control token in plain text; DeepSeek-R1's distillations of Qwen2 have `<｜User｜>`,
+    which the byte alphabet cannot spell: text naming it gets its id, as in llama.cpp."""
+    meta = dict(open_model(swiglu["qwen2"]["dense-f32"]).metadata)
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    control = types.index(3)
+    tokens[control] = "<｜User｜>"
+    ours = GGUFTokenizer({**meta, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types})
+    plain = ours.encode("hi", add_bos=False)
+    assert ours.encode("hi<｜User｜>hi", add_bos=False) == [*plain, control, *plain]
+    assert ours.backend.get_vocab_size() == len(tokens)
+
+
 def test_qwen2_split_is_transformers_own(swiglu: dict[str, dict[str, Path]]) -> None:
     """The split we name `qwen2` (qinfer.core.vocabulary) cuts text as transformers' own Qwen2Tokenizer does, given
     the same vocabulary and merges: the synth tokenizer above is built with our expression, this one with theirs."""
