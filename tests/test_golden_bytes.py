@@ -108,5 +108,9 @@ def test_outputs_are_byte_identical(outputs: tuple[dict[str, str], dict[str, str
     if RECORD:
         GOLDEN.write_text(json.dumps({"inputs": inputs, "outputs": hashes}, indent=2) + "\n")
     golden = json.loads(GOLDEN.read_text())
-    assert inputs == golden["inputs"], "the seeded inputs changed: the tokenizer trainer or the seeding, not a writer"
-    assert hashes == golden["outputs"]
+    if hashes != golden["outputs"]:
+        # Inputs may differ and still give the same outputs (a config saved by an older transformers lists fewer
+        # defaults): the writers are judged by their outputs, the inputs only say which side changed.
+        changed = "the seeded inputs changed: the tokenizer trainer or the seeding, not a writer"
+        assert inputs == golden["inputs"], changed
+        assert hashes == golden["outputs"]
