@@ -147,10 +147,19 @@ def transformers_decoder(
 
 
 def runtime_decoder(path: Path, ffn: str, prompt_ids: list[int], n: int, ctx: int, native: bool = True) -> Timer:
-    engine = Engine.open(path, ctx_size=ctx, ffn=ffn)
+    timed = engine_decoder(Engine.open(path, ctx_size=ctx, ffn=ffn), prompt_ids, n)
 
     def tps() -> Speed:
         os.environ["QINFER_NATIVE"] = "1" if native else "0"
+        return timed()
+
+    return tps
+
+
+def engine_decoder(engine: Engine, prompt_ids: list[int], n: int) -> Timer:
+    """An opened engine's prompt and then n greedy steps, each step timed (reading its token back ends it)."""
+
+    def tps() -> Speed:
         started = time.perf_counter()
         engine.submit(Request(prompt_ids, n + 2, GREEDY, ignore_eos=True))
         prompt_seconds = time.perf_counter() - started

@@ -23,15 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from decode import GREEDY, bench_model, bench_prompt, quantized, transformers_decoder
+from decode import bench_model, bench_prompt, engine_decoder, quantized, transformers_decoder
 from decode_peers import Speed, Timer, engine_main_problem, powerinfer_decoder
 from rich.console import Console
 from rich.table import Table
@@ -40,7 +38,7 @@ from qinfer.planner.budget import GIB
 from qinfer.planner.make_plan import PlanOptions, dry_run_account
 from qinfer.prep.profile.activation_profile import profile_activations
 from qinfer.prep.synth.corpus import synth_corpus
-from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.ffn.hybrid import HybridRunner
 from qinfer.runtime.model.model_file import open_model
@@ -93,22 +91,13 @@ def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | No
     if in_kernel is not None and isinstance(runner, HybridRunner):
         runner.in_kernel = in_kernel
     peaks: list[float] = []
+    timed = engine_decoder(engine, prompt_ids, n)
 
     def tps() -> Speed:
-        started = time.perf_counter()
-        engine.submit(Request(prompt_ids, n + 2, GREEDY, ignore_eos=True))
-        engine.step()
-        prompt_seconds = time.perf_counter() - started
-        seconds = []
-        for _ in range(n):
-            started = time.perf_counter()
-            engine.step()  # reads the sampled token back: the step is over when this returns
-            seconds.append(time.perf_counter() - started)
-        engine.cancel(engine.active_slots()[0])
-        engine.erase(0)
+        speed = timed()
         if cuda and not peaks:
             peaks.append((torch.cuda.max_memory_allocated() - base) / GIB)
-        return Speed(1.0 / statistics.median(seconds), len(prompt_ids) / prompt_seconds)
+        return speed
 
     return Ours(tps, lambda: peaks[0] if peaks else None)
 

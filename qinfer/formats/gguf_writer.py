@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,7 +11,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from qinfer.formats.atomic_file import atomic_output
-from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC, scan_layout
+from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC
+from qinfer.formats.gguf_reader import check_layout
 
 
 @dataclass(frozen=True)
@@ -79,15 +79,8 @@ def _make_powerinfer(path: Path, retype: bool) -> None:
     ENGINE_INTEGER_TYPES), the only ones it reads. A model file is left to its magic: its scan would check its
     vocabulary too, which is the reader's job."""
     engine_codes = {qtype: code for code, qtype in ENGINE_INTEGER_TYPES.items()}
+    tensors = check_layout(path).tensors if retype else ()
     with open(path, "r+b") as fh:
-        tensors = ()
-        if retype:
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    tensors = scan_layout(view).tensors
-                finally:
-                    view.release()
         for tensor in tensors:
             if tensor.qtype in engine_codes:
                 fh.seek(tensor.type_at)

@@ -14,20 +14,26 @@ from __future__ import annotations
 import importlib.util
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from qinfer.core.architectures import FfnForm
 from qinfer.core.errors import UserError
 from qinfer.runtime.ffn.neuron_cache import CachePolicy, NeuronCache
 from qinfer.runtime.ffn.runners import active_ids
-from qinfer.runtime.ffn.sparse import FFNWeights, activations, gate_mask, predicted_mask, sparse_rows
+from qinfer.runtime.ffn.sparse import (
+    FFNWeights,
+    activations,
+    gate_mask,
+    predicted_mask,
+    predictor_scores,
+    sparse_rows,
+)
 from qinfer.runtime.ffn.split_cost import SplitCosts, balance
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
-from qinfer.runtime.kernels.weight_rows import linear, rows_to, weighted_row_sum
+from qinfer.runtime.kernels.weight_rows import rows_to, weighted_row_sum
 
 
 def empty_rows(t: Weight, capacity: int, device: torch.device) -> Weight:
@@ -221,7 +227,7 @@ class HybridRunner:
         w, s = self.layers[layer], self.slots[layer]
         scores: torch.Tensor | None = None
         if w.has_predictor and s.fc1 is not None:
-            scores = linear(F.relu(linear(h, s.fc1)), s.fc2)
+            scores = predictor_scores(replace(w, fc1=s.fc1, fc2=s.fc2), h)
         # Copies the host waits for, queued before the device's own FFN so that the two sides run together.
         x_host, picked = _to_host(x), None if scores is None else _to_host(scores >= self.threshold)
         ready = torch.cuda.Event() if x.device.type == "cuda" else None
@@ -256,7 +262,7 @@ class HybridRunner:
             # The plan gave this layer no GPU neuron, so it budgeted no room for its predictor there either.
             mask = predicted_mask(w, h.cpu(), self.threshold)
         else:
-            mask = predicted_mask(FFNWeights(w.form, w.up, w.down_t, w.gate, s.fc1, s.fc2), h, self.threshold).cpu()
+            mask = predicted_mask(replace(w, fc1=s.fc1, fc2=s.fc2), h, self.threshold).cpu()
         ids = active_ids(mask)
         slot_of = cache.neuron_slot[ids]
         on_device = slot_of >= 0

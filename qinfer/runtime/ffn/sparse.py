@@ -105,11 +105,16 @@ def sparse_rows(
     return weighted_row_sum(act, down_t, ids)
 
 
-def predicted_mask(w: FFNWeights, h: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Neurons the predictor flags for each token of h [T, E]: fc2(relu(fc1(h))) >= threshold, as bool [T, F]."""
+def predictor_scores(w: FFNWeights, h: torch.Tensor) -> torch.Tensor:
+    """The predictor's score of each neuron for each token of h [T, E]: fc2(relu(fc1(h))), float32 [T, F]."""
     if w.fc1 is None or w.fc2 is None:
         raise UserError("this model file has no predictors (fc1/fc2): use a PowerInfer GGUF, or run it dense")
-    return linear(F.relu(linear(h, w.fc1)), w.fc2) >= threshold
+    return linear(F.relu(linear(h, w.fc1)), w.fc2)
+
+
+def predicted_mask(w: FFNWeights, h: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Neurons the predictor flags for each token of h [T, E]: scores >= threshold, as bool [T, F]."""
+    return predictor_scores(w, h) >= threshold
 
 
 def true_mask(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
