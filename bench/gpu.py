@@ -6,9 +6,10 @@
 Per file (the f16 PowerInfer GGUF, and with --quant the file quantized to that type) and budget, decode tokens/s,
 best of --rounds interleaved rounds:
 - split, the dense parts and 35% of the FFN on the GPU: ours static (the device selects and computes its neurons
-  in the hot-FFN kernels), ours static on torch's ops (the earlier path), ours dynamic; the engine with its own
-  plan (its solver, run by `main`), and the engine with our plan (our .gpuidx beside the file);
-- all FFN on the GPU: ours, the engine (its own plan);
+  in the hot-FFN kernels, each step replayed from CUDA graphs), the same without graphs, ours static on torch's
+  ops (the earlier path), ours dynamic; the engine with its own plan (its solver, run by `main`), and the engine
+  with our plan (our .gpuidx beside the file);
+- all FFN on the GPU: ours (with and without graphs), the engine (its own plan);
 - dense, every layer on the GPU: the engine on the dense GGUF (-ngl 99);
 - ours all on the CPU, and transformers' eager `generate` on the GPU (f16), as references.
 Our rows also give peak VRAM (torch's allocator, from opening the model to the end of its first round) against the
@@ -24,6 +25,7 @@ import argparse
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +81,7 @@ class Ours:
 
 
 def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | None, schedule: str,
-         in_kernel: bool | None = None) -> Ours:  # fmt: skip
+         in_kernel: bool | None = None, graphs: bool = True) -> Ours:  # fmt: skip
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
@@ -90,6 +92,8 @@ def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | No
     runner = engine.runtime.forward.ffn if engine.runtime is not None else None
     if in_kernel is not None and isinstance(runner, HybridRunner):
         runner.in_kernel = in_kernel
+    if not graphs:
+        engine.forward.graphs = None
     peaks: list[float] = []
     timed = engine_decoder(engine, prompt_ids, n)
 
@@ -100,6 +104,10 @@ def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | No
         return speed
 
     return Ours(tps, lambda: peaks[0] if peaks else None)
+
+
+def _failing() -> Speed:
+    raise AssertionError("unreachable: a configuration that did not open is never timed")
 
 
 def main() -> None:
@@ -132,24 +140,34 @@ def main() -> None:
         prompt_ids = tokenizer.encode(prompt)
         variants = [model, *([quantized(model, args.quant)] if args.quant else [])]
         timers: dict[str, Timer] = {}
+        failed: dict[str, str] = {}
         peaks: dict[str, tuple[Callable[[], float | None], float]] = {}
         for v in variants:
             _, acct = dry_run_account(v.powerinfer, 1 << 50, PlanOptions(ctx_size=args.ctx, batch=1))
             split = (acct.dense + SPLIT_SHARE * acct.ffn_total) / GIB
             whole = (acct.dense + WHOLE_SHARE * acct.ffn_total) / GIB
-            rows: list[tuple[str, str, float | None, str, bool | None]] = [
-                ("split ours static", "split-ours", split, "static", None),
-                ("split ours static, torch ops", "split-ours", split, "static", False),
-                ("split ours dynamic", "split-ours", split, "dynamic", None),
-                ("all FFN ours", "whole-ours", whole, "static", None),
-                ("all-CPU ours", "cpu", None, "static", None),
+            rows: list[tuple[str, str, float | None, str, bool | None, bool]] = [
+                ("split ours static", "split-ours", split, "static", None, True),
+                ("split ours static, no graphs", "split-ours", split, "static", None, False),
+                ("split ours static, torch ops", "split-ours", split, "static", False, False),
+                ("split ours dynamic", "split-ours", split, "dynamic", None, False),
+                ("all FFN ours", "whole-ours", whole, "static", None, True),
+                ("all FFN ours, no graphs", "whole-ours", whole, "static", None, False),
+                ("all-CPU ours", "cpu", None, "static", None, False),
             ]
-            for label, directory, budget, schedule, in_kernel in rows:
+            for label, directory, budget, schedule, in_kernel, graphs in rows:
                 path = placed(v.powerinfer, args.work / "gpu" / v.name.replace(" ", "-"), directory)
-                run = ours(path, prompt_ids, args.tokens, args.ctx, budget, schedule, in_kernel)
-                timers[f"{v.name}|{label}"] = run.timer
+                key = f"{v.name}|{label}"
+                try:
+                    run = ours(path, prompt_ids, args.tokens, args.ctx, budget, schedule, in_kernel, graphs)
+                except Exception as exc:  # noqa: BLE001 - a configuration that does not open is reported, not fatal
+                    failed[key] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
+                    timers[key] = _failing
+                    continue
+                timers[key] = run.timer
                 if budget is not None:
-                    peaks[f"{v.name}|{label}"] = (run.peak, budget)
+                    peaks[key] = (run.peak, budget)
             if args.powerinfer_main is not None:
                 engine_rows = [
                     ("split engine, own plan", v.powerinfer, "split-engine", ("--vram-budget", f"{split:.4f}")),
@@ -167,15 +185,15 @@ def main() -> None:
                 model.model_dir, prompt_ids, args.tokens, torch.float16, "cuda"
             )
         best: dict[str, Speed] = {}
-        failed: dict[str, str] = {}
         for _ in range(args.rounds):
             for key, timer in timers.items():
                 if key in failed:
                     continue
                 try:
                     speed = timer()
-                except RuntimeError as exc:  # an engine row that does not run is reported, not fatal
-                    failed[key] = str(exc)
+                except Exception as exc:  # noqa: BLE001 - a row that does not run is reported, not fatal
+                    failed[key] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
                     continue
                 best[key] = best[key].best(speed) if key in best else speed
         table = Table(title=f"{name}: decode tokens/s, best of {args.rounds} interleaved rounds, {args.tokens} tokens")

@@ -3,14 +3,15 @@
 #   1. the Python packages the machine's image lacks, from the wheels in --wheels (gguf, pulp, llguidance, and
 #      cvxopt for the engine's own solver), installed into .gpu-deps (git-ignored) and put on PYTHONPATH;
 #   2. the PowerInfer engine from --powerinfer-src, built for Hopper alone (target `main`, about 50 s), under
-#      --build, outside the repository;
-#   3. the GPU's hot-FFN kernels, the split that uses them and the .gpuidx bytes, against their references (pytest,
-#      on the GPU);
-#   4. bench/gpu.py: our split beside the engine's on the same files and budgets, f16 and Q4_0, best of --rounds.
+#      --build, outside the repository, while step 3 runs;
+#   3. the GPU's hot-FFN kernels, the split that uses them (eager and replayed from CUDA graphs) and the .gpuidx
+#      bytes, against their references (pytest, on the GPU);
+#   4. bench/gpu.py: our split beside the engine's on the same files and budgets, f16 and --quant (Q4_0; none for
+#      f16 alone), best of --rounds.
 # Without --powerinfer-src the engine's rows are left out; without a GPU everything runs on a simulated GPU side.
 #
 #   bench/gpu_check.sh [--wheels DIR] [--powerinfer-src DIR] [--build DIR] [--work DIR] [--rounds N] [--tokens N]
-#                      [--models LIST]
+#                      [--models LIST] [--quant Q4_0|none]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -21,6 +22,7 @@ WORK=work/bench
 ROUNDS=3
 TOKENS=64
 MODELS=7b-slice
+QUANT=Q4_0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --wheels) WHEELS="$2"; shift 2 ;;
@@ -30,8 +32,9 @@ while [[ $# -gt 0 ]]; do
     --rounds) ROUNDS="$2"; shift 2 ;;
     --tokens) TOKENS="$2"; shift 2 ;;
     --models) MODELS="$2"; shift 2 ;;
+    --quant) QUANT="$2"; shift 2 ;;
     *) echo "usage: $0 [--wheels DIR] [--powerinfer-src DIR] [--build DIR] [--work DIR] [--rounds N]" \
-            "[--tokens N] [--models LIST]" >&2; exit 2 ;;
+            "[--tokens N] [--models LIST] [--quant Q4_0|none]" >&2; exit 2 ;;
   esac
 done
 started=$SECONDS
@@ -58,20 +61,36 @@ print(f"{gpu}; " + ", ".join(versions))
 PYTHON
 
 MAIN=()
+BUILDER=""
 if [[ -n "$ENGINE_SRC" ]]; then
-  stage "building the PowerInfer engine from $ENGINE_SRC in $BUILD"
-  cmake -S "$ENGINE_SRC" -B "$BUILD" -DLLAMA_CUBLAS=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
-    > "$BUILD.cmake.log" 2>&1 || { tail -20 "$BUILD.cmake.log"; exit 1; }
-  cmake --build "$BUILD" --target main -j "$(nproc)" > "$BUILD.build.log" 2>&1 || { tail -20 "$BUILD.build.log"; exit 1; }
+  stage "building the PowerInfer engine from $ENGINE_SRC in $BUILD (in the background)"
+  ( cmake -S "$ENGINE_SRC" -B "$BUILD" -DLLAMA_CUBLAS=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > "$BUILD.cmake.log" 2>&1 &&
+    cmake --build "$BUILD" --target main -j "$(nproc)" > "$BUILD.build.log" 2>&1 ) &
+  BUILDER=$!
   MAIN=(--powerinfer-main "$BUILD/bin/main")
   # The engine runs its own solver (powerinfer-py) where a model has no .gpuidx yet.
   export PYTHONPATH="$PYTHONPATH:$(cd "$ENGINE_SRC" && pwd)/powerinfer-py"
 fi
 
-stage "the GPU's kernels and split against their references"
-"$PY" -m pytest -q -p no:cacheprovider tests/runtime/kernels/test_hot_ffn.py tests/runtime/ffn/test_hybrid_split.py \
-  tests/planner/test_planner_gpuidx.py
+stage "the GPU's kernels and split against their references (at most 5 minutes, so the benchmark always runs)"
+# Four workers of four threads each: workers that each take every core (the CPU's row kernels and torch use
+# OpenMP) beside the engine's build slowed the first run on an H200 until it was stopped, with no test named.
+PYTEST=(-p no:cacheprovider -rfE --durations 10)
+if "$PY" -c "import xdist" 2>/dev/null; then PYTEST+=(-n 4); fi
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout 180); fi
+OMP_NUM_THREADS=4 timeout 300 "$PY" -m pytest "${PYTEST[@]}" tests/runtime/kernels/test_hot_ffn.py \
+  tests/runtime/ffn/test_hybrid_split.py tests/planner/test_planner_gpuidx.py || status=$?
+
+if [[ -n "$BUILDER" ]]; then
+  wait "$BUILDER" || { stage "the engine did not build:"; tail -20 "$BUILD.cmake.log" "$BUILD.build.log"; exit 1; }
+  stage "the engine is built"
+fi
 
 stage "bench/gpu.py"
-"$PY" bench/gpu.py --models "$MODELS" --quant Q4_0 --rounds "$ROUNDS" --tokens "$TOKENS" --work "$WORK" "${MAIN[@]}"
+QUANTIZED=()
+if [[ "$QUANT" != none ]]; then QUANTIZED=(--quant "$QUANT"); fi
+"$PY" bench/gpu.py --models "$MODELS" "${QUANTIZED[@]}" --rounds "$ROUNDS" --tokens "$TOKENS" --work "$WORK" \
+  "${MAIN[@]}"
 stage "done"
+exit "${status:-0}"

@@ -219,36 +219,65 @@ class HybridRunner:
         future = self.pool.submit(cpu_part)
         return s.dense(w.form, x) + future.result().to(self.device)
 
-    def _decode_in_kernel(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """The device selects among its slots inside the hot-FFN kernels while the host, after one wait for the
-        selection and x, computes the other selected neurons in the CPU's row kernels."""
+    def cold(self, layer: int) -> bool:
+        """Whether some of the layer's neurons live on the host alone, so that its decode step has a host part."""
+        return not bool(self.resident[layer].all())
+
+    def device_scores(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
+        """The predictor's scores [T, F] on the device, where the layer has one there (None: a calibrated model,
+        which its gate selects, or a layer the plan gave no GPU neuron and so no predictor on the GPU)."""
+        w, s = self.layers[layer], self.slots[layer]
+        if not w.has_predictor or s.fc1 is None:
+            return None
+        return predictor_scores(replace(w, fc1=s.fc1, fc2=s.fc2), h)
+
+    def device_ffn(self, layer: int, x: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        """The selected resident neurons' sum [T, E], selected and computed inside the hot-FFN kernels."""
         from qinfer.runtime.kernels.hot_ffn import Select, hot_ffn
 
         w, s = self.layers[layer], self.slots[layer]
-        scores: torch.Tensor | None = None
-        if w.has_predictor and s.fc1 is not None:
-            scores = predictor_scores(replace(w, fc1=s.fc1, fc2=s.fc2), h)
+        if w.has_predictor and scores is None:
+            return torch.zeros(x.shape[0], w.down_t.shape[1], device=x.device)
+        select = Select.PREDICTOR if scores is not None else Select.GATE
+        threshold = self.threshold if scores is not None else w.gate_threshold
+        return hot_ffn(w.form, x, s.gate, s.up, s.down_t, self.slot_neuron[layer], select, threshold, scores)
+
+    def host_reads(
+        self, layer: int, x: torch.Tensor, h: torch.Tensor, scores: torch.Tensor | None
+    ) -> list[torch.Tensor | None]:
+        """What `host_ffn` reads, made on the device: the FFN's input, the predictor's selection (None: the host
+        selects) and h where the host runs the predictor."""
+        picked = None if scores is None else scores >= self.threshold
+        return [x, picked, h if scores is None and self.layers[layer].has_predictor else None]
+
+    def host_ffn(
+        self, layer: int, x: torch.Tensor, picked: torch.Tensor | None, h: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The selected neurons that are not resident, on the host (its row kernels), from `host_reads`' tensors
+        copied there."""
+        w = self.layers[layer]
+        if picked is None:
+            # A calibrated model's gate (over every row), or the predictor of a layer with no GPU rows.
+            picked = gate_mask(w, x) if h is None else predicted_mask(w, h, self.threshold)
+        cold = picked & ~self.resident[layer]
+        ids = active_ids(cold)
+        out = sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, cold[:, ids] if x.shape[0] > 1 else None)
+        self.last[layer] = LayerSplit(int((picked & self.resident[layer]).any(0).sum()), int(ids.numel()), 0)
+        return out
+
+    def _decode_in_kernel(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The device selects among its slots inside the hot-FFN kernels while the host, after one wait for the
+        selection and x, computes the other selected neurons in the CPU's row kernels."""
+        scores = self.device_scores(layer, h)
         # Copies the host waits for, queued before the device's own FFN so that the two sides run together.
-        x_host, picked = _to_host(x), None if scores is None else _to_host(scores >= self.threshold)
+        reads = [None if t is None else _to_host(t) for t in self.host_reads(layer, x, h, scores)]
         ready = torch.cuda.Event() if x.device.type == "cuda" else None
         if ready is not None:
             ready.record()
-        if s.fc1 is not None or not w.has_predictor:
-            select = Select.PREDICTOR if scores is not None else Select.GATE
-            threshold = self.threshold if scores is not None else w.gate_threshold
-            out = hot_ffn(w.form, x, s.gate, s.up, s.down_t, self.slot_neuron[layer], select, threshold, scores)
-        else:
-            out = torch.zeros(x.shape[0], w.down_t.shape[1], device=x.device)
+        out = self.device_ffn(layer, x, scores)
         if ready is not None:
             ready.synchronize()
-        if picked is None:
-            # A calibrated model's gate (on the host, over every row), or the predictor of a layer with no GPU rows.
-            picked = gate_mask(w, x_host) if not w.has_predictor else predicted_mask(w, h.cpu(), self.threshold)
-        cold = picked & ~self.resident[layer]
-        ids = active_ids(cold)
-        cpu_out = sparse_rows(w.form, x_host, w.gate, w.up, w.down_t, ids, cold[:, ids] if x.shape[0] > 1 else None)
-        self.last[layer] = LayerSplit(int((picked & self.resident[layer]).any(0).sum()), int(ids.numel()), 0)
-        return out + _to_device(cpu_out, out.device)
+        return out + _to_device(self.host_ffn(layer, *reads), out.device)
 
     def _decode(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         if self.in_kernel:

@@ -10,6 +10,9 @@ form), zero where slot s is not selected for token t. A slot holds neuron `slot_
 `down` then sums act[t, s] * down_t[s] over the slots, reading only the rows some token uses, a group of slots per
 program; the groups' partial sums are added in a fixed order, so a step's result does not depend on scheduling.
 
+`matvec` is the plain product x @ w.T over the same row reader, for the dense parts of a Q4_0 file on the GPU at a
+decode step's few tokens (torch would expand the whole matrix to floats first).
+
 Rows are float (f16, bf16, f32) or Q4_0 blocks (dequantized in the kernel, so the slots stay at Q4_0 size). Shapes
 are fixed by the batch and the slot count, so the kernels can be captured in a CUDA graph. Triton ships with CUDA
 builds of torch; on a machine without a GPU the tests run these kernels through Triton's interpreter
@@ -133,6 +136,17 @@ def _down_kernel(act_ptr, down_ptr, partial_ptr, n_tok, n_cols, n_rows, act_stri
     tl.store(out, part, mask=tok_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _matvec_kernel(x_ptr, w_ptr, out_ptr, n_tok, n_rows, x_stride, w_stride, out_stride, N_COLS: tl.constexpr,
+                   Q4: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok, row_ok = toks < n_tok, rows < n_rows
+    acc = _dots(x_ptr, x_stride, toks, tok_ok, w_ptr, w_stride, rows, row_ok,
+                N_COLS=N_COLS, Q4=Q4, BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R, BLOCK_E=BLOCK_E)  # fmt: skip
+    tl.store(out_ptr + toks[:, None] * out_stride + rows[None, :], acc, mask=tok_ok[:, None] & row_ok[None, :])
+
+
 def _raw(w: Weight) -> tuple[torch.Tensor, int, bool]:
     """The tensor a kernel reads, its row stride (elements; bytes for Q4_0) and whether it is Q4_0."""
     if isinstance(w, QuantizedMatrix):
@@ -212,3 +226,17 @@ def hot_ffn(
 ) -> torch.Tensor:
     """The FFN output [T, E] of the selected neurons among the slots."""
     return down(activate(form, x, gate, up, slot_neuron, select, threshold, scores), down_t)
+
+
+def matvec(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x [T, E] @ w.T as float32 [T, R], for w [R, E] float or Q4_0 rows."""
+    raw, stride, q4 = _raw(w)
+    tokens, rows = x.shape[0], w.shape[0]
+    x = x.float().contiguous()
+    out = torch.empty(tokens, rows, dtype=torch.float32, device=x.device)
+    block_t = _token_block(tokens)
+    _matvec_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(tokens, block_t))](
+        x, raw, out, tokens, rows, x.stride(0), stride, out.stride(0), N_COLS=w.shape[1], Q4=q4,
+        BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=COLUMNS_PER_LOOP,
+    )  # fmt: skip
+    return out

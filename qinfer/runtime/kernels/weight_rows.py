@@ -3,7 +3,8 @@
 Weights are torch tensors in the file's dtype (F32/F16 views of the mapped GGUF, or device copies of them),
 or quantized matrices whose rows are expanded only when gathered. Every product returns float32: on the CPU, F16
 and quantized rows go through the native kernels (row_kernels: float32 sums, or integer products against the
-input quantized to Q8_0), elsewhere the product runs in the weight's (expanded) dtype.
+input quantized to Q8_0), a decode step's Q4_0 rows on a GPU through a Triton kernel (hot_ffn.matvec), elsewhere
+the product runs in the weight's (expanded) dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from qinfer.runtime.kernels import row_kernels
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, TransposedQuantized, expand_chunk_rows
@@ -20,6 +22,9 @@ from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, TransposedQuantiz
 # Up to this many tokens a weighted row sum runs as an embedding bag, which reads each selected row once and
 # needs no copy; beyond it a matmul on gathered float32 rows wins.
 BAG_MAX_TOKENS = 16
+# Up to this many tokens a Q4_0 matrix on a GPU is read by the row kernel (hot_ffn.matvec); a prompt's many tokens
+# amortise expanding it for torch's matmul.
+GPU_ROW_TOKENS = 16
 _scratch = threading.local()
 
 
@@ -28,6 +33,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Ten
     if (out := row_kernels.matvec(x, weight)) is not None:
         return out
     if isinstance(weight, QuantizedMatrix):
+        if weight.device.type == "cuda" and weight.qtype == GGMLQuantizationType.Q4_0 and x.shape[0] <= GPU_ROW_TOKENS:
+            # Triton ships with CUDA builds of torch: the blocks are read once, never expanded.
+            from qinfer.runtime.kernels.hot_ffn import matvec
+
+            return matvec(x, weight)
         return _expanded_linear(x, weight.row_range, weight.shape[0], weight.chunk_rows())
     if weight.dtype == torch.float16 and weight.device.type == "cpu":
         # CPUs without half-precision arithmetic run torch's f16 matmul at a third of its float32 speed.

@@ -35,13 +35,17 @@ class TokenBatch:
 class Step:
     """What every layer of one forward call shares, made once per call rather than once per layer: the batch, its
     positions on the compute device, rope's cos/sin tables (None without rope) and the attention mask (None where
-    every query may see every cached position, as a single decode token does)."""
+    every query may see every cached position, as a single decode token does).
+
+    A `fixed` step is one whose shapes and work do not depend on the values in it, as a step replayed from a CUDA
+    graph must be: its batch lives on the device, and attention reads every row of the cache under `mask`."""
 
     batch: TokenBatch
     positions: torch.Tensor
     mask: torch.Tensor | None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    fixed: bool = False
 
 
 def attention_mask(batch: TokenBatch, device: torch.device, window: int | None = None) -> torch.Tensor | None:
@@ -56,9 +60,14 @@ def attention_mask(batch: TokenBatch, device: torch.device, window: int | None =
             return None
         mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
         return mask if window is None else mask.triu(start - window + 1)
-    positions = batch.positions.to(device)[:, None]
-    seen = torch.arange(end, device=device)[None, :]
-    mask = seen <= positions
+    return rows_mask(batch.positions.to(device), end, window)
+
+
+def rows_mask(positions: torch.Tensor, rows: int, window: int | None = None) -> torch.Tensor:
+    """[T, 1, 1, rows]: which of the first `rows` cached positions each token at `positions` sees (one token per
+    sequence), as a bool mask made on the positions' device from their values there."""
+    seen = torch.arange(rows, device=positions.device)[None, :]
+    mask = seen <= positions[:, None]
     if window is not None:
-        mask &= seen > positions - window
+        mask &= seen > positions[:, None] - window
     return mask[:, None, None, :]

@@ -52,7 +52,7 @@ class KVCache:
         """Store k, v [T, kv_heads, d] at the batch's slots and positions, attend q [T, heads, d]; returns
         [T, heads*d]."""
         n, batch = q.shape[0], step.batch
-        if batch.single_sequence:
+        if not step.fixed and batch.single_sequence:
             slot, start = int(batch.slots[0]), int(batch.positions[0])
             end = start + n
             # A slice write: no index tensors to build or move for the one sequence's consecutive positions.
@@ -69,7 +69,8 @@ class KVCache:
             slots = batch.slots.to(self.k.device)
             self.k[layer, slots, :, step.positions] = k.to(self.k.dtype)
             self.v[layer, slots, :, step.positions] = v.to(self.v.dtype)
-            end = int(batch.positions.max()) + 1
+            # A fixed step reads every row (its mask hides the ones past each position): no value reaches the host.
+            end = self.ctx if step.fixed else int(batch.positions.max()) + 1
             out = F.scaled_dot_product_attention(
                 q[:, :, None],
                 self.k[layer, slots, :, :end].to(q.dtype),

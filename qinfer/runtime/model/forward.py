@@ -8,7 +8,7 @@ positions) to logits, reading and extending each sequence's rows of the KV cache
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,10 +19,13 @@ from qinfer.core.names import BIAS, Tensor, tensor_name
 from qinfer.runtime.ffn.runners import DenseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
-from qinfer.runtime.kv.batch import Step, TokenBatch, attention_mask
+from qinfer.runtime.kv.batch import Step, TokenBatch, attention_mask, rows_mask
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.rope import inv_freq, rope_tables
+
+if TYPE_CHECKING:
+    from qinfer.runtime.model.graph_step import GraphSteps
 
 
 def ffn_weights(model: ModelFile, i: int) -> FFNWeights:
@@ -87,13 +90,16 @@ class TransformerForward:
     # `block` computes; for a family that describes its layers (`native_rows`), on the CPU.
     native: DecodeLayers | None = None
     parallel = False  # attention and FFN both read the layer's input (falcon)
+    # Decode steps replayed from CUDA graphs (graph_step.py), for the steps they take; set by a family that can.
+    graphs: GraphSteps | None = None
 
     def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
         self.cfg = model.config
         self.device = torch.device(device)
         self.attn = [to_device(self.load_block(model, i), self.device) for i in range(self.cfg.layers)]
         self.embed = model.tensor(tensor_name(Tensor.TOKEN_EMBD))
-        self.inv_freq = inv_freq(model) if self.cfg.rope_dim else None
+        # On the device already: a step replayed from a graph can copy nothing from the host.
+        self.inv_freq = inv_freq(model).to(self.device) if self.cfg.rope_dim else None
         self.load_head(model)
         self.ffn = ffn or DenseRunner([ffn_weights(model, i) for i in range(self.cfg.layers)])
         self.native = self.native_layers()
@@ -129,12 +135,23 @@ class TransformerForward:
         cos, sin = rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
         return Step(batch, positions, attention_mask(batch, self.device, self.cfg.sliding_window), cos, sin)
 
+    def fixed_step(self, batch: TokenBatch, rows: int) -> Step:
+        """The `Step` of a decode batch already on the device, over all `rows` of the cache (kv/batch.Step.fixed):
+        made from the device's values alone, so that a CUDA graph can replay it."""
+        positions = batch.positions
+        cos, sin = rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
+        return Step(batch, positions, rows_mask(positions, rows, self.cfg.sliding_window), cos, sin, fixed=True)
+
     def forward(self, batch: TokenBatch, cache: Cache, last_only: bool = False) -> torch.Tensor:
         """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`; with `last_only`, [1, V]
         for the last token alone (a prompt needs no more, and the output head of a large vocabulary over every
         prompt token costs as much as a layer or more)."""
         if int(batch.positions.max()) >= cache.ctx:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
+        if self.graphs is not None and self.graphs.takes(batch, cache):
+            logits = self.graphs.run(batch, cache)
+            if logits is not None:
+                return logits[-1:] if last_only else logits
         h = self.embed_tokens(batch)
         step = self.step(batch)
         prefill = batch.tokens.shape[0] > 1 and batch.single_sequence

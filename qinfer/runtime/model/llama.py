@@ -14,11 +14,13 @@ import torch
 
 from qinfer.core.architectures import architecture
 from qinfer.core.names import BIAS, Tensor, tensor_name
+from qinfer.runtime.ffn.hybrid import HybridRunner
 from qinfer.runtime.kernels.decode_layer import LayerRows
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.forward import FFNRunner, TransformerForward
+from qinfer.runtime.model.graph_step import GraphSteps
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import rms_norm
 from qinfer.runtime.model.rope import ROTATIONS
@@ -49,6 +51,8 @@ class LlamaForward(TransformerForward):
     def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
         super().__init__(model, ffn, device)
         self.rotate = ROTATIONS[architecture(self.cfg.arch).rope]
+        if self.device.type == "cuda" and isinstance(self.ffn, HybridRunner) and self.ffn.device == self.device:
+            self.graphs = GraphSteps(self, self.ffn)
 
     def native_rows(self) -> list[LayerRows]:
         return [LayerRows(a.attn_norm, a.q, a.k, a.v, a.o, a.ffn_norm, None, None, a.q_bias, a.k_bias, a.v_bias)
@@ -87,12 +91,17 @@ class LlamaForward(TransformerForward):
         q, k = self.rotate(q, step.cos, step.sin), self.rotate(k, step.cos, step.sin)
         return linear(cache.attend(q, k, v, i, step), w.o)
 
+    def attention_block(self, i: int, h: torch.Tensor, step: Step, cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i up to its FFN: the residual stream h with attention (on h's RMSNorm) added, and the FFN's input."""
+        w, eps = self.attn[i], self.cfg.norm_eps
+        h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
+        return h, rms_norm(h, w.ffn_norm, eps)
+
     def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
         """Layer i on the residual stream h: attention and then the FFN, each on the RMSNorm of its input and added
         back; the FFN's predictor reads h itself."""
-        w, eps = self.attn[i], self.cfg.norm_eps
-        h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
-        return h + self.ffn(i, rms_norm(h, w.ffn_norm, eps), h, prefill)
+        h, x = self.attention_block(i, h, step, cache)
+        return h + self.ffn(i, x, h, prefill)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, self.norm, self.cfg.norm_eps), self.output)

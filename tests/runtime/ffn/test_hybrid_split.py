@@ -22,7 +22,9 @@ from qinfer.runtime.engine.generate import generate, generate_many
 from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.ffn.hybrid import HybridRunner
 from qinfer.runtime.ffn.split_cost import SplitCosts
+from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
+from qinfer.runtime.model.graph_step import GraphStep, GraphSteps
 from tests.support.cli_in_process import run_in_process
 from tests.support.devices import device
 from tests.support.fake_activation import write_power_law_activation
@@ -136,6 +138,72 @@ def test_in_kernel_split_decodes_several_sequences(model: Path) -> None:
         sparse.threshold = 2.0
     expected = [r.tokens for r in generate_many(cpu_only, PROMPTS, 12, GREEDY, ignore_eos=True)]
     assert [r.tokens for r in generate_many(split, PROMPTS, 12, GREEDY, ignore_eos=True)] == expected
+
+
+@pytest.mark.parametrize("share", [0.4, 1.05])
+def test_graphed_step_gives_the_eager_split_logits(model: Path, share: float) -> None:
+    """The decode step as a fixed program (captured in CUDA graphs on a GPU, run eagerly on the simulated device):
+    attention over every cache row under a mask, the host's part between a layer's two graphs, and with every
+    neuron resident one graph per token: the logits of the eager split, step by step, one sequence and three."""
+    pytest.importorskip("triton")
+    cuda = torch.cuda.is_available()
+    budget = _budget_gib(model, 3, share)
+    device = "cuda" if cuda else "cpu"
+    split = Engine.open(model, slots=3, ctx_size=96, vram_budget_gib=budget, schedule="static", device=device)
+    runner, forward = _hybrid(split), split.forward
+    runner.in_kernel = True
+    graphs = forward.graphs if cuda else GraphSteps(forward, runner, capture=False)
+    assert graphs is not None
+    assert any(runner.cold(i) for i in range(forward.cfg.layers)) == (share < 1)
+    ids = torch.tensor(split.tokenizer.encode(PROMPTS[1]))
+    caches = [KVCache(forward.cfg, 96, slots=3, device=forward.device, types=F32_KV) for _ in range(2)]
+    tolerance = 2e-3 if cuda else 1e-5
+    with torch.inference_mode():
+        forward.graphs = None
+        for slot, start in enumerate((0, 5, 2)):
+            for cache in caches:
+                forward(ids[start : start + 4], 0, cache, slot)
+        for j in range(4, 9):
+            one = TokenBatch.decode([int(ids[j])], [j], [0])
+            three = TokenBatch.decode([int(t) for t in ids[j : j + 3]], [j, j, j], [0, 1, 2])
+            for batch in (one, three):
+                forward.graphs = None
+                expected = forward.forward(batch, caches[0]).cpu()
+                forward.graphs = graphs
+                assert graphs.takes(batch, caches[1])
+                got = forward.forward(batch, caches[1])
+                assert got.device.type == "cpu" and torch.allclose(got, expected, rtol=0, atol=tolerance)
+    assert sorted(graphs.steps) == [1, 3]
+    if share < 1:
+        assert sum(s.cpu for s in runner.last) > 0
+
+
+def test_graphs_that_cannot_be_recorded_leave_the_step_eager(
+    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A capture that fails (a CUDA build that refuses some op in a graph) is said once; that step and the rest run
+    eagerly, with the same logits."""
+    pytest.importorskip("triton")
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.4), schedule="static", device="cpu")
+    runner, forward = _hybrid(split), split.forward
+    runner.in_kernel = True
+    graphs = GraphSteps(forward, runner, capture=True)
+
+    def refuse(step: GraphStep) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(GraphStep, "_record", refuse)
+    ids = torch.tensor(split.tokenizer.encode(PROMPTS[1]))
+    a, b = (KVCache(forward.cfg, 96, types=F32_KV) for _ in range(2))
+    with torch.inference_mode():
+        forward(ids[:4], 0, a), forward(ids[:4], 0, b)
+        for j in range(4, 7):
+            forward.graphs = None
+            expected = forward(ids[j : j + 1], j, a)
+            forward.graphs = graphs
+            assert torch.equal(forward(ids[j : j + 1], j, b), expected)
+    assert graphs.failed == "operation not permitted when stream is capturing" and not graphs.steps
+    assert capsys.readouterr().err.count("decoding without CUDA graphs") == 1
 
 
 def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[str, Path]) -> None:

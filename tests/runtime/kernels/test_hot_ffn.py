@@ -15,7 +15,7 @@ from qinfer.runtime.kernels.quant_rows import QuantizedMatrix
 # tests/conftest.py runs them in Triton's interpreter where there is no GPU.
 pytest.importorskip("triton")
 from qinfer.runtime.kernels import hot_ffn as kernels  # noqa: E402
-from qinfer.runtime.kernels.hot_ffn import Select, activate, down, hot_ffn  # noqa: E402
+from qinfer.runtime.kernels.hot_ffn import Select, activate, down, hot_ffn, matvec  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FORMS = {**ACTIVATIONS, "relu-up": FfnForm(gated=False, relu_up=False)}
@@ -126,3 +126,17 @@ def test_rows_no_token_selects_are_not_read() -> None:
     scores[0, 5] = -1.0
     out = hot_ffn(form, torch.randn(1, E, device=DEVICE), gate, up, down_t, slot_neuron, Select.PREDICTOR, 0.0, scores)
     assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("rows", ["f16", "f32", "Q4_0"])
+@pytest.mark.parametrize("tokens", [1, 3, 11])
+def test_matvec_equals_float64(rows: str, tokens: int) -> None:
+    """The plain product over the same row reader (the dense parts of a Q4_0 file on a GPU), with row and column
+    counts off the kernel's blocks, and more tokens than one program takes."""
+    w32 = torch.randn(SLOTS, E)
+    w = q4_0(w32) if rows == "Q4_0" else w32.to(getattr(torch, {"f16": "float16", "f32": "float32"}[rows])).to(DEVICE)
+    x = torch.randn(tokens, E, device=DEVICE)
+    out = matvec(x, w)
+    expected = x.double().cpu() @ as_float64(w).T
+    assert out.shape == (tokens, SLOTS) and out.dtype == torch.float32
+    assert torch.allclose(out.double().cpu(), expected, rtol=1e-5, atol=1e-4)
