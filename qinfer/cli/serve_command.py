@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +23,8 @@ from qinfer.cli.options import (
     use_threads,
 )
 from qinfer.core.errors import needs_extra
+
+API_KEY_VARIABLE = "QINFER_API_KEY"
 
 
 @app.command("serve")
@@ -48,7 +51,7 @@ def serve_cmd(
     schedule: Annotated[str, typer.Option(help="GPU/CPU schedule of the runtime (see `qinfer run --help`).")] = "auto",
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="QINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*; /health stays open."),
+        typer.Option(envvar=API_KEY_VARIABLE, help="Require 'Authorization: Bearer KEY' on /v1/*; /health stays open."),
     ] = None,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="Largest request body; a larger one gets a 413.")] = (
         8 * 1024 * 1024
@@ -69,6 +72,22 @@ def serve_cmd(
         typer.Option(help="A Jinja chat template file to use instead of the model file's tokenizer.chat_template."),
     ] = None,
     webui: Annotated[bool, typer.Option(help="Serve a chat page at / (--no-webui: the API alone).")] = True,
+    allowed_hosts: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated names the Host header may give besides IP addresses, localhost and --host "
+            "(the names clients reach this server by); '*' allows any, which lets a web page whose name points at "
+            "this machine (DNS rebinding) use the server through its visitors' browsers."
+        ),
+    ] = "",
+    prompt_cache: Annotated[
+        bool,
+        typer.Option(
+            help="Reuse a slot's KV rows for a prompt that begins with its tokens. Clients that share a server can "
+            "tell from timings.cache_n (or from how soon a prompt is done) how much of their prompt another sent; "
+            "--no-prompt-cache computes every prompt whole."
+        ),
+    ] = True,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions (streaming with server-sent events), /v1/models and /health,
     llama.cpp's /metrics, /props, /slots, /tokenize and /detokenize, and a chat page at /.
@@ -85,6 +104,18 @@ def serve_cmd(
         from qinfer.runtime.server.app import ServerOptions, create_app
         from qinfer.runtime.server.thread import uvicorn_server
 
+    if api_key is None:
+        # click reads a variable set to "" as unset; an empty key must be refused, not mean "no key".
+        api_key = os.environ.get(API_KEY_VARIABLE)
+    # Settings a user can get wrong are refused before the model loads.
+    options = ServerOptions(
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        read_timeout_s=read_timeout,
+        idle_timeout_s=idle_timeout,
+        max_connections=max_connections,
+        allowed_hosts=(host, *(name.strip() for name in allowed_hosts.split(",") if name.strip())),
+    )
     use_threads(threads)
     policy = kv_policy(kv_policy_kind, kv_budget)
     types = kv_types(cache_type_k, cache_type_v)
@@ -96,16 +127,10 @@ def serve_cmd(
         schedule=schedule,
         kv_policy=policy,
         kv_types=types,
+        reuse_prompts=prompt_cache,
     )
     for note in engine.runtime.notes if engine.runtime is not None else []:
         err.print(f"note: {note}")
-    options = ServerOptions(
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        read_timeout_s=read_timeout,
-        idle_timeout_s=idle_timeout,
-        max_connections=max_connections,
-    )
     tokenizer = engine.tokenizer
     template = load_chat_template(tokenizer.chat_template, tokenizer.special_tokens, chat_template)
     app = create_app(EngineWorker(engine), model.name, options, template, webui)

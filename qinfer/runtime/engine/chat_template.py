@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import stat
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,10 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 @functools.cache
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    # Intercepted, jinja2 neither folds these on constants while it compiles nor computes them but through the
+    # sandbox's call: `'x' * 10**10` is then computed when the template renders (in the process that
+    # template_process.py limits), not when it loads.
+    env.intercepted_binops = frozenset({"*", "**", "%", "//"})
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -48,21 +53,30 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 class ChatTemplate:
-    """A template compiled once, when the server starts, and rendered for every chat request."""
+    """A template checked when the server starts and compiled where it first renders (jinja2 evaluates constant
+    expressions while compiling, so a hostile template's compile belongs with its renders, in a limited process)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
         self.source = source
         self.special_tokens = special_tokens  # bos_token, eos_token, ...: the texts of the model's special tokens
+        if len(source) > MAX_TEMPLATE_BYTES:
+            raise UserError(f"the chat template is over {MAX_TEMPLATE_BYTES >> 10} KiB; give one with --chat-template")
         try:
-            self._template = _environment().from_string(source)
+            _environment().parse(source)
         except jinja2.TemplateSyntaxError as exc:
             raise UserError(f"the chat template does not parse (line {exc.lineno}: {exc.message})") from None
+        except RecursionError:
+            raise UserError("the chat template nests too deeply to parse; give one with --chat-template") from None
+
+    @functools.cached_property
+    def compiled(self) -> jinja2.Template:
+        return _environment().from_string(self.source)
 
     def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
     ) -> str:
         try:
-            return self._template.render(
+            return self.compiled.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
             )
         except jinja2.TemplateError as exc:  # the sandbox's SecurityError is one too
@@ -78,9 +92,14 @@ def load_chat_template(
     """The template of `override` (a file), else the model file's own (`own`); None where there is neither."""
     if override is not None:
         try:
-            if override.stat().st_size > MAX_TEMPLATE_BYTES:
+            # A pipe would block the read, and a device such as /dev/zero never end it.
+            if not stat.S_ISREG(override.stat().st_mode):
+                raise UserError(f"the chat template {override} is not a regular file; give a template file")
+            with override.open("rb") as file:
+                data = file.read(MAX_TEMPLATE_BYTES + 1)
+            if len(data) > MAX_TEMPLATE_BYTES:
                 raise UserError(f"{override} is over {MAX_TEMPLATE_BYTES >> 10} KiB; is it a chat template?")
-            source = override.read_text(encoding="utf-8")
+            source = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"cannot read the chat template {override} ({exc})") from None
     elif own is None or not own.strip():

@@ -5,8 +5,12 @@ sequence and, for those that go on, runs one batched decode forward over all of 
 
 A slot keeps the tokens whose keys and values it holds after its sequence ends, and a prompt goes to the free slot
 whose tokens share the longest prefix with it: those rows are reused and only the rest is prefilled, so a chat's
-next turn, which resends the conversation, costs only its new tokens (llama.cpp's prompt cache). The window cache
-keeps rows by importance rather than position, so there nothing is reused.
+next turn, which resends the conversation, costs only its new tokens (llama.cpp's prompt cache). A prompt that
+shares no more than its first token (the BOS every prompt begins with) with any slot is a new conversation: it
+takes a slot that keeps nothing, else the one whose tokens were kept longest ago, so that two conversations
+alternating turns both keep their rows. The window cache keeps rows by importance rather than position, so there
+nothing is reused; nor with `reuse_prompts` off, where whoever learns how much of a prompt was reused (a server's
+`timings.cache_n`, or how soon a prompt is done) could learn another user's prompt.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class Engine:
         cache_device: torch.device | str = "cpu",
         kv_policy: KVPolicy | None = None,
         kv_types: KVTypes = DEFAULT_KV_TYPES,
+        reuse_prompts: bool = True,
     ):
         if slots < 1 or ctx_size < 2:
             raise UserError("an engine needs at least one slot and a context of at least 2 tokens")
@@ -92,6 +97,9 @@ class Engine:
         self._active: dict[int, _Sequence] = {}
         # Per slot, the tokens whose rows it holds from its last sequence (reused by the next prompt they begin).
         self._kept: list[list[int]] = [[] for _ in range(slots)]
+        self.reuse_prompts = reuse_prompts and self.cache.rows_by_position
+        # Per slot, when its last sequence ended (a count of ended sequences): the oldest kept tokens go first.
+        self._ended = [0] * slots
         self.runtime: LoadedRuntime | None = None  # how `open` set the model up (FFN mode, plan, schedule)
 
     @classmethod
@@ -109,6 +117,7 @@ class Engine:
         device: str | None = None,
         kv_policy: KVPolicy | None = None,
         kv_types: KVTypes = DEFAULT_KV_TYPES,
+        reuse_prompts: bool = True,
     ) -> Engine:
         """Load a GGUF and set up its runtime (see loader.RuntimeOptions for the FFN, GPU and KV settings); the
         context as loader.fit_context gives it (None: 512 or the model's own where shorter, 0: the model's own)."""
@@ -126,7 +135,8 @@ class Engine:
         )
         loaded = load_forward(model, options, slots=slots, ctx_size=ctx)
         tokenizer = GGUFTokenizer(model.metadata)
-        engine = cls(loaded.forward, tokenizer, slots, ctx, loaded.forward.device, options.kv_policy, kv_types)
+        device = loaded.forward.device
+        engine = cls(loaded.forward, tokenizer, slots, ctx, device, options.kv_policy, kv_types, reuse_prompts)
         engine.runtime = loaded
         if clamped is not None:
             loaded.notes.insert(0, clamped)
@@ -158,8 +168,10 @@ class Engine:
         if not free:
             raise UserError(f"all {self.slots} slots are busy")
         prompt = request.prompt_ids
-        shared = {s: _shared_prefix(self._kept[s], prompt) if self.cache.rows_by_position else 0 for s in free}
+        shared = {s: _shared_prefix(self._kept[s], prompt) if self.reuse_prompts else 0 for s in free}
         slot = max(free, key=lambda s: shared[s])
+        if shared[slot] <= 1:
+            slot = min(free, key=lambda s: (bool(self._kept[s]), self._ended[s]))
         # At least the prompt's last token is computed again: its logits give the first new token.
         reused = min(shared[slot], len(prompt) - 1)
         self._kept[slot] = []  # its rows are rewritten from `reused` on
@@ -187,6 +199,7 @@ class Engine:
         seq = self._active.pop(slot, None)
         if seq is not None:
             self._kept[slot] = seq.tokens
+            self._ended[slot] = max(self._ended) + 1
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []

@@ -121,6 +121,10 @@ class GGUFTokenizer:
             {i for i in (self.eos_id, meta.get(Key.EOT_ID)) if i is not None} | turn_ends
         )
         self.vocab_size = len(tokens)
+        # No token stands for more characters of text than its own text has (a byte-level token's characters are
+        # bytes, a SentencePiece one's "▁" is a space), so a text of n characters is at least n / this many tokens:
+        # a bound a server checks before tokenizing what may be megabytes.
+        self.max_token_chars = max((len(t) for t in tokens), default=1) or 1
         # The special tokens' texts, by the names a chat template knows them by; and the template itself.
         names = {"bos_token": Key.BOS_ID, "eos_token": Key.EOS_ID, "unk_token": Key.UNK_ID, "pad_token": Key.PAD_ID}
         ids = {name: meta.get(key) for name, key in names.items()}

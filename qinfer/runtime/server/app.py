@@ -2,12 +2,15 @@
 event streaming), /v1/models and /health, and llama.cpp's operations endpoints: /metrics (Prometheus), /props,
 /slots, /tokenize and /detokenize. Every response carries `usage` and llama.cpp's `timings`. Every error uses
 OpenAI's shape: {"error": {"message", "type", "param", "code"}}. An optional API key guards everything but
-/health; request bodies are capped in size and in how long they may stall."""
+/health; request bodies are capped in size and in how long they may stall; a request must name the server in its
+Host header (an IP address, localhost, or a name it was told), so that a web page whose own name was made to point
+at this machine (DNS rebinding) cannot drive it through a visitor's browser."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import json
 import secrets
 import time
@@ -25,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qinfer.core.errors import UserError
 from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError
 from qinfer.runtime.engine.engine import Request as EngineRequest
 from qinfer.runtime.engine.grammar_constraint import Constraint, GrammarError, Grammars
@@ -37,8 +41,10 @@ from qinfer.runtime.server.openai_schema import (
     SamplingFields,
     TokenizeRequest,
     Tool,
+    chat_prompt,
     tool_call_schema,
 )
+from qinfer.runtime.server.template_process import TemplateProcess
 
 # The slowest body upload accepted, on average: a full 8 MiB body may take about two minutes.
 MIN_BODY_BYTES_PER_S = 64 * 1024
@@ -60,6 +66,14 @@ class ServerOptions:
     read_timeout_s: float = 10.0  # for a request's head to arrive, and for each pause in its body
     idle_timeout_s: int = 5  # for a kept-alive connection's next request
     max_connections: int = 256
+    allowed_hosts: tuple[str, ...] = ()  # names besides IP addresses and localhost that Host may give; "*": any
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise UserError(
+                "the API key is empty, which would let anyone in: give --api-key (or QINFER_API_KEY) a key, or "
+                "unset it to serve without one"
+            )
 
 
 DEFAULT_OPTIONS = ServerOptions()
@@ -108,6 +122,38 @@ class ApiKeyGuard:
         scheme, _, token = value.partition(b" ")
         # Constant time, so that response times do not reveal how much of a guess was right.
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._key)
+
+
+def host_allowed(header: str, names: tuple[str, ...]) -> bool:
+    """Whether a Host header ("name", "name:port", "[v6]:port") names this server: an IP address (which no DNS
+    answer can rebind), localhost, or one of `names` ("*" allows any)."""
+    host = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    host = host.removeprefix("[").split("]")[0].rstrip(".").lower()
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return host == "localhost" or host.endswith(".localhost") or "*" in names or host in names
+
+
+class HostGuard:
+    """ASGI middleware: a request whose Host header names another server gets a 403, before anything else."""
+
+    def __init__(self, app: ASGIApp, names: tuple[str, ...]):
+        self.app = app
+        self.names = tuple(n.rstrip(".").lower() for n in names)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        host = dict(scope.get("headers", [])).get(b"host")
+        if scope["type"] == "http" and host is not None and not host_allowed(host.decode("latin-1"), self.names):
+            message = (
+                f"this server does not serve the host {host.decode('latin-1')!r}; its operator can allow it with "
+                "--allowed-hosts"
+            )
+            await error_response(403, message, "invalid_request_error", headers=CLOSE)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class BodyGuard:
@@ -241,16 +287,18 @@ def create_app(
     `webui`: a chat page at / (webui/index.html, shipped in the package: no CDN)."""
     # With a key, the schema and its pages (not under /v1) are not served to whoever asks.
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if options.api_key else {}
-    app = FastAPI(title="qinfer", lifespan=_lifespan(worker), **docs)
+    app = FastAPI(title="qinfer", lifespan=_lifespan(worker, lambda: routes.renderer), **docs)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
     app.add_middleware(BodyGuard, max_bytes=options.max_body_bytes, timeout_s=options.read_timeout_s)
     if options.api_key:
-        # Added last, so it runs first: a stranger's body is never read.
+        # Added late, so it runs early: a stranger's body is never read.
         app.add_middleware(ApiKeyGuard, api_key=options.api_key)
-    routes = _Routes(worker, model_id, chat_template, ServerMetrics(worker))
+    app.add_middleware(HostGuard, names=options.allowed_hosts)
+    renderer = TemplateProcess(chat_template) if chat_template is not None else None
+    routes = _Routes(worker, model_id, chat_template, renderer, ServerMetrics(worker))
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.metrics)
     app.get("/props")(routes.props)
@@ -266,12 +314,16 @@ def create_app(
     return app
 
 
-def _lifespan(worker: EngineWorker) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(
+    worker: EngineWorker, renderer: Callable[[], TemplateProcess | None]
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         worker.start()
         yield
         worker.stop()
+        if (process := renderer()) is not None:
+            process.close()
 
     return lifespan
 
@@ -308,6 +360,7 @@ class _Routes:
     worker: EngineWorker
     model_id: str
     template: ChatTemplate | None
+    renderer: TemplateProcess | None  # renders `template` in a process of its own
     counters: ServerMetrics
 
     @functools.cached_property
@@ -342,6 +395,7 @@ class _Routes:
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, object]:
         tokenizer = self.worker.engine.tokenizer
+        check_length(self.worker, body.content, "content")
         ids = await asyncio.to_thread(tokenizer.encode, body.content, None if body.add_special else False)
         return {"tokens": ids}
 
@@ -364,12 +418,18 @@ class _Routes:
 
     async def chat_completions(self, http: Request, body: ChatRequest) -> JSONResponse | StreamingResponse:
         try:
-            prompt = body.prompt_text(self.template)
             forced = body.forced_tools()
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from exc
         except ValueError as exc:
             raise ApiError(400, str(exc), param="tool_choice") from exc
+        if self.renderer is None:
+            prompt = chat_prompt(body.messages)
+        else:
+            try:
+                # Off the event loop: a render may take its whole deadline.
+                messages, tools = body.template_inputs()
+                prompt = await asyncio.to_thread(self.renderer.render, messages, True, tools)
+            except ChatTemplateError as exc:
+                raise ApiError(400, str(exc), param="messages") from exc
         offered = [t.function.name for t in body.tools or []] if body.tool_choice != "none" else []
         stops = body.chat_stops(self.template)
         return await self._answer(http, body, prompt, stops, chat=True, tools=offered, forced=forced)
@@ -406,7 +466,8 @@ class _Routes:
         constraint = await self._constraint(body, forced or [])
         # A rendered chat template holds the BOS its model wants, as transformers tokenizes it.
         add_bos = False if chat and self.template is not None else None
-        job, prompt_tokens = await submit(self.worker, body, prompt, add_bos, constraint)
+        param = "messages" if chat else "prompt"
+        job, prompt_tokens = await submit(self.worker, body, prompt, add_bos, constraint, param)
         head = response_head(self.model_id, chat, body.stream)
         completion = Completion(
             job, prompt_tokens, chat, body.stream, stops, head, self.counters, tools or [], bool(forced)
@@ -422,8 +483,10 @@ async def submit(
     prompt: str,
     add_bos: bool | None = None,
     constraint: Constraint | None = None,
+    param: str = "prompt",
 ) -> tuple[Job, int]:
     """Queue the request on the engine; return its job and the prompt's length in tokens."""
+    check_length(worker, prompt, param)
     # A long prompt takes seconds to tokenize; on the event loop that would stall every other client meanwhile.
     ids = await asyncio.to_thread(worker.engine.tokenizer.encode, prompt, add_bos)
     ctx_size = worker.engine.ctx_size
@@ -434,6 +497,20 @@ async def submit(
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     request = EngineRequest(ids, max_tokens, body.sampling(), seed, body.ignore_eos, constraint)
     return worker.submit(request), len(ids)
+
+
+def check_length(worker: EngineWorker, text: str, param: str) -> None:
+    """Refuse, before tokenizing it, a text too long to be a prompt of this server's context whatever its tokens: one
+    body's megabytes would otherwise cost seconds and gigabytes of tokens only to be refused after."""
+    engine = worker.engine
+    limit = engine.ctx_size * engine.tokenizer.max_token_chars
+    if len(text) > limit:
+        raise ApiError(
+            400,
+            f"the text is {len(text)} characters, more than a context of {engine.ctx_size} tokens can hold "
+            f"(at most {limit} here); shorten it",
+            param=param,
+        )
 
 
 def response_head(model_id: str, chat: bool, stream: bool) -> dict[str, object]:

@@ -148,12 +148,10 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    def prompt_text(self, template: ChatTemplate | None) -> str:
-        if template is None:
-            return chat_prompt(self.messages)
+    def template_inputs(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools as a chat template sees them (plain dicts, as transformers passes them)."""
         tools = [t.model_dump() for t in self.tools] if self.tools and self.tool_choice != "none" else None
-        messages = [m.model_dump(exclude_none=True) for m in self.messages]
-        return template.render(messages, add_generation_prompt=True, tools=tools)
+        return [m.model_dump(exclude_none=True) for m in self.messages], tools
 
     def forced_tools(self) -> list[Tool]:
         """The tools the answer must call one of: all of them for "required", the named one, none otherwise."""

@@ -89,3 +89,32 @@ def test_a_chats_second_turn_prefills_only_its_new_tokens(gguf_files: dict[str, 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         alone = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     assert alone.choices[0].message.content == second.choices[0].message.content
+
+
+def test_a_new_conversation_takes_a_free_slot_and_alternating_ones_both_hit(gguf_files: dict[str, Path]) -> None:
+    """Every prompt shares its BOS with every used slot: that alone must not evict another conversation's rows
+    while a slot keeps nothing, nor the more recent one when all keep something."""
+    engine = Engine.open(gguf_files["pi-f32"], slots=2, ctx_size=128)
+    assert engine.tokenizer.add_bos
+    a = engine.tokenizer.encode("Once upon a time, there was a little dog named Max.")
+    b = engine.tokenizer.encode("Lily found a red ball in the park.")
+    slot_a, _, answer_a, _ = run(engine, a, 4)
+    slot_b, reused_b, answer_b, _ = run(engine, b, 4)
+    assert slot_b != slot_a and reused_b == 0
+    for _ in range(2):  # the two users' next turns, alternating: each finds its own rows
+        a = [*a, *answer_a, *engine.tokenizer.encode(" Then", add_bos=False)]
+        again_a, reused_a, answer_a, _ = run(engine, a, 4)
+        b = [*b, *answer_b, *engine.tokenizer.encode(" Then", add_bos=False)]
+        again_b, reused_b, answer_b, _ = run(engine, b, 4)
+        assert (again_a, again_b) == (slot_a, slot_b) and reused_a > 10 and reused_b > 8
+    # A third conversation with both slots keeping rows evicts the one kept longest ago (a's).
+    third, _, _, _ = run(engine, engine.tokenizer.encode("Tom said"), 2)
+    assert third == slot_a
+
+
+def test_prompt_reuse_can_be_turned_off(gguf_files: dict[str, Path]) -> None:
+    """Off, nothing tells one client how much of its prompt another sent: each prompt is computed whole."""
+    engine = Engine.open(gguf_files["pi-f32"], slots=1, ctx_size=128, reuse_prompts=False)
+    ids = engine.tokenizer.encode("Lily found a red ball in the park.")
+    run(engine, ids, 2)
+    assert run(engine, ids, 2)[1] == 0

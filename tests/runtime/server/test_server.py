@@ -192,7 +192,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(model: Path) -> Non
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as raw:
             raw.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )

@@ -196,7 +196,7 @@ def test_the_api_key_guards_every_v1_path_but_not_health(served: Served) -> None
 
 
 def test_a_100_mb_body_is_refused_at_once_and_never_held(served: Served) -> None:
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     head += f"Authorization: Bearer {KEY}\r\n".encode()
     size = 100 * 10**6
     start = time.monotonic()
@@ -235,7 +235,7 @@ def test_slowloris_sockets_do_not_starve_a_real_request(served: Served) -> None:
     try:
         for _ in range(200):
             sock = socket.create_connection(_address(served.url), timeout=10)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")  # and never the rest
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Le")  # and never the rest
             slow.append(sock)
         status, body, _ = _call(f"{served.url}/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4}, AUTH)
         assert status == 200 and body["usage"]["completion_tokens"] <= 4
@@ -374,7 +374,7 @@ def test_every_error_has_openai_shape(local: Local, monkeypatch: pytest.MonkeyPa
     assert body["error"]["param"] == "messages.0.content"
 
     _assert_error(*_parse_reply(_exchange(url, b"NOT HTTP AT ALL\r\n\r\n")), 400)
-    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     too_long = _exchange(url, post + f"Content-Length: {2 * MIB}\r\n\r\n".encode())
     _assert_error(*_parse_reply(too_long), 413)
     start = time.monotonic()
