@@ -21,6 +21,7 @@ from qinfer.cli import (  # noqa: F401 - they register commands
     serve_command,
 )
 from qinfer.cli.app import app
+from qinfer.cli.stop_signals import Interrupted
 from qinfer.core.errors import UserError
 
 
@@ -40,6 +41,9 @@ def main() -> None:
         _fail(message if ctx is None else f"{message} (see {ctx.command_path} --help)", exc.exit_code)
     except typer.Abort:
         _fail("aborted", 1)
+    except Interrupted as exc:
+        # 128 + the signal's number: what a shell reports for a process the signal ended.
+        _fail(f"stopped by {exc} before it finished; run the command again to finish", 128 + exc.signum)
     # Without standalone mode, --help and typer.Exit come back as their exit code; a finished command as None.
     if isinstance(code, int):
         sys.exit(code)

@@ -57,6 +57,7 @@ def plan_cmd(
 ) -> None:
     """Decide which FFN neurons live on the GPU and write <model>.generated.gpuidx beside the model."""
     # Imported here, as in the other commands, so that `qinfer --help` and unrelated commands start fast.
+    from qinfer.cli.stop_signals import stop_signals_raise
     from qinfer.formats.atomic_file import check_output_file
     from qinfer.planner.budget import GIB
     from qinfer.planner.make_plan import (
@@ -96,12 +97,14 @@ def plan_cmd(
         if report.suffix.lower() != ".png":
             raise typer.BadParameter("the report is a PNG file; name it *.png", param_hint="--report")
         check_output_file(report)  # before the solver's seconds, not after them
-    plan = load_or_make_gpuidx(model, budget, activation, options, reset=reset_gpu_index)
-    for note in plan.notes:
-        err.print(f"note: {note}")
-    err.print(summary_table(plan, compare_with_full_kv(plan, activation) if windowed else None))
-    verb = "reused" if plan.reused else "wrote"
-    err.print(f"{verb} {plan.gpuidx_path}")
-    if report is not None:
-        write_report_png(plan, report)
-        err.print(f"wrote {report}")
+    # The solver runs as a subprocess with files of its own: a stop signal must end it and remove them.
+    with stop_signals_raise():
+        plan = load_or_make_gpuidx(model, budget, activation, options, reset=reset_gpu_index)
+        for note in plan.notes:
+            err.print(f"note: {note}")
+        err.print(summary_table(plan, compare_with_full_kv(plan, activation) if windowed else None))
+        verb = "reused" if plan.reused else "wrote"
+        err.print(f"{verb} {plan.gpuidx_path}")
+        if report is not None:
+            write_report_png(plan, report)
+            err.print(f"wrote {report}")

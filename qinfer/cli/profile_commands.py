@@ -49,6 +49,9 @@ def profile_cmd(
         bool,
         typer.Option(help="Run as one of torchrun's processes: each profiles its share, rank 0 writes the sum."),
     ] = False,
+    force: Annotated[
+        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier activation directory.")
+    ] = False,
 ) -> None:
     """Count how often each FFN neuron fires over a corpus: writes activation_{i}.pt per layer and summary.json.
 
@@ -59,9 +62,6 @@ def profile_cmd(
 
     shard = torchrun_shard(os.environ) if distributed else None
     lead = shard is None or shard.rank == 0  # the one process that reports; the others stay silent
-    out = out if out is not None else model_dir / "activation"
-    if model_dir.is_dir():  # else the model's own error comes first, and no stray directory is made
-        _make_output_directory(out)
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -97,6 +97,7 @@ def profile_cmd(
             restart=restart,
             on_progress=progress if lead else None,
             shard=shard,
+            force=force,
         )
     finally:
         if bar.live.is_started:  # a bar never started would still end its line: a blank one, on every other rank
@@ -113,19 +114,6 @@ def profile_cmd(
             f"layer {layer.layer}: sparsity {layer.sparsity:.1%}, hottest 10/20/50% hold "
             + "/".join(f"{share:.0%}" for share in layer.top_share.values())
         )
-
-
-def _make_output_directory(out: Path) -> None:
-    """The activation directory is the command's own output, so it is made (as `mkdir -p` would): the profiler
-    saves its checkpoint there before anything else, and a file output is never given a missing directory."""
-    from qinfer.core.errors import UserError
-    from qinfer.formats.atomic_file import check_writable, disk_errors
-
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file; --out names the directory for the activation files")
-    check_writable(out)
-    with disk_errors(out):
-        out.mkdir(parents=True, exist_ok=True)
 
 
 @prep.command("train-predictor")
@@ -223,6 +211,9 @@ def calibrate_cmd(
     batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 4,
     dtype: DType = None,
     device: Device = "auto",
+    force: Annotated[
+        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier calibration or activation.")
+    ] = False,
 ) -> None:
     """Make a SwiGLU model sparse without training (CATS): per layer, the threshold on |silu(gate)| under which
     --sparsity of the corpus's activations fall. Writes gate_thresholds.json and, as `prep profile` does,
@@ -230,9 +221,6 @@ def calibrate_cmd(
     """
     from qinfer.prep.profile.gate_calibration import calibrate_gate
 
-    out = out if out is not None else model_dir / "calibration"
-    if model_dir.is_dir():
-        _make_output_directory(out)
     bar = Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,.0f} tokens"),
         TimeElapsedColumn(), console=err,
@@ -248,7 +236,7 @@ def calibrate_cmd(
     try:
         result = calibrate_gate(
             model_dir, data, sparsity, out, tokens=tokens, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
-            device=device, on_progress=progress,
+            device=device, on_progress=progress, force=force,
         )  # fmt: skip
     finally:
         if bar.live.is_started:

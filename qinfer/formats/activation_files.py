@@ -16,6 +16,7 @@ from qinfer.formats.atomic_file import atomic_output
 from qinfer.formats.torch_files import load_torch_file
 
 LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
+SUMMARY_FILE = "summary.json"
 TOP_SHARES = (0.1, 0.2, 0.5)
 
 
@@ -51,9 +52,20 @@ def write_activations(out: Path, counts: torch.Tensor, tokens: int, meta: dict[s
             torch.save(row.detach().to("cpu", torch.int64).clone(), file)
     layers = summarise(counts, tokens)
     summary = {"tokens": tokens, **meta, "layers": [asdict(layer) for layer in layers]}
-    with atomic_output(out / "summary.json") as tmp:
+    with atomic_output(out / SUMMARY_FILE) as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return layers
+
+
+def is_activation_output(path: Path, others: re.Pattern[str]) -> bool:
+    """Whether the directory `path` holds what a writer of activation directories leaves there and nothing else:
+    layer files, summary.json and files whose names `others` matches (a checkpoint, thresholds), one `.pt` at least.
+    Such a directory is replaced whole, so a model's directory, say, must never pass for one."""
+    entries = list(path.iterdir())
+    return any(e.name.endswith(".pt") for e in entries) and all(
+        e.is_file() and bool(LAYER_FILE.fullmatch(e.name) or e.name == SUMMARY_FILE or others.fullmatch(e.name))
+        for e in entries
+    )
 
 
 def activation_paths(directory: Path, n_layers: int | None = None) -> list[Path]:

@@ -2,6 +2,10 @@
 
 A temporary output is named `.{name}.{pid}-{random}.partial`: the writer's pid lets a later write of the same target
 remove what a killed writer left behind while keeping the file of a writer that is still running.
+
+An output path that names a pipe, a device or a socket is refused rather than written through: renaming over it
+would replace the node itself (as root, `--outfile /dev/null` would replace the machine's /dev/null), and writing
+into it in place would give up the guarantee that a reader never sees a half-written output.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +38,16 @@ _DISK_ERRORS = {
 }
 
 
+# What an output path may already be besides a regular file, a directory or a symbolic link (which a rename replaces,
+# leaving its target alone), by the test of os.stat's mode that tells it.
+_SPECIAL_FILES = {
+    "named pipe": stat.S_ISFIFO,
+    "character device": stat.S_ISCHR,
+    "block device": stat.S_ISBLK,
+    "socket": stat.S_ISSOCK,
+}
+
+
 @dataclass(frozen=True)
 class OutputKind:
     """A kind of output directory: its name in messages and how to recognise one written earlier, which alone
@@ -50,7 +65,20 @@ def check_output_file(path: Path) -> None:
         raise UserError(f"cannot write {path}: {parent} {problem}; create the directory first or pick another path")
     if path.is_dir() and not path.is_symlink():
         raise UserError(f"cannot write {path}: it is a directory; name the output file")
+    check_not_special(path, "regular file")
     check_writable(path)
+
+
+def check_not_special(path: Path, expected: str) -> None:
+    """Refuse an output `path` that is a pipe, a device or a socket (see above); `expected` is what the output is:
+    "regular file" or "directory"."""
+    try:
+        mode = path.lstat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for name, test in _SPECIAL_FILES.items():
+        if test(mode):
+            raise UserError(f"cannot write {path}: it is a {name}, not a {expected}; pick another path for the output")
 
 
 def check_writable(path: Path) -> None:
@@ -82,6 +110,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
             yield tmp
             # mkstemp makes the file private (0600); the output gets the mode any new file of the user's would.
             os.chmod(tmp, 0o666 & ~_umask())
+            check_not_special(path, "regular file")  # again: one may have been made there while the output was written
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -112,6 +141,7 @@ def check_replaceable(path: Path, kind: OutputKind | None, force: bool) -> None:
     """Refuse to replace `path` unless it is missing, an empty directory, an earlier output of `kind`, or `force`
     is given; never replace the working directory or one above it, whose removal would pull the ground from under
     the run. Commands that work long before writing call this first, so that a refusal costs nothing."""
+    check_not_special(path, "directory")
     check_writable(path)
     if not path.exists() and not path.is_symlink():
         return
@@ -140,11 +170,25 @@ def atomic_directory(path: Path, kind: OutputKind | None = None, force: bool = F
         try:
             yield tmp
             os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700, as for files above
-            _remove(path)
-            os.replace(tmp, path)
+            check_not_special(path, "directory")
+            _swap_in(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def _swap_in(new: Path, path: Path) -> None:
+    """Rename the directory `new` to `path`. A directory there is first renamed aside, to a temporary output of this
+    writer that a later write removes should this one be killed meanwhile, and deleted only once `new` is in place:
+    deleted first, a kill would leave it half gone, the layer files of one run beside those of none."""
+    if not path.is_dir() or path.is_symlink():
+        _remove(path)  # nothing, or a file or link that --force replaces
+        os.replace(new, path)
+        return
+    old = Path(tempfile.mkdtemp(prefix=_partial_prefix(path), suffix=_PARTIAL_SUFFIX, dir=path.parent))
+    os.replace(path, old)  # a directory may replace an empty one
+    os.replace(new, path)
+    shutil.rmtree(old, ignore_errors=True)  # the output is in place; a leftover goes with the next write
 
 
 def _remove_stale_partials(path: Path) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVPolicy
 from qinfer.core.names import PLAN_KEYS
+from qinfer.formats.atomic_file import check_not_special
 from qinfer.formats.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.planner.activation_stats import ActivationStats, load_activation
 from qinfer.planner.baselines import greedy_placement
@@ -230,6 +231,7 @@ def load_or_make_gpuidx(
     make and write it when absent or when `reset`."""
     options = options or PlanOptions()
     path = gpuidx_path_for(model_path)
+    check_not_special(path, "regular file")  # before reading it too: opening a pipe would wait for a writer
     if reset or not path.exists():
         plan, stats = _make(model_path, vram_budget_bytes, activation_dir, options)
         write_gpuidx(path, plan.gpu_index(stats.digest))

@@ -28,6 +28,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from qinfer.core.errors import UserError
 from qinfer.planner.budget import VramAccount
+from qinfer.planner.cbc_run import solve_with_cbc
 from qinfer.planner.neuron_groups import NeuronGroups
 from qinfer.planner.placement import Placement
 from qinfer.planner.time_model import TimeModel
@@ -205,7 +206,7 @@ def _backend(name: str) -> str:
     return "cbc"
 
 
-def _cbc_solver(time_limit: float, mip: bool, warm: bool, gap: float) -> pulp.LpSolver:
+def _cbc_solver(time_limit: float, mip: bool, warm: bool, gap: float) -> pulp.LpSolver_CMD:
     # pulp 3 deprecates PULP_CBC_CMD, but it is the only way to the CBC binary bundled with pulp.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -221,7 +222,7 @@ def _solve_cbc(
     start_choice: list[int] | None,
 ) -> _Solution:
     prob, y, output = _pulp_problem(problem)
-    prob.solve(_cbc_solver(time_limit, mip=False, warm=False, gap=mip_gap))
+    solve_with_cbc(prob, _cbc_solver(time_limit, mip=False, warm=False, gap=mip_gap))
     lp_bound = float(pulp.value(prob.objective))
     # After the LP solve, which overwrites the variables' values that CBC reads its start from.
     if warm_start is not None and start_choice is not None:
@@ -231,7 +232,7 @@ def _solve_cbc(
         if output is not None:
             output.setInitialValue(int(warm_start.output_on_gpu))
     remaining = max(1.0, time_limit - (time.perf_counter() - started))
-    prob.solve(_cbc_solver(remaining, mip=True, warm=warm_start is not None, gap=mip_gap))
+    solve_with_cbc(prob, _cbc_solver(remaining, mip=True, warm=warm_start is not None, gap=mip_gap))
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) or not _integral(y):
         return _Solution("cbc", lp_bound, None, False, "no solution")
     choice = [max(range(len(row)), key=lambda j, row=row: row[j].value() or 0.0) for row in y]

@@ -201,5 +201,5 @@ def test_profile_makes_its_own_output_directory(tiny: SynthReport, corpus: Path,
     assert (out / "summary.json").is_file()
     blocked = tmp_path / "file"
     blocked.write_text("keep me")
-    assert_one_line_error(run_cli(*profile, str(blocked)), "is a file")
+    assert_one_line_error(run_cli(*profile, str(blocked)), "is not an earlier activation directory")
     assert blocked.read_text() == "keep me"

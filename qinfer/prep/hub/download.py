@@ -27,6 +27,7 @@ from huggingface_hub.errors import (
 )
 
 from qinfer.core.errors import UserError
+from qinfer.formats.atomic_file import check_not_special
 from qinfer.prep.hub.model_profiles import ModelProfile
 
 Source = Literal["gguf", "original"]
@@ -120,6 +121,7 @@ def _weight_patterns(repo: str) -> list[str]:
 def _place(cached: Path, target: Path) -> Path:
     """Hard-link the cached blob to `target` (a symlink across file systems), swapped in atomically."""
     blob = cached.resolve()
+    check_not_special(target, "regular file")
     if target.exists() and os.path.samefile(target, blob):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

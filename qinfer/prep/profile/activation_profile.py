@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +20,16 @@ import torch
 import torch.distributed as dist
 
 from qinfer.core.errors import UserError
-from qinfer.formats.activation_files import LayerSummary, summarise, write_activations
-from qinfer.formats.atomic_file import atomic_output, disk_errors
+from qinfer.formats.activation_files import LayerSummary, is_activation_output, summarise, write_activations
+from qinfer.formats.atomic_file import OutputKind, atomic_directory, atomic_output, check_replaceable, disk_errors
 from qinfer.formats.torch_files import load_torch_file
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
 from qinfer.prep.profile.ffn_taps import firing_counts
 from qinfer.prep.profile.relu_model import load_relu_model, resolve_device
 
 STATE_FILE = ".profile_state.pt"
+STATE_FILES = re.compile(r"\.profile_state(?:\.rank\d+)?\.pt")  # state_file's names, of every process
+ACTIVATION_OUTPUT = OutputKind("activation directory", lambda path: is_activation_output(path, STATE_FILES))
 # What torch.distributed's env:// initialisation reads; torchrun sets them (and LOCAL_RANK) for every process.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # (tokens done, tokens wanted or None when the corpus decides, windows done), counted over the whole corpus
@@ -129,8 +132,10 @@ def profile_activations(
     restart: bool = False,
     on_progress: ProfileProgress | None = None,
     shard: Shard | None = None,
+    force: bool = False,
 ) -> ProfileResult:
-    """Count, per layer and neuron, the tokens on which the neuron fires; write `out` (default MODEL_DIR/activation).
+    """Count, per layer and neuron, the tokens on which the neuron fires; write `out` (default MODEL_DIR/activation),
+    which replaces an earlier activation directory or an empty one whole, or any other with `force`.
 
     Every `checkpoint_every` profiled windows the counts and the corpus position go to `out/.profile_state.pt`
     (`state_file`), so a run that is stopped continues from there when started again with the same arguments.
@@ -140,6 +145,7 @@ def profile_activations(
     out = out if out is not None else model_dir / "activation"
     if batch_size < 1 or checkpoint_every < 1:
         raise UserError("batch-size and checkpoint-every must be positive")
+    check_replaceable(out, ACTIVATION_OUTPUT, force)
     files = corpus_files(data)
     if shard is not None:
         _use_local_gpu(shard, device)
@@ -189,7 +195,9 @@ def profile_activations(
             "dtype": str(loaded.dtype).removeprefix("torch."),
         }
         if rank == 0:
-            layers = write_activations(out, counts, position.tokens, meta)
+            # Swapped in whole: a run killed while writing leaves the earlier files, never some of each.
+            with atomic_directory(out, ACTIVATION_OUTPUT, force) as tmp:
+                layers = write_activations(tmp, counts, position.tokens, meta)
         else:
             layers = summarise(counts, position.tokens)
         if shard is not None:

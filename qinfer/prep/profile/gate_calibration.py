@@ -11,6 +11,7 @@ convert --calibration`), where the runtime skips the up and down rows of every n
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.core.errors import UserError
-from qinfer.formats.activation_files import LayerSummary, write_activations
-from qinfer.formats.atomic_file import disk_errors
-from qinfer.formats.calibration_dir import Calibration, write_calibration
+from qinfer.formats.activation_files import LayerSummary, is_activation_output, write_activations
+from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_replaceable
+from qinfer.formats.calibration_dir import THRESHOLDS_FILE, Calibration, write_calibration
+from qinfer.prep.profile.activation_profile import STATE_FILES
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
 from qinfer.prep.profile.ffn_taps import forward_hooks, hooked
 from qinfer.prep.profile.relu_model import ReluModel, load_relu_model
@@ -32,6 +34,12 @@ from qinfer.prep.profile.relu_model import ReluModel, load_relu_model
 SAMPLES_PER_LAYER = 1 << 21
 # (pass: "sample" or "count", tokens done, tokens of the pass)
 CalibrationProgress = Callable[[str, int, int], None]
+# An earlier calibration or an activation directory (a profile's, which the README calibrates into): what calibrate
+# replaces without --force.
+_EARLIER_FILES = re.compile(f"{re.escape(THRESHOLDS_FILE)}|{STATE_FILES.pattern}")
+CALIBRATION_OUTPUT = OutputKind(
+    "calibration or activation directory", lambda path: is_activation_output(path, _EARLIER_FILES)
+)
 
 
 @dataclass(frozen=True)
@@ -79,13 +87,16 @@ def calibrate_gate(
     device: str = "auto",
     seed: int = 0,
     on_progress: CalibrationProgress | None = None,
+    force: bool = False,
 ) -> CalibrationResult:
-    """Write `out` (default MODEL_DIR/calibration): gate_thresholds.json, activation_{i}.pt and summary.json."""
+    """Write `out` (default MODEL_DIR/calibration): gate_thresholds.json, activation_{i}.pt and summary.json. It
+    replaces an earlier calibration or activation directory or an empty one whole, or any other with `force`."""
     if not 0.0 <= sparsity < 1.0:
         raise UserError(f"--sparsity must be at least 0 and below 1, not {sparsity}")
     if batch_size < 1:
         raise UserError("batch-size must be positive")
     out = out if out is not None else model_dir / "calibration"
+    check_replaceable(out, CALIBRATION_OUTPUT, force)
     files = corpus_files(data)
     loaded = load_relu_model(model_dir, dtype, device)
     if not loaded.form.gated or loaded.arch.hf.gate is None:
@@ -129,10 +140,11 @@ def calibrate_gate(
     calibration = Calibration(str(loaded.spec.activation), sparsity, total, thresholds)
     meta = {"model": str(model_dir), "arch": loaded.spec.arch, "data": [str(p) for p in files], "seq_len": seq_len,
             "sparsity": sparsity}  # fmt: skip
-    with disk_errors(out):
-        out.mkdir(parents=True, exist_ok=True)
-    summaries = write_activations(out, counts.cpu(), total, meta)
-    write_calibration(out, calibration)
+    # Swapped in whole: a run killed while writing leaves the earlier files, never counts of one run beside thresholds
+    # of another.
+    with atomic_directory(out, CALIBRATION_OUTPUT, force) as tmp:
+        summaries = write_activations(tmp, counts.cpu(), total, meta)
+        write_calibration(tmp, calibration)
     neurons = total * loaded.spec.ffn
     return CalibrationResult(
         out=out,

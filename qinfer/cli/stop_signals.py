@@ -1,0 +1,36 @@
+"""SIGTERM and SIGINT as an exception in the main thread, for a command that has something to clean up on the way
+out: by default SIGTERM ends Python at once, and SIGINT's KeyboardInterrupt typer turns into a silent exit."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(BaseException):
+    """Raised wherever the main thread is when a stop signal arrives, so that every `finally` on the way out runs
+    (a solver's subprocess is stopped, temporary files go); a BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` swallows it. The entry point reports it as one line."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        for each in STOP_SIGNALS:
+            signal.signal(each, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+        raise Interrupted(signum)
+
+    previous = {each: signal.signal(each, stop) for each in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for each, handler in previous.items():
+            signal.signal(each, handler)
