@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from qinfer import profiles
 from qinfer.core.errors import UserError
+from qinfer.core.numbers import Span, real
 
 PROFILE_DIR = Path(profiles.__file__).resolve().parent / "devices"
 GIB = 1 << 30
@@ -46,14 +47,14 @@ def load_profile(name: str, kind: Literal["gpu", "cpu"]) -> DeviceProfile:
     return profile
 
 
-# Each number a profile file holds: its unit in SI units and the range it must lie in. The ranges reach far past
+# Each number a profile file holds: its unit in SI units and the span it must lie in. The spans reach far past
 # any device yet keep every time the planner divides out of them finite; only a CPU may lack a PCIe link (0).
-_FIELDS: dict[str, tuple[float, float, float]] = {
-    "memory_gib": (GIB, 1e-3, 1e6),
-    "bandwidth_gb_s": (1e9, 1e-3, 1e6),
-    "tflops": (1e12, 1e-6, 1e6),
-    "pcie_gb_s": (1e9, 1e-3, 1e5),
-    "sync_latency_us": (1e-6, 0.0, 1e6),
+_FIELDS: dict[str, tuple[float, Span]] = {
+    "memory_gib": (GIB, Span(1e-3, 1e6)),
+    "bandwidth_gb_s": (1e9, Span(1e-3, 1e6)),
+    "tflops": (1e12, Span(1e-6, 1e6)),
+    "pcie_gb_s": (1e9, Span(1e-3, 1e5)),
+    "sync_latency_us": (1e-6, Span(0.0, 1e6)),
 }
 _KINDS = ("gpu", "cpu")
 
@@ -84,13 +85,8 @@ def _read(path: Path) -> DeviceProfile:
 
 
 def _field(raw: dict[str, Any], key: str, path: Path, kind: str) -> float:
-    """Field `key` of a profile of `kind` in SI units; bool is an int to Python and is refused as one."""
-    unit, low, high = _FIELDS[key]
+    """Field `key` of a profile of `kind`, in SI units."""
+    unit, span = _FIELDS[key]
     if key == "pcie_gb_s" and kind == "cpu":
-        low = 0.0
-    value = raw.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise UserError(
-            f"device profile {path}: {key} is {value!r}, not a number in [{low:g}, {high:g}]; fix or delete it"
-        )
-    return float(value) * unit
+        span = Span(0.0, span.high)
+    return real(raw.get(key), key, f"device profile {path}", span, "fix or delete it") * unit
