@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from qinfer.core.errors import UserError
 
 COUNT_MAX = 1 << 31  # far above any model's sizes, and inside the int32 ggml and torch index with
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: what a GGUF float key holds
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class Span:
 
     def __str__(self) -> str:
         return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+FLOAT32 = Span(-FLOAT32_MAX, FLOAT32_MAX)  # every finite float32
 
 
 def whole(value: object, key: str, where: object, fix: str, low: int = 1) -> int:

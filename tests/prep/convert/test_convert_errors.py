@@ -187,3 +187,14 @@ def test_meaningless_config_numbers_are_refused(tmp_path: Path, key: str, value:
 
 def test_a_config_that_is_not_an_object(tmp_path: Path) -> None:
     _refused(tmp_path, [LLAMA3_CONFIG], " is not a JSON object")
+
+
+@pytest.mark.parametrize("threshold", ["abc", math.nan, 1e300, [0.5]])
+def test_a_predictor_threshold_that_is_not_a_finite_float32(copies: tuple[Path, Path, Path], threshold: object) -> None:
+    """NaN was written into the file, which then refused to run; the others ended in a traceback."""
+    model, predictor, out = copies
+    (predictor / "config.json").write_text(json.dumps({"sparse_threshold": threshold}))
+    result = run_in_process("prep", "convert", str(model), str(predictor), "--outfile", str(out / "x.powerinfer.gguf"))
+    expect = f"error: {predictor / 'config.json'}: sparse_threshold is {threshold!r}, not a number in [-3.40282e+38"
+    assert_clean_failure(result, out, expect)
+    assert result.stderr.rstrip().endswith("; fix it or train the predictors again")
