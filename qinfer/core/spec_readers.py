@@ -50,11 +50,29 @@ def _check_shape(spec: ModelSpec, path: Path, fix: str) -> None:
         raise UserError(f"{path}: rope dimension {spec.rope_dim} does not fit heads of {spec.head_dim}; {fix}")
 
 
+def _refuse_rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> None:
+    """llama.cpp scales a file's rope by its rope.scaling.factor (or the older rope.scale_linear) unless its type is
+    none; this engine would not, and so would read every position wrong without a sign. Llama-3.1's scaling is no
+    such key but the rope_freqs tensor, which it applies."""
+    if meta.get(arch_key(Key.ROPE_SCALING_TYPE, arch)) == "none":
+        return
+    keys = [arch_key(template, arch) for template in (Key.ROPE_SCALING_FACTOR, Key.ROPE_SCALE_LINEAR)]
+    key = next((k for k in keys if meta.get(k) is not None), None)  # llama.cpp: scaling.factor wins
+    if key is None or meta[key] in (0.0, 1.0):  # llama.cpp reads 0 as no scaling
+        return
+    kind = meta.get(arch_key(Key.ROPE_SCALING_TYPE, arch), "linear")
+    raise UserError(
+        f"{path}: {key} is {meta[key]:g}, asking for {kind} rope scaling, which qinfer does not apply; only "
+        "unscaled rope and Llama-3.1's rope_freqs run"
+    )
+
+
 def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> ModelSpec:
     """The spec a GGUF's metadata declares, every value checked for its type and range; the vocabulary size is the
     token list's length (0 when absent). `row_layout`: a PowerInfer file (PWRI magic), whose unstated activation is
     PowerInfer's (Architecture.unstated_activation)."""
     arch = architecture(meta.get(Key.ARCHITECTURE), path)
+    _refuse_rope_scaling(meta, arch.name, path)
 
     def key(template: str, default: Any = None) -> Any:
         name = arch_key(template, arch.name)
