@@ -63,6 +63,7 @@ def guarded_stdout() -> Iterator[None]:
         encoding="utf-8" if original is None else original.encoding,
         errors=errors,
         line_buffering=original is not None and original.line_buffering,
+        write_through=original is not None and original.write_through,  # python -u
     )
     sys.stdout = stream
     try:
