@@ -5,6 +5,8 @@ Each command group lives in its own module; importing them registers their comma
 
 from __future__ import annotations
 
+import errno
+import signal
 import sys
 from typing import NoReturn
 
@@ -21,15 +23,22 @@ from qinfer.cli import (  # noqa: F401 - they register commands
     serve_command,
 )
 from qinfer.cli.app import app
+from qinfer.cli.stdout import StdoutError, guarded_stdout
 from qinfer.cli.stop_signals import Interrupted
 from qinfer.core.errors import UserError
 
 
 def main() -> None:
     """Entry point: user-caused errors, a bad option value among them, end as one line on stderr and exit code 2,
-    never a traceback or typer's boxed usage message."""
+    never a traceback or typer's boxed usage message; so does a stdout that cannot be written, but for a reader
+    that went away (`| head`), which ends quietly as a shell expects of a broken pipe."""
     try:
-        code = app(standalone_mode=False)
+        with guarded_stdout():
+            code = app(standalone_mode=False)
+    except StdoutError as exc:
+        if exc.errno == errno.EPIPE:
+            sys.exit(128 + signal.SIGPIPE)
+        _fail(f"cannot write to stdout: {exc.strerror}", 2)
     except UserError as exc:
         _fail(str(exc), 2)
     except typer.TyperException as exc:  # click's usage errors: a bad value, a missing option, an unknown command

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map
 
 from qinfer.core.errors import UserError
-from qinfer.core.model_spec import ModelSpec, RopeScaling
+from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, ModelSpec, RopeScaling
 from qinfer.core.names import BIAS, WEIGHT, Key, Tensor, tensor_name
+from qinfer.core.numbers import Span, real, whole
 
 if TYPE_CHECKING:
     # Only for annotations: the table is read by commands that never touch a tensor, and torch is slow to import.
@@ -161,34 +162,74 @@ class Architecture:
 # --- reading config.json ----------------------------------------------------------------------------------------
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float | None:
+CONFIG_FIX = "fix config.json"
+
+
+def _count(cfg: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:
+    """Whole number `key` of config.json; absent or null: `default`, and without one a KeyError that
+    spec_from_hf_dir reports as the missing key."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise KeyError(key)
+        return default
+    return whole(value, key, path, CONFIG_FIX)
+
+
+def _number(cfg: dict[str, Any], key: str, path: Path, span: Span, default: float) -> float:
+    value = cfg.get(key)
+    return default if value is None else real(value, key, path, span, CONFIG_FIX)
+
+
+def _rope_settings(cfg: dict[str, Any], section: str, path: Path) -> dict[str, Any]:
+    settings = cfg.get(section) or {}
+    if not isinstance(settings, dict):
+        raise UserError(f"{path}: {section} is {settings!r}, not an object; {CONFIG_FIX}")
+    return settings
+
+
+def _rope_theta(cfg: dict[str, Any], path: Path) -> float | None:
     # transformers 5 nests it under rope_parameters; older configs keep it at the top level.
-    theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
-    return None if theta is None else float(theta)
+    key, theta = "rope_theta", cfg.get("rope_theta")
+    if key not in cfg:
+        key, theta = "rope_parameters.rope_theta", _rope_settings(cfg, "rope_parameters", path).get(key)
+    return None if theta is None else real(theta, key, path, ROPE_BASE, CONFIG_FIX)
 
 
 # config.json's hidden_act -> the FFN activation it means; "drelu" declares ReLU on gate and up (dReLU) for a
 # LLaMA- or Mistral-shaped checkpoint, whose transformers class has no such option.
 _HIDDEN_ACTS = {"relu": "relu", "silu": "silu", "swish": "silu", "drelu": "drelu"}
+# What "llama3" scaling may slow the long wavelengths by (transformers: at least 1; Llama-3.1 takes 8, 3.2 32), and
+# the bounds of the band it blends across, which it divides by.
+_LLAMA3_FACTOR = Span(1.0, 1e6)
+_LLAMA3_BAND = Span(0.0, 1e6, low_open=True)
 
 
 def _rope_scaling(cfg: dict[str, Any], path: Path) -> RopeScaling | None:
     # transformers 5 folds rope_scaling into rope_parameters, which then always names a type.
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    section = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    scaling = _rope_settings(cfg, section, path)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
     if kind != "llama3":
         raise UserError(f"{path} uses rope scaling {kind!r}; only Llama-3.1's 'llama3' scaling is supported")
-    try:
-        return RopeScaling(
-            float(scaling["factor"]),
-            float(scaling["low_freq_factor"]),
-            float(scaling["high_freq_factor"]),
-            int(scaling["original_max_position_embeddings"]),
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [f"{section}.{field}" for field in fields if field not in scaling]
+    if missing:
+        raise UserError(f"{path}: llama3 rope scaling lacks {', '.join(missing)}; {CONFIG_FIX}")
+    low, high = (real(scaling[f], f"{section}.{f}", path, _LLAMA3_BAND, CONFIG_FIX) for f in fields[1:3])
+    if low >= high:
+        raise UserError(
+            f"{path}: {section}.low_freq_factor {low:g} is not below high_freq_factor {high:g}, so the band "
+            f"llama3 scaling blends across is empty; {CONFIG_FIX}"
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"{path}: llama3 rope scaling lacks or misstates {exc}") from None
+    return RopeScaling(
+        real(scaling["factor"], f"{section}.factor", path, _LLAMA3_FACTOR, CONFIG_FIX),
+        low,
+        high,
+        whole(scaling[fields[3]], f"{section}.{fields[3]}", path, CONFIG_FIX),
+    )
 
 
 QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's default: layers from this one on slide their window
@@ -200,8 +241,8 @@ def _sliding_window(cfg: dict[str, Any], context: int, path: Path) -> int | None
     window = cfg.get("sliding_window")
     if "use_sliding_window" in cfg:
         # Qwen2 slides layer i's window where use_sliding_window and i >= max_window_layers.
-        first = cfg.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS)
-        if not cfg["use_sliding_window"] or first >= int(cfg["num_hidden_layers"]):
+        first = whole(cfg.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS), "max_window_layers", path, CONFIG_FIX, 0)
+        if not cfg["use_sliding_window"] or first >= _count(cfg, "num_hidden_layers", path):
             return None
         if first > 0:
             raise UserError(f"{path}: a sliding window on only some layers (max_window_layers) is not supported")
@@ -220,24 +261,24 @@ def _gated_config(arch: str, cfg: dict[str, Any], path: Path, qkv_bias: bool = F
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag) and not (flag == "attention_bias" and qkv_bias):
             raise UserError(f"{path} sets {flag}; the GGUF layout of this family has no such biases")
-    heads = int(cfg["num_attention_heads"])
-    if cfg.get("head_dim") not in (None, int(cfg["hidden_size"]) // heads):
+    heads = _count(cfg, "num_attention_heads", path)
+    hidden = _count(cfg, "hidden_size", path)
+    if cfg.get("head_dim") not in (None, hidden // heads):
         raise UserError(f"{path}: head_dim {cfg['head_dim']} is not hidden_size / num_attention_heads")
-    hidden = int(cfg["hidden_size"])
-    context = int(cfg.get("max_position_embeddings", 2048))
+    context = _count(cfg, "max_position_embeddings", path, 2048)
     return ModelSpec(
         arch=arch,
         name=path.parent.resolve().name,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_count(cfg, "vocab_size", path),
         context_length=context,
         hidden=hidden,
-        layers=int(cfg["num_hidden_layers"]),
-        ffn=int(cfg["intermediate_size"]),
+        layers=_count(cfg, "num_hidden_layers", path),
+        ffn=_count(cfg, "intermediate_size", path),
         heads=heads,
-        kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        kv_heads=_count(cfg, "num_key_value_heads", path, heads),
+        norm_eps=_number(cfg, "rms_norm_eps", path, NORM_EPS, 1e-6),
         rope_dim=hidden // heads,
-        rope_theta=_rope_theta(cfg),
+        rope_theta=_rope_theta(cfg, path),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         activation=_HIDDEN_ACTS[act] if arch != "bamboo" else "drelu",
         sliding_window=_sliding_window(cfg, context, path),
@@ -253,20 +294,20 @@ def _falcon_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
     for flag, want in required.items():
         if bool(cfg.get(flag, not want)) != want:
             raise UserError(f"{path}: {flag}={cfg.get(flag)!r} is not supported; only Falcon-40B's layout is")
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    hidden, heads = _count(cfg, "hidden_size", path), _count(cfg, "num_attention_heads", path)
     return ModelSpec(
         arch="falcon",
         name=path.parent.resolve().name,
-        vocab_size=int(cfg["vocab_size"]),
-        context_length=int(cfg.get("max_position_embeddings", 2048)),
+        vocab_size=_count(cfg, "vocab_size", path),
+        context_length=_count(cfg, "max_position_embeddings", path, 2048),
         hidden=hidden,
-        layers=int(cfg["num_hidden_layers"]),
-        ffn=int(cfg.get("ffn_hidden_size") or 4 * hidden),
+        layers=_count(cfg, "num_hidden_layers", path),
+        ffn=_count(cfg, "ffn_hidden_size", path, 4 * hidden),
         heads=heads,
-        kv_heads=int(cfg.get("num_kv_heads") or heads),
-        norm_eps=float(cfg.get("layer_norm_epsilon", LAYER_NORM_EPS)),
+        kv_heads=_count(cfg, "num_kv_heads", path, heads),
+        norm_eps=_number(cfg, "layer_norm_epsilon", path, NORM_EPS, LAYER_NORM_EPS),
         rope_dim=hidden // heads,
-        rope_theta=_rope_theta(cfg),
+        rope_theta=_rope_theta(cfg, path),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
     )
 
@@ -278,7 +319,7 @@ def _opt_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
         raise UserError(
             f"{path} has activation_function={cfg['activation_function']!r}; only ReLU OPT models are sparse"
         )
-    hidden = int(cfg["hidden_size"])
+    hidden = _count(cfg, "hidden_size", path)
     required = {
         "do_layer_norm_before": True,
         "enable_bias": True,
@@ -289,15 +330,15 @@ def _opt_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
     for flag, want in required.items():
         if cfg.get(flag, want) != want:
             raise UserError(f"{path}: {flag}={cfg.get(flag)!r} is not supported; only pre-LayerNorm OPT models are")
-    heads = int(cfg["num_attention_heads"])
+    heads = _count(cfg, "num_attention_heads", path)
     return ModelSpec(
         arch="opt",
         name=path.parent.resolve().name,
-        vocab_size=int(cfg["vocab_size"]),
-        context_length=int(cfg.get("max_position_embeddings", 2048)),
+        vocab_size=_count(cfg, "vocab_size", path),
+        context_length=_count(cfg, "max_position_embeddings", path, 2048),
         hidden=hidden,
-        layers=int(cfg["num_hidden_layers"]),
-        ffn=int(cfg["ffn_dim"]),
+        layers=_count(cfg, "num_hidden_layers", path),
+        ffn=_count(cfg, "ffn_dim", path),
         heads=heads,
         kv_heads=heads,
         norm_eps=LAYER_NORM_EPS,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qinfer.core.numbers import Span
+
 DEFAULT_ROPE_BASE = 10000.0
+# What a norm's epsilon and a rope base may be, wherever they are read: an epsilon of 0 or less divides by zero or
+# takes the root of a negative, and a base of 0 or less makes NaN frequencies.
+NORM_EPS = Span(1e-12, 1.0)
+ROPE_BASE = Span(1e-6, 1e12)
 
 
 @dataclass(frozen=True)

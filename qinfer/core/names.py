@@ -83,6 +83,10 @@ class Key:
     LAYERNORM_RMS_EPS = Keys.Attention.LAYERNORM_RMS_EPS
     ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
     ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
+    # Linear or YaRN scaling as llama.cpp reads it: scale_linear is the older name of scaling.factor.
+    ROPE_SCALING_TYPE = Keys.Rope.SCALING_TYPE
+    ROPE_SCALING_FACTOR = Keys.Rope.SCALING_FACTOR
+    ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"
     SLIDING_WINDOW = Keys.Attention.SLIDING_WINDOW
 
     TOKENIZER_MODEL = Keys.Tokenizer.MODEL
@@ -162,6 +166,9 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     Key.LAYERNORM_RMS_EPS: (_F32, None),
     Key.ROPE_DIMENSION_COUNT: (_U32, None),
     Key.ROPE_FREQ_BASE: (_F32, None),
+    Key.ROPE_SCALING_TYPE: (_S, None),
+    Key.ROPE_SCALING_FACTOR: (_F32, None),
+    Key.ROPE_SCALE_LINEAR: (_F32, None),
     Key.TOKENS: (_ARRAY, _S),
     Key.MERGES: (_ARRAY, _S),
     Key.SCORES: (_ARRAY, _F32),

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qinfer.core.architectures import architecture, architecture_for_hf
+from qinfer.core.architectures import CONFIG_FIX, architecture, architecture_for_hf
 from qinfer.core.errors import UserError
-from qinfer.core.model_spec import ModelSpec
+from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, ModelSpec
 from qinfer.core.names import Key, arch_key
+from qinfer.core.numbers import real, whole
 
 
 def spec_from_hf_dir(model_dir: Path) -> ModelSpec:
@@ -19,36 +20,51 @@ def spec_from_hf_dir(model_dir: Path) -> ModelSpec:
         raise UserError(f"no config.json in {model_dir}: pass a Hugging Face model directory")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path} is not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path} is not a JSON object; {CONFIG_FIX}")
     arch = architecture_for_hf(cfg.get("architectures") or [cfg.get("model_type")], path)
     try:
-        return arch.read_config(cfg, path)
+        spec = arch.read_config(cfg, path)
     except KeyError as exc:
         raise UserError(f"{path} lacks the key {exc.args[0]!r}") from exc
+    _check_shape(spec, path, CONFIG_FIX)
+    return spec
+
+
+_CORRUPT = "the file is corrupt, re-convert it"
 
 
 def _count(value: Any, key: str, path: Path) -> int:
-    # bool is an int to Python, and a float 4.5 would truncate silently: both are refused.
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 31:
-        raise UserError(f"{path}: {key} is {value!r}, not a positive whole number; the file is corrupt, re-convert it")
-    return value
+    return whole(value, key, path, _CORRUPT)
 
 
-def _real(value: Any, key: str, path: Path, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= float(value) <= high:
-        raise UserError(f"{path}: {key} is {value!r}, outside [{low}, {high}]; the file is corrupt, re-convert it")
-    return float(value)
-
-
-def _check_shape(spec: ModelSpec, path: Path) -> None:
+def _check_shape(spec: ModelSpec, path: Path, fix: str) -> None:
     if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
         raise UserError(
             f"{path}: {spec.hidden} embedding dimensions, {spec.heads} heads and {spec.kv_heads} kv heads do not "
-            "divide evenly; the file is corrupt, re-convert it"
+            f"divide evenly; {fix}"
         )
     if spec.rope_dim and (spec.rope_dim > spec.head_dim or spec.rope_dim % 2):
-        raise UserError(f"{path}: rope dimension {spec.rope_dim} does not fit heads of {spec.head_dim}; re-convert it")
+        raise UserError(f"{path}: rope dimension {spec.rope_dim} does not fit heads of {spec.head_dim}; {fix}")
+
+
+def _refuse_rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> None:
+    """llama.cpp scales a file's rope by its rope.scaling.factor (or the older rope.scale_linear) unless its type is
+    none; this engine would not, and so would read every position wrong without a sign. Llama-3.1's scaling is no
+    such key but the rope_freqs tensor, which it applies."""
+    if meta.get(arch_key(Key.ROPE_SCALING_TYPE, arch)) == "none":
+        return
+    keys = [arch_key(template, arch) for template in (Key.ROPE_SCALING_FACTOR, Key.ROPE_SCALE_LINEAR)]
+    key = next((k for k in keys if meta.get(k) is not None), None)  # llama.cpp: scaling.factor wins
+    if key is None or meta[key] in (0.0, 1.0):  # llama.cpp reads 0 as no scaling
+        return
+    kind = meta.get(arch_key(Key.ROPE_SCALING_TYPE, arch), "linear")
+    raise UserError(
+        f"{path}: {key} is {meta[key]:g}, asking for {kind} rope scaling, which qinfer does not apply; only "
+        "unscaled rope and Llama-3.1's rope_freqs run"
+    )
 
 
 def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> ModelSpec:
@@ -56,6 +72,7 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
     token list's length (0 when absent). `row_layout`: a PowerInfer file (PWRI magic), whose unstated activation is
     PowerInfer's (Architecture.unstated_activation)."""
     arch = architecture(meta.get(Key.ARCHITECTURE), path)
+    _refuse_rope_scaling(meta, arch.name, path)
 
     def key(template: str, default: Any = None) -> Any:
         name = arch_key(template, arch.name)
@@ -70,11 +87,12 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
     heads = count(Key.HEAD_COUNT)
     hidden = count(Key.EMBEDDING_LENGTH)
     tokens = meta.get(Key.TOKENS)
-    theta = meta.get(arch_key(Key.ROPE_FREQ_BASE, arch.name))
+    theta_key = arch_key(Key.ROPE_FREQ_BASE, arch.name)
+    theta = meta.get(theta_key)
     window = meta.get(arch_key(Key.SLIDING_WINDOW, arch.name))
     eps = arch.default_norm_eps
     if arch.norm_eps_key is not None:
-        eps = _real(key(arch.norm_eps_key), arch_key(arch.norm_eps_key, arch.name), path, 1e-12, 1.0)
+        eps = real(key(arch.norm_eps_key), arch_key(arch.norm_eps_key, arch.name), path, NORM_EPS, _CORRUPT)
     spec = ModelSpec(
         arch=arch.name,
         name=str(meta.get(Key.NAME, path.stem)),
@@ -87,12 +105,14 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
         kv_heads=count(Key.HEAD_COUNT_KV, heads),
         norm_eps=eps,
         rope_dim=0 if arch.rope == "none" else count(Key.ROPE_DIMENSION_COUNT, arch.default_rope_dim(hidden, heads)),
-        rope_theta=None if theta is None else _real(theta, arch_key(Key.ROPE_FREQ_BASE, arch.name), path, 1e-6, 1e12),
+        rope_theta=None
+        if theta is None
+        else real(theta, arch_key(Key.ROPE_FREQ_BASE, arch.name), path, ROPE_BASE, _CORRUPT),
         tie_word_embeddings=arch.output_is_embedding,
         activation=arch.file_activation(meta.get(Key.FFN_ACTIVATION), row_layout, path),
         sliding_window=None if window is None else _count(window, arch_key(Key.SLIDING_WINDOW, arch.name), path),
     )
     if spec.context_length <= 0:
-        raise UserError(f"{path}: the context length leaves no position; the file is corrupt, re-convert it")
-    _check_shape(spec, path)
+        raise UserError(f"{path}: the context length leaves no position; {_CORRUPT}")
+    _check_shape(spec, path, _CORRUPT)
     return spec

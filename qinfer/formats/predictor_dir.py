@@ -10,11 +10,13 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.names import Tensor, tensor_name
+from qinfer.core.numbers import FLOAT32, real
 from qinfer.formats.torch_files import load_torch_file
 
 # A predictor state_dict names its two matrices as the GGUF does, without the block prefix.
 FC1 = tensor_name(Tensor.FC1)
 FC2 = tensor_name(Tensor.FC2)
+_FIX = "fix it or train the predictors again"
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,11 @@ def read_threshold(path: Path) -> float | None:
     if not config.is_file():
         return None
     try:
-        value = json.loads(config.read_text(encoding="utf-8")).get("sparse_threshold")
-    except json.JSONDecodeError as exc:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{config} is not valid JSON ({exc})") from exc
-    return None if value is None else float(value)
+    if not isinstance(raw, dict):
+        raise UserError(f"{config} is not a JSON object; {_FIX}")
+    value = raw.get("sparse_threshold")
+    # A model file keeps it as a float32 (powerinfer.sparse_threshold), which the runtime requires finite.
+    return None if value is None else real(value, "sparse_threshold", config, FLOAT32, _FIX)

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGUFValueType
 
 from qinfer.prep.synth.build import SynthReport
 from qinfer.prep.synth.corpus import synth_corpus
 from tests.support.cli_in_process import run_in_process
+from tests.support.gguf_rewrite import rewrite_gguf
 
 
 def _one_line(result: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -79,3 +81,24 @@ def test_a_context_longer_than_the_models_is_clamped_with_a_note(gguf_files: dic
     text.write_text(synth_corpus(0, 6000, "heldout"))
     ppl = run_in_process("perplexity", "-m", model, "-f", str(text), "-c", "100000")
     assert ppl.returncode == 0 and "using 256" in ppl.stderr and "PPL = " in ppl.stdout
+
+
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [
+        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, "llama.rope.scaling.factor is 4"),
+        ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 8.0}, "asking for yarn rope scaling"),
+        ({"llama.rope.scale_linear": 2.0}, "llama.rope.scale_linear is 2, asking for linear rope scaling"),
+    ],
+)
+def test_rope_scaling_the_engine_would_not_apply_is_refused(
+    gguf_files: dict[str, Path], tmp_path: Path, keys: dict[str, object], named: str
+) -> None:
+    """llama.cpp scales such a file's positions; running it unscaled would read every position wrong unseen."""
+    kinds = {str: GGUFValueType.STRING, float: GGUFValueType.FLOAT32}
+    add = {key: (value, kinds[type(value)]) for key, value in keys.items()}
+    scaled = rewrite_gguf(gguf_files["dense-f32"], tmp_path / "scaled.gguf", add=add)
+    _one_line(run_in_process("run", "-m", str(scaled), "-p", "Once", "-n", "2"), named, "qinfer does not apply")
+    unscaled = {**add, "llama.rope.scaling.type": ("none", GGUFValueType.STRING)}
+    kept = rewrite_gguf(gguf_files["dense-f32"], tmp_path / "none.gguf", add=unscaled)
+    assert run_in_process("run", "-m", str(kept), "-p", "Once", "-n", "2").returncode == 0

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from qinfer.core.errors import UserError
+from qinfer.planner import device_profiles
 from qinfer.planner.budget import SCRATCH_FIXED, BudgetOptions, account, require_budget, vram_used
 from qinfer.planner.device_profiles import load_profile
 from qinfer.planner.model_layout import layout_for_spec, read_model_layout
 from qinfer.planner.placement import Placement
+from tests.support.cli_in_process import run_in_process
 from tests.support.shapes import shape_spec
 
 
@@ -92,3 +96,45 @@ def test_device_profiles() -> None:
         load_profile("a100", "gpu")
     with pytest.raises(UserError, match="is a cpu profile"):
         load_profile("generic-desktop", "gpu")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("bandwidth_gb_s", 0),
+        ("tflops", -1.5),
+        ("memory_gib", math.nan),
+        ("pcie_gb_s", math.inf),
+        ("pcie_gb_s", 0),  # a GPU's link: the time to ship a neuron would divide by it
+        ("sync_latency_us", -1),
+        ("bandwidth_gb_s", 1e300),
+        ("tflops", True),
+        ("memory_gib", "24"),
+        ("bandwidth_gb_s", None),
+    ],
+)
+def test_a_device_profile_with_a_meaningless_number_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: object
+) -> None:
+    profile = json.loads((device_profiles.PROFILE_DIR / "rtx4090.json").read_text())
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({**profile, "name": "mine", field: value}))
+    monkeypatch.setattr(device_profiles, "PROFILE_DIR", tmp_path)
+    result = run_in_process("profiles")
+    assert result.returncode == 2 and result.stdout == ""
+    line = f"error: device profile {mine}: {field} is {value!r}, not a number in ["
+    assert result.stderr.startswith(line) and result.stderr.endswith("; fix or delete it\n"), result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_a_cpu_profile_needs_no_pcie_link_and_a_kind_is_one_of_two(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = json.loads((device_profiles.PROFILE_DIR / "generic-desktop.json").read_text())
+    assert cpu["pcie_gb_s"] == 0
+    (tmp_path / "mine.json").write_text(json.dumps({**cpu, "name": "mine", "sync_latency_us": 0}))
+    monkeypatch.setattr(device_profiles, "PROFILE_DIR", tmp_path)
+    assert load_profile("mine", "cpu").pcie_bandwidth == 0
+    (tmp_path / "mine.json").write_text(json.dumps({**cpu, "kind": "tpu"}))
+    with pytest.raises(UserError, match="kind is 'tpu', not gpu or cpu"):
+        load_profile("mine", "cpu")

@@ -16,9 +16,11 @@ def rewrite_gguf(
     replace: dict[str, tuple[Any, GGUFValueType | None]] | None = None,
     drop_keys: frozenset[str] | set[str] = frozenset(),
     drop_tensors: frozenset[str] | set[str] = frozenset(),
+    add: dict[str, tuple[Any, GGUFValueType]] | None = None,
 ) -> Path:
-    """`source` (a dense GGUF) as `target`, each key of `replace` holding its new (value, array item type) instead
-    and the keys of `drop_keys` and tensors of `drop_tensors` left out, every other key and tensor as it was."""
+    """`source` (a dense GGUF) as `target`, each key of `replace` holding its new (value, array item type) instead,
+    the keys of `drop_keys` and tensors of `drop_tensors` left out, and the keys of `add` after the others with
+    their (value, type), every other key and tensor as it was."""
     replace = replace or {}
     reader = GGUFReader(source)
     writer = GGUFWriter(target, str(reader.get_field(Key.ARCHITECTURE).contents()))
@@ -32,6 +34,8 @@ def rewrite_gguf(
             value = field.contents()
             item = GGUFValueType(field.types[-1]) if kind == GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, kind, sub_type=item)
+    for key, (value, kind) in (add or {}).items():
+        writer.add_key_value(key, value, kind)
     for tensor in (t for t in reader.tensors if t.name not in drop_tensors):
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()

@@ -10,8 +10,10 @@ from qinfer import profiles
 from qinfer.core.architectures import Architecture, architecture
 from qinfer.core.errors import UserError
 from qinfer.core.model_spec import ModelSpec
+from qinfer.core.numbers import whole
 
 PROFILE_DIR = Path(profiles.__file__).resolve().parent / "models"
+_SHAPE = ("vocab", "context", "hidden", "layers", "ffn", "heads", "kv_heads")
 
 
 @dataclass(frozen=True)
@@ -49,20 +51,22 @@ def load_model_profile(name: str) -> ModelProfile:
     raise UserError(f"unknown model {name!r}; known models: {', '.join(m.name for m in models)}")
 
 
-def _spec(name: str, arch: Architecture, shape: dict[str, int]) -> ModelSpec:
-    """The published model's shape; the norms' epsilon, which a plan does not need, is the family's default."""
+def _spec(name: str, arch: Architecture, shape: dict[str, object], path: Path) -> ModelSpec:
+    """The published model's shape, each size a positive whole number; the norms' epsilon, which a plan does not
+    need, is the family's default."""
+    size = {key: whole(shape[key], f"shape.{key}", f"model profile {path}", "fix or delete it") for key in _SHAPE}
     return ModelSpec(
         arch=arch.name,
         name=name,
-        vocab_size=int(shape["vocab"]),
-        context_length=int(shape["context"]),
-        hidden=int(shape["hidden"]),
-        layers=int(shape["layers"]),
-        ffn=int(shape["ffn"]),
-        heads=int(shape["heads"]),
-        kv_heads=int(shape["kv_heads"]),
+        vocab_size=size["vocab"],
+        context_length=size["context"],
+        hidden=size["hidden"],
+        layers=size["layers"],
+        ffn=size["ffn"],
+        heads=size["heads"],
+        kv_heads=size["kv_heads"],
         norm_eps=arch.default_norm_eps,
-        rope_dim=arch.default_rope_dim(int(shape["hidden"]), int(shape["heads"])),
+        rope_dim=arch.default_rope_dim(size["hidden"], size["heads"]),
     )
 
 
@@ -72,7 +76,7 @@ def _read(path: Path) -> ModelProfile:
         return ModelProfile(
             name=str(raw["name"]),
             description=str(raw.get("description", "")),
-            spec=_spec(str(raw["name"]), architecture(raw["architecture"], path), raw["shape"]),
+            spec=_spec(str(raw["name"]), architecture(raw["architecture"], path), raw["shape"], path),
             gguf_repo=str(raw["gguf"]["repo"]),
             gguf_f16=raw["gguf"].get("f16"),
             gguf_q4=raw["gguf"].get("q4"),

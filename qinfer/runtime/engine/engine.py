@@ -23,10 +23,10 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
-from qinfer.runtime.engine.sampling import SamplingParams, sample_next
+from qinfer.runtime.engine.sampling import NonFiniteLogits, SamplingParams, sample_next
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.batch import TokenBatch
-from qinfer.runtime.kv.cache import make_kv_cache
+from qinfer.runtime.kv.cache import make_kv_cache, non_finite_cause
 from qinfer.runtime.model.forward import ModelForward
 from qinfer.runtime.model.loader import LoadedRuntime, RuntimeOptions, fit_context, load_forward
 from qinfer.runtime.model.model_file import open_model
@@ -216,7 +216,8 @@ class Engine:
                 if constraint is not None and not ends:
                     constraint.advance(token)
             except Exception as exc:  # noqa: BLE001 - one sequence's bad logits or settings must not end the batch
-                outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}"))
+                cause = f": {non_finite_cause(self.cache, slot)}" if isinstance(exc, NonFiniteLogits) else ""
+                outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}{cause}"))
                 self._end(slot)
                 continue
             if ends:

@@ -17,8 +17,9 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
+from qinfer.runtime.engine.sampling import unusable
 from qinfer.runtime.kv.batch import TokenBatch
-from qinfer.runtime.kv.cache import make_kv_cache
+from qinfer.runtime.kv.cache import make_kv_cache, non_finite_cause
 from qinfer.runtime.model.forward import TransformerForward
 
 
@@ -40,10 +41,13 @@ def window_logits(
 ) -> torch.Tensor:
     cache = make_kv_cache(forward.cfg, tokens.shape[0], policy=kv_policy, types=kv_types)
     if not token_by_token:
-        return forward.forward(TokenBatch.prompt(tokens, 0), cache)
-    return torch.cat(
-        [forward.forward(TokenBatch.decode([int(t)], [j], [0]), cache) for j, t in enumerate(tokens.tolist())]
-    )
+        logits = forward.forward(TokenBatch.prompt(tokens, 0), cache)
+    else:
+        steps = enumerate(tokens.tolist())
+        logits = torch.cat([forward.forward(TokenBatch.decode([int(t)], [j], [0]), cache) for j, t in steps])
+    if unusable(logits):
+        raise UserError(f"the perplexity is not finite: the logits hold NaN or inf: {non_finite_cause(cache, 0)}")
+    return logits
 
 
 def perplexity(
@@ -90,8 +94,8 @@ def perplexity(
 
 
 def _exp(mean_nll: float) -> float:
-    """The perplexity of a mean negative log-likelihood, refused where it is not a finite number: NaN or inf in the
-    logits, or logits so far off that the perplexity overflows, come from damaged weights."""
+    """The perplexity of a mean negative log-likelihood, refused where it is not a finite number: finite logits
+    (window_logits refuses the others) so far off that the perplexity overflows come from damaged weights."""
     if not math.isfinite(mean_nll) or mean_nll > math.log(sys.float_info.max):
-        raise UserError("the perplexity is not finite: the logits hold NaN or inf (damaged weights); re-convert")
+        raise UserError("the perplexity is not finite: the model's weights are damaged; re-convert it")
     return math.exp(mean_nll)

@@ -11,6 +11,18 @@ import torch
 MIN_TEMPERATURE = 1e-6
 
 
+class NonFiniteLogits(ValueError):
+    """No token can be chosen from the logits; the caller, who holds the KV cache, says why (non_finite_cause)."""
+
+
+def unusable(logits: torch.Tensor) -> bool:
+    """Logits (1-D, or a row per token) holding NaN or +inf, or a row with nothing finite: what no token, and no
+    perplexity, may be made of."""
+    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
+        return True
+    return not bool(torch.isfinite(logits).any(-1).all())
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.8
@@ -23,10 +35,10 @@ class SamplingParams:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from 1-D `logits`; `generator` makes the choice reproducible from a seed. Logits holding NaN or
-    +inf, or nothing finite, are refused in every mode: greedy decoding would otherwise turn them into a token."""
-    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()) or not bool(torch.isfinite(logits).any()):
-        raise ValueError("the model's logits are not finite (NaN or inf): its weights are damaged; re-convert it")
+    """One token id from 1-D `logits`; `generator` makes the choice reproducible from a seed. Unusable logits are
+    refused in every mode: greedy decoding would otherwise turn them into a token."""
+    if unusable(logits):
+        raise NonFiniteLogits("the model's logits are not finite (NaN or inf)")
     if params.greedy:
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature

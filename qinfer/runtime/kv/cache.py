@@ -84,6 +84,22 @@ class KVCache:
 Cache = KVCache | WindowKVCache
 
 
+def non_finite_cause(cache: Cache, slot: int) -> str:
+    """Why logits `slot` computed through `cache` hold NaN or inf, as far as its rows tell. A key or value beyond
+    f16's range (65504) is inf in an f16 cache, and attention turns it into NaN, where an f32 cache keeps it; an
+    f32 cache, or an f16 one without inf, leaves the weights as the cause."""
+    rows = (cache.k[:, slot], cache.v[:, slot])
+    if not any(t.dtype == torch.float16 and bool(torch.isinf(t).any()) for t in rows):
+        return "the model's weights are damaged; re-convert it"
+    if cache.k.device.type != "cpu":
+        # cache_dtypes: the GPU's cache is f16 whatever -ctk and -ctv say.
+        return (
+            "keys or values beyond f16's range overflowed the GPU's KV cache, which is always f16; run without "
+            "--vram-budget and with -ctk f32 -ctv f32"
+        )
+    return "keys or values beyond f16's range overflowed the f16 KV cache; use -ctk f32 -ctv f32"
+
+
 def make_kv_cache(
     cfg: ModelSpec,
     ctx: int,

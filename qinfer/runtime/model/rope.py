@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from qinfer.core.errors import UserError
 from qinfer.core.names import Tensor, tensor_name
 from qinfer.runtime.model.model_file import ModelFile
 
@@ -19,8 +20,16 @@ def inv_freq(model: ModelFile) -> torch.Tensor:
     llama.cpp applies them); made once per model, not per layer and step."""
     cfg = model.config
     freq = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.rope_dim, 2, dtype=torch.float32) / cfg.rope_dim))
-    factors = model.tensors.get(tensor_name(Tensor.ROPE_FREQS))
-    return freq if factors is None else freq / factors.float()
+    name = tensor_name(Tensor.ROPE_FREQS)
+    factors = model.tensors.get(name)
+    if factors is None:
+        return freq
+    # check_model lets only F32 through for a 1-D tensor. A divisor of 0, or NaN, makes NaN logits far from their
+    # cause; a negative one turns the rotation backwards with no sign at all.
+    divisors = factors.float()
+    if not bool(torch.isfinite(divisors).all() and (divisors > 0).all()):
+        raise UserError(f"{model.path}: {name} holds a divisor that is not a finite positive number; re-convert it")
+    return freq / divisors
 
 
 def rope_tables(freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
 from qinfer.cli.main import app
 from qinfer.core.errors import UserError
 from qinfer.planner.device_profiles import known_profiles
+from qinfer.prep.hub import model_profiles
 from qinfer.prep.hub.model_profiles import known_models, load_model_profile
+from tests.support.cli_in_process import run_in_process
 
 # (E, F, L, heads, kv heads, vocab, arch) from the models' config.json files.
 EXPECTED = {
@@ -55,3 +60,18 @@ def test_profiles_command_lists_models_and_devices() -> None:
     assert result.exit_code == 0, result.output
     for name in [*EXPECTED, *known_profiles("gpu"), *known_profiles("cpu")]:
         assert name in result.output
+
+
+@pytest.mark.parametrize("heads", [0, -4, 32.5, "32"])
+def test_a_model_profile_with_a_meaningless_size_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, heads: object
+) -> None:
+    """0 heads divided by zero in a traceback; -4, 32.5 and "32" made a shape no model has."""
+    profile = json.loads((model_profiles.PROFILE_DIR / "bamboo-base-v0.1.json").read_text())
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({**profile, "shape": {**profile["shape"], "heads": heads}}))
+    monkeypatch.setattr(model_profiles, "PROFILE_DIR", tmp_path)
+    result = run_in_process("profiles")
+    assert result.returncode == 2 and result.stdout == ""
+    line = f"error: model profile {mine}: shape.heads is {heads!r}, not a positive whole number; fix or delete it\n"
+    assert result.stderr == line

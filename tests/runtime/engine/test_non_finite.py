@@ -1,5 +1,6 @@
 """A model whose logits hold NaN never yields a result: greedy decoding fails in one line as sampling does, in
-`qinfer run`, `qinfer perplexity` and the server (a 500 in OpenAI's shape), never an empty answer or `PPL = nan`."""
+`qinfer run`, `qinfer perplexity` and the server (a 500 in OpenAI's shape), never an empty answer or `PPL = nan`.
+The line tells damaged weights from keys beyond f16's range, which an f32 KV cache holds."""
 
 from __future__ import annotations
 
@@ -31,19 +32,58 @@ def nan_model(gguf_files: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     return path
 
 
+@pytest.fixture(scope="module")
+def loud_keys(gguf_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny f32 model with every key projection a million times larger: finite weights whose keys are beyond
+    f16's range (65504), and whose attention in f32 is merely sharper."""
+    path = Path(shutil.copy(gguf_files["dense-f32"], tmp_path_factory.mktemp("loud") / "loud.gguf"))
+    with path.open("r+b") as f:
+        for tensor in GGUFReader(path).tensors:
+            if tensor.name.endswith("attn_k.weight"):
+                f.seek(int(tensor.data_offset))
+                f.write((np.asarray(tensor.data, dtype=np.float32) * 1e6).tobytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text("Once upon a time there was a little fox who lived in the woods. " * 40)
+    return path
+
+
 @pytest.mark.parametrize("temp", ["0", "0.8"])
 def test_run_fails_in_one_line(nan_model: Path, temp: str) -> None:
     result = run_in_process("run", "-m", str(nan_model), "-p", "Once upon a time", "-n", "4", "--temp", temp)
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
-    assert "logits are not finite" in result.stderr and result.stdout.strip() in ("", "Once upon a time")
+    assert result.stderr.strip().endswith(
+        "logits are not finite (NaN or inf): the model's weights are damaged; re-convert it"
+    )
+    assert result.stdout.strip() in ("", "Once upon a time")
 
 
-def test_perplexity_exits_non_zero(nan_model: Path, tmp_path: Path) -> None:
-    text = tmp_path / "text.txt"
-    text.write_text("Once upon a time there was a little fox who lived in the woods. " * 40)
+def test_perplexity_exits_non_zero(nan_model: Path, text: Path) -> None:
     result = run_in_process("perplexity", "-m", str(nan_model), "-f", str(text), "-c", "64")
     assert result.returncode == 2 and "perplexity is not finite" in result.stderr
+    assert result.stderr.strip().endswith("the model's weights are damaged; re-convert it")
     assert "PPL = nan" not in result.stdout
+
+
+F16_OVERFLOW = "keys or values beyond f16's range overflowed the f16 KV cache; use -ctk f32 -ctv f32"
+
+
+def test_an_overflowing_f16_cache_is_named_with_its_fix(loud_keys: Path, text: Path) -> None:
+    run = ["run", "-m", str(loud_keys), "-p", "Once upon a time", "-n", "4", "--temp", "0"]
+    failed = run_in_process(*run)
+    assert failed.returncode == 2 and failed.stderr.strip().endswith(f"(NaN or inf): {F16_OVERFLOW}")
+    assert "damaged" not in failed.stderr
+    fixed = run_in_process(*run, "-ctk", "f32", "-ctv", "f32")
+    assert fixed.returncode == 0 and len(fixed.stdout.strip()) > len("Once upon a time"), fixed.stderr
+    ppl = ["perplexity", "-m", str(loud_keys), "-f", str(text), "-c", "64"]
+    failed = run_in_process(*ppl)
+    assert failed.returncode == 2 and failed.stderr.strip().endswith(f"the logits hold NaN or inf: {F16_OVERFLOW}")
+    fixed = run_in_process(*ppl, "-ctk", "f32", "-ctv", "f32")
+    assert fixed.returncode == 0 and "Final estimate: PPL = " in fixed.stdout, fixed.stderr
 
 
 def test_the_server_answers_500(nan_model: Path) -> None:

@@ -4,11 +4,13 @@ ids, what the file says, and each family's own feature (llama3 rope scaling, a s
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Tokenizer
 
 from qinfer.core.architectures import ARCHITECTURES
@@ -168,6 +170,24 @@ def test_q4_0_native_step_stays_close(swiglu: dict[str, dict[str, Path]], family
     assert 0 < diff.mean().item() < 0.03 and diff.max().item() < 0.3
 
 
+@pytest.mark.parametrize("divisor", [-8.0, 0.0, float("nan")])
+def test_rope_divisors_that_are_not_finite_and_positive_are_refused(
+    swiglu: dict[str, dict[str, Path]], tmp_path: Path, divisor: float
+) -> None:
+    """A negative divisor would turn the longest wavelengths backwards unseen; 0 and NaN would make NaN logits."""
+    path = Path(shutil.copy(swiglu["llama3"]["dense-f32"], tmp_path / "bent.gguf"))
+    rope = next(t for t in GGUFReader(path).tensors if t.name == "rope_freqs.weight")
+    with path.open("r+b") as f:
+        f.seek(int(rope.data_offset) + 4 * (int(rope.n_elements) - 1))
+        f.write(np.float32(divisor).tobytes())
+    ran = run_in_process("run", "-m", str(path), "-p", "Once upon a time", "-n", "2", "--temp", "0")
+    assert ran.returncode == 2 and ran.stdout == "", ran.stderr
+    assert (
+        ran.stderr
+        == f"error: {path}: rope_freqs.weight holds a divisor that is not a finite positive number; re-convert it\n"
+    )
+
+
 def test_a_windowed_cache_is_refused_for_a_sliding_window_model(swiglu: dict[str, dict[str, Path]]) -> None:
     cfg = open_model(swiglu["mistral"]["dense-f32"]).config
     with pytest.raises(UserError, match="sliding window"):
@@ -206,9 +226,7 @@ def test_a_tied_model_without_an_output_tensor_runs(swiglu: dict[str, dict[str, 
         ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),  # every layer
     ],
 )
-def test_which_qwen2_configs_slide_a_window(
-    swiglu: dict[str, dict[str, Path]], keys: dict, window: int | None
-) -> None:
+def test_which_qwen2_configs_slide_a_window(swiglu: dict[str, dict[str, Path]], keys: dict, window: int | None) -> None:
     config = json.loads((swiglu["qwen2"]["model"] / "config.json").read_text())
     spec = ARCHITECTURES["qwen2"].read_config({**config, **keys}, swiglu["qwen2"]["model"] / "config.json")
     assert spec.sliding_window == window
