@@ -80,6 +80,14 @@ def serve_cmd(
             "this machine (DNS rebinding) use the server through its visitors' browsers."
         ),
     ] = "",
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            parser=Real(0.5, 600.0),
+            help="Seconds open responses get, after SIGINT or SIGTERM, to send their last event (every queued and "
+            "running request ends at once with a 503 'shutting down'); then the server exits.",
+        ),
+    ] = 5.0,
     prompt_cache: Annotated[
         bool,
         typer.Option(
@@ -115,6 +123,7 @@ def serve_cmd(
         idle_timeout_s=idle_timeout,
         max_connections=max_connections,
         allowed_hosts=(host, *(name.strip() for name in allowed_hosts.split(",") if name.strip())),
+        shutdown_timeout_s=shutdown_timeout,
     )
     use_threads(threads)
     policy = kv_policy(kv_policy_kind, kv_budget)
@@ -133,8 +142,9 @@ def serve_cmd(
         err.print(f"note: {note}")
     tokenizer = engine.tokenizer
     template = load_chat_template(tokenizer.chat_template, tokenizer.special_tokens, chat_template)
-    app = create_app(EngineWorker(engine), model.name, options, template, webui)
-    server = uvicorn_server(app, options, host, port)
+    worker = EngineWorker(engine)
+    app = create_app(worker, model.name, options, template, webui)
+    server = uvicorn_server(app, options, host, port, on_exit=worker.close)
     guarded = ", API key required" if api_key else ""
     chat = "its chat template" if template is not None else "a plain transcript (no chat template)"
     err.print(

@@ -93,6 +93,12 @@ class Admission(Generic[S]):
             done.append(Delivery(sequence, piece, out))
         return done
 
+    def drop_all(self) -> list[S]:
+        """Every sequence, running or waiting, out of the engine (a server shutting down); the sequences, to be told."""
+        dropped = [*self.fail_running(), *self.waiting]
+        self.waiting.clear()
+        return dropped
+
     def fail_running(self) -> list[S]:
         """Free every running sequence's slot (after a failed step); the sequences, to be told."""
         failed = list(self.running.values())

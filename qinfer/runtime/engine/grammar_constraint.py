@@ -71,9 +71,20 @@ class Grammars:
                 defaults={"whitespace_flexible": False},
             )
         except ValueError as exc:
-            raise GrammarError(f"the JSON schema is not one: {exc}") from None
+            raise GrammarError(f"the JSON schema is not one: {_first_line(str(exc))}") from None
         # The matcher compiles the grammar, and holds any error instead of raising it.
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size)
+            raise GrammarError(f"the grammar does not compile: {_first_line(matcher.get_error())}")
+        constraint = Constraint(matcher, self.vocab_size)
+        # Some schemas compile and still admit nothing (one that only refers to itself): the engine finds out at
+        # the first token, which would otherwise end the answer empty, as if it were one.
+        constraint.mask(torch.zeros(self.vocab_size))
+        if matcher.is_error():
+            raise GrammarError(f"the JSON schema admits no value: {_first_line(matcher.get_error())}")
+        return constraint
+
+
+def _first_line(message: str) -> str:
+    """The engine's reason without the parser state it dumps after it."""
+    return message.strip().splitlines()[0] if message.strip() else "no reason given"

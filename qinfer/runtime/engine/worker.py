@@ -21,6 +21,10 @@ class Event:
     reason: str | None  # "stop", "length" or "error"
     completion_tokens: int
     error: str | None = None
+    unavailable: bool = False  # the error is the server's going away, not this request's fault
+
+
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back, or to another server"
 
 
 @dataclass(kw_only=True)
@@ -39,14 +43,22 @@ class EngineWorker:
         self._incoming: queue.Queue[Job] = queue.Queue()
         self._admission: Admission[Job] = Admission(engine)
         self._stop = threading.Event()
+        self.closing = threading.Event()  # set once shutdown began: nothing new is taken, every job is ended
         self._thread = threading.Thread(target=self._run, name="qinfer-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
+        self.close()
         self._stop.set()
         self._thread.join()
+
+    def close(self) -> None:
+        """Begin shutdown: the engine thread ends every queued and running job with a final error event at its next
+        step, so that their clients are answered now rather than after everything queued was generated. Safe from a
+        signal handler (it sets a flag)."""
+        self.closing.set()
 
     def submit(self, request: Request) -> Job:
         """Queue `request`; call from the event loop that reads the job's events."""
@@ -72,6 +84,10 @@ class EngineWorker:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._take(block=not self._admission.busy)
+            if self.closing.is_set():
+                for job in self._admission.drop_all():
+                    job.emit(Event("", True, "error", len(job.output.tokens), SHUTTING_DOWN, unavailable=True))
+                continue
             try:
                 delivered = self._admission.step()
             except Exception as exc:  # noqa: BLE001 - the thread must outlive a failed step and tell its clients

@@ -32,7 +32,7 @@ from qinfer.core.errors import UserError
 from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError
 from qinfer.runtime.engine.engine import Request as EngineRequest
 from qinfer.runtime.engine.grammar_constraint import Constraint, GrammarError, Grammars
-from qinfer.runtime.engine.worker import EngineWorker, Job
+from qinfer.runtime.engine.worker import SHUTTING_DOWN, EngineWorker, Job
 from qinfer.runtime.server.metrics import ServerMetrics
 from qinfer.runtime.server.openai_schema import (
     ChatRequest,
@@ -67,6 +67,7 @@ class ServerOptions:
     idle_timeout_s: int = 5  # for a kept-alive connection's next request
     max_connections: int = 256
     allowed_hosts: tuple[str, ...] = ()  # names besides IP addresses and localhost that Host may give; "*": any
+    shutdown_timeout_s: float = 5.0  # after SIGINT/SIGTERM, for open responses to send their last event
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -263,7 +264,7 @@ async def pieces(worker: EngineWorker, job: Job, stops: list[str]) -> AsyncItera
     while True:
         event = await job.events.get()
         if event.error is not None:
-            raise ApiError(500, event.error, "server_error")
+            raise ApiError(503 if event.unavailable else 500, event.error, "server_error")
         text = scanner.feed(event.text)
         if scanner.stopped:
             worker.cancel(job)
@@ -486,6 +487,8 @@ async def submit(
     param: str = "prompt",
 ) -> tuple[Job, int]:
     """Queue the request on the engine; return its job and the prompt's length in tokens."""
+    if worker.closing.is_set():
+        raise ApiError(503, SHUTTING_DOWN, "server_error")
     check_length(worker, prompt, param)
     # A long prompt takes seconds to tokenize; on the event loop that would stall every other client meanwhile.
     ids = await asyncio.to_thread(worker.engine.tokenizer.encode, prompt, add_bos)

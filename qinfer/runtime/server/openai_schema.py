@@ -155,8 +155,10 @@ class ChatRequest(SamplingFields):
 
     def forced_tools(self) -> list[Tool]:
         """The tools the answer must call one of: all of them for "required", the named one, none otherwise."""
-        if not self.tools or self.tool_choice in (None, "none", "auto"):
+        if self.tool_choice in (None, "none", "auto"):
             return []
+        if not self.tools:
+            raise ValueError("tool_choice asks for a tool call, but the request gives no tools")
         if self.tool_choice == "required":
             return self.tools
         assert isinstance(self.tool_choice, NamedToolChoice)

@@ -9,7 +9,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import ClassVar
 
 import h11
@@ -73,16 +74,43 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def uvicorn_server(app: FastAPI, options: ServerOptions, host: str, port: int) -> uvicorn.Server:
+class ClosingServer(uvicorn.Server):
+    """uvicorn's server that, at the first SIGINT or SIGTERM, also tells `on_exit` (the engine's worker), which
+    ends every queued and running request with a final event: uvicorn alone waits for all of them to finish
+    generating before it exits. Later signals change nothing: the exit already comes within the shutdown timeout,
+    and uvicorn's forced exit on a second Ctrl-C would cut the application's shutdown short, with a traceback for
+    each response it cancels."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            return
+        if self.on_exit is not None:
+            self.on_exit()
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_server(
+    app: FastAPI, options: ServerOptions, host: str, port: int, on_exit: Callable[[], None] | None = None
+) -> uvicorn.Server:
     protocol = type(
         "GuardedH11Protocol",
         (GuardedH11Protocol,),
         {"header_timeout_s": options.read_timeout_s, "max_connections": options.max_connections},
     )
     config = uvicorn.Config(
-        app, host, port, http=protocol, timeout_keep_alive=options.idle_timeout_s, log_level="warning"
+        app,
+        host,
+        port,
+        http=protocol,
+        timeout_keep_alive=options.idle_timeout_s,
+        timeout_graceful_shutdown=max(1, round(options.shutdown_timeout_s)),
+        log_level="warning",
     )
-    return uvicorn.Server(config)
+    return ClosingServer(config, on_exit)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,15 @@ another site (DNS rebinding), an empty API key; each refused in OpenAI's error s
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,3 +114,109 @@ def test_an_empty_api_key_is_refused(key: str, monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("QINFER_API_KEY", key)  # click reads an empty variable as unset
     done = run_in_process("serve", "-m", missing)
     assert done.returncode != 0 and "API key is empty" in done.stderr
+
+
+def _chat(url: str, extra: dict[str, object]) -> tuple[int, dict[str, object]]:
+    body = {"messages": [{"role": "user", "content": "Tell me about Lily."}], "max_tokens": 24, **extra}
+    status, answer, _ = _call(f"{url}/v1/chat/completions", body)
+    return status, answer
+
+
+def _schema(schema: object) -> dict[str, object]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+DEEP: dict[str, object] = {"type": "string"}
+for _ in range(300):
+    DEEP = {"type": "array", "items": DEEP}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (_schema({"$ref": "#"}), "response_format"),  # refers only to itself: no value satisfies it
+        (_schema({"allOf": [{"type": "string"}, {"type": "integer"}]}), "response_format"),
+        (_schema({"type": "integer", "minimum": 5, "maximum": 1}), "response_format"),
+        (_schema({"enum": [f"value{i}" for i in range(200_000)]}), "response_format"),  # over the engine's limit
+        (_schema({"type": "string", "pattern": "(a"}), "response_format"),
+        (_schema(DEEP), "response_format"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+    ids=["self-reference", "contradiction", "empty range", "oversized", "bad pattern", "deep", "named", "required"],
+)
+def test_a_schema_or_tool_choice_that_cannot_be_served_is_a_400(
+    local: Local, extra: dict[str, object], param: str
+) -> None:
+    status, answer = _chat(local.url, extra)
+    error = answer.get("error")
+    assert status == 400 and isinstance(error, dict) and error["param"] == param, answer
+    message = str(error["message"])
+    assert "\n" not in message and len(message) < 400 and "<state>" not in message
+
+
+def _serve_process(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "qinfer", "serve", "-m", str(model), "-c", str(CTX), "--port", str(port), *extra]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _call(f"{url}/health")
+            return server, url
+        except urllib.error.URLError:
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+
+
+def _stream(url: str, lines: list[str], started: threading.Event) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": CTX - 10, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            for raw in response:
+                started.set()
+                if raw.strip():
+                    lines.append(raw.decode().strip())
+    except (urllib.error.URLError, ConnectionError) as exc:
+        lines.append(f"failed: {exc}")
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGINT, signal.SIGINT)])
+def test_shutdown_ends_every_stream_with_a_final_event_and_exits_soon(
+    gguf_files: dict[str, Path], signals: tuple[int, ...]
+) -> None:
+    """Twelve streams queued on one slot, each of hundreds of tokens: a signal answers them all at once and the
+    server exits in seconds, without a traceback, also when the user presses Ctrl-C twice."""
+    server, url = _serve_process(gguf_files["pi-f32"], "--slots", "1", "--shutdown-timeout", "2")
+    try:
+        outputs: list[list[str]] = [[] for _ in range(12)]
+        started = threading.Event()
+        clients = [threading.Thread(target=_stream, args=(url, out, started)) for out in outputs]
+        for client in clients:
+            client.start()
+        assert started.wait(30)
+        time.sleep(0.2)
+        stopped = time.monotonic()
+        for sig in signals:
+            server.send_signal(sig)
+            time.sleep(0.1)
+        server.wait(timeout=15)
+        assert time.monotonic() - stopped < 5
+        for client in clients:
+            client.join(10)
+        _, stderr = server.communicate()
+        assert "Traceback" not in stderr, stderr
+        for out in outputs:
+            last = out[-1] if out else ""
+            assert last == "data: [DONE]" or "shutting down" in last, out[-3:]
+        assert sum("shutting down" in out[-1] for out in outputs if out) >= 10
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
