@@ -78,6 +78,7 @@ def run_cmd(
     ] = 1,
 ) -> None:
     """Generate text from a prompt, streaming tokens, then print prompt and decode speed."""
+    from qinfer.cli.stop_signals import stop_signals_raise
     from qinfer.runtime.engine.engine import Engine
     from qinfer.runtime.engine.generate import generate, generate_many
     from qinfer.runtime.engine.sampling import SamplingParams
@@ -87,18 +88,20 @@ def run_cmd(
     require_utf8(prompt)  # before the model loads, and before the prompt is echoed
     policy = kv_policy(kv_policy_kind, kv_budget)
     types = kv_types(cache_type_k, cache_type_v)
-    engine = Engine.open(
-        model,
-        slots=parallel,
-        ctx_size=ctx_size,
-        kv_policy=policy,
-        kv_types=types,
-        vram_budget_gib=vram_budget,
-        schedule=schedule,
-        ffn=ffn,
-        reset_gpu_index=reset_gpu_index,
-        disable_gpu_index=disable_gpu_index,
-    )
+    # A budget may start the planner's solver: a stop signal must end it and its files too.
+    with stop_signals_raise():
+        engine = Engine.open(
+            model,
+            slots=parallel,
+            ctx_size=ctx_size,
+            kv_policy=policy,
+            kv_types=types,
+            vram_budget_gib=vram_budget,
+            schedule=schedule,
+            ffn=ffn,
+            reset_gpu_index=reset_gpu_index,
+            disable_gpu_index=disable_gpu_index,
+        )
     if engine.runtime is not None:
         for note in engine.runtime.notes:
             err.print(f"note: {note}")

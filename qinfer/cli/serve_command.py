@@ -104,6 +104,7 @@ def serve_cmd(
     --chat-template) in a sandbox; a model without one gets a plain "System: / User: / Assistant:" transcript, and
     generation stops before the next "User:" line.
     """
+    from qinfer.cli.stop_signals import stop_signals_raise
     from qinfer.runtime.engine.engine import Engine
     from qinfer.runtime.engine.worker import EngineWorker
 
@@ -128,16 +129,18 @@ def serve_cmd(
     use_threads(threads)
     policy = kv_policy(kv_policy_kind, kv_budget)
     types = kv_types(cache_type_k, cache_type_v)
-    engine = Engine.open(
-        model,
-        slots=slots,
-        ctx_size=ctx_size,
-        vram_budget_gib=vram_budget,
-        schedule=schedule,
-        kv_policy=policy,
-        kv_types=types,
-        reuse_prompts=prompt_cache,
-    )
+    # A budget may start the planner's solver: a stop signal must end it and its files too.
+    with stop_signals_raise():
+        engine = Engine.open(
+            model,
+            slots=slots,
+            ctx_size=ctx_size,
+            vram_budget_gib=vram_budget,
+            schedule=schedule,
+            kv_policy=policy,
+            kv_types=types,
+            reuse_prompts=prompt_cache,
+        )
     for note in engine.runtime.notes if engine.runtime is not None else []:
         err.print(f"note: {note}")
     tokenizer = engine.tokenizer

@@ -50,6 +50,9 @@ MODEL_FIX = "re-download it or re-create it with `qinfer prep convert`"
 
 def check_layout(path: Path, fix: str = MODEL_FIX) -> Layout:
     """The file's layout, every byte of its header checked (qinfer.formats.gguf_layout) before any reader trusts it."""
+    if path.exists() and not path.is_file():
+        # Opening a named pipe would wait for a writer that may never come.
+        raise UserError(f"{path} is not a regular file; give the path of a GGUF file")
     try:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
@@ -66,7 +69,7 @@ def check_layout(path: Path, fix: str = MODEL_FIX) -> Layout:
 def open_gguf(path: Path, mode: Literal["r", "c"] = "r", fix: str = MODEL_FIX) -> PowerInferReader:
     """Memory-map a GGUF or PowerInfer GGUF whose layout has been checked; one clear error for a missing, truncated,
     corrupt or foreign file."""
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"model file not found: {path}")
     layout = check_layout(path, fix)
     try:

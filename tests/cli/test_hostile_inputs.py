@@ -5,6 +5,7 @@ A context longer than the model's is clamped with a note, by run and perplexity 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,16 @@ def test_rope_scaling_the_engine_would_not_apply_is_refused(
     unscaled = {**add, "llama.rope.scaling.type": ("none", GGUFValueType.STRING)}
     kept = rewrite_gguf(gguf_files["dense-f32"], tmp_path / "none.gguf", add=unscaled)
     assert run_in_process("run", "-m", str(kept), "-p", "Once", "-n", "2").returncode == 0
+
+
+def test_a_model_path_that_is_a_pipe_or_a_directory_is_refused_without_waiting(tmp_path: Path) -> None:
+    """A named pipe as the model would block the first read forever (a writer may never come)."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        run, plan = ["run", "-m", str(path), "-p", "Once", "-n", "1"], ["plan", "-m", str(path), "--vram-budget", "1"]
+        for command in (run, plan):
+            done = subprocess.run(
+                [sys.executable, "-m", "qinfer", *command], capture_output=True, text=True, timeout=60
+            )
+            _one_line(done, "not a regular file")

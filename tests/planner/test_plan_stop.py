@@ -57,14 +57,16 @@ def _wait_for(path: Path, process: subprocess.Popen[str]) -> int:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("args", [["plan"], ["run", "-p", "Once", "-n", "1"]], ids=["plan", "run"])
 def test_a_stopped_plan_ends_its_solver_and_removes_its_files(
-    model: Path, tmp_path: Path, signum: signal.Signals
+    model: Path, tmp_path: Path, signum: signal.Signals, args: list[str]
 ) -> None:
+    """`plan`, and `run` (or `serve`) planning on the spot as they load a model with a budget."""
     cbc, pid_file, scratch = tmp_path / "cbc", tmp_path / "cbc.pid", tmp_path / "scratch"
     cbc.write_text(FAKE_CBC.format(pid_file=pid_file))
     cbc.chmod(0o755)
     scratch.mkdir()
-    command = [sys.executable, "-c", DRIVER, str(cbc), "plan", "-m", str(model), "--vram-budget", "8"]
+    command = [sys.executable, "-c", DRIVER, str(cbc), *args, "-m", str(model), "--vram-budget", "8"]
     env = {**os.environ, "TMPDIR": str(scratch)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     solver = None
