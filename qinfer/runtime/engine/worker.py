@@ -49,10 +49,12 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """End the engine thread, waiting at most `timeout_s` for the step under way (a daemon thread: a long prefill
+        or a graph's capture must not hold the process past a shutdown's deadline)."""
         self.close()
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
 
     def close(self) -> None:
         """Begin shutdown: the engine thread ends every queued and running job with a final error event at its next

@@ -123,20 +123,24 @@ def _kernel_reads(t: Weight) -> bool:
     return not isinstance(t, QuantizedMatrix) or t.qtype == GGMLQuantizationType.Q4_0
 
 
+def host_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host buffer that `device` copies to and from without waiting: pinned where that is a GPU, since a copy
+    from pageable memory first waits for the GPU's queue to drain."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of a device tensor, queued without waiting where the device is a GPU (into pinned memory)."""
+    """A host copy of a device tensor, queued without waiting where the device is a GPU."""
     if t.device.type == "cpu":
         return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
+    return host_buffer(t.shape, t.dtype, t.device).copy_(t, non_blocking=True)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`, queued without waiting where that is a GPU: through pinned memory, since a copy from
-    pageable memory first waits for the GPU's queue to drain."""
+    """`t` on `device`, queued without waiting where that is a GPU."""
     if device.type == "cpu":
         return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).to(device, non_blocking=True)
+    return host_buffer(t.shape, t.dtype, device).copy_(t).to(device, non_blocking=True)
 
 
 def require_split_support(form: FfnForm) -> None:

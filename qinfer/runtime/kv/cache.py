@@ -71,12 +71,14 @@ class KVCache:
             self.v[layer, slots, :, step.positions] = v.to(self.v.dtype)
             # A fixed step reads every row (its mask hides the ones past each position): no value reaches the host.
             end = self.ctx if step.fixed else int(batch.positions.max()) + 1
+            assert step.mask is not None
+            # Rows past a sequence's position may hold an earlier sequence's values, an f16 overflow's inf among
+            # them, which the mask's -inf alone would turn into NaN: zeroed where the mask hides them.
+            seen = step.mask.transpose(-1, -2)
+            keys = self.k[layer, slots, :, :end].to(q.dtype).where(seen, 0.0)
+            values = self.v[layer, slots, :, :end].to(q.dtype).where(seen, 0.0)
             out = F.scaled_dot_product_attention(
-                q[:, :, None],
-                self.k[layer, slots, :, :end].to(q.dtype),
-                self.v[layer, slots, :, :end].to(q.dtype),
-                attn_mask=step.mask,
-                enable_gqa=True,
+                q[:, :, None], keys, values, attn_mask=step.mask, enable_gqa=True
             )[:, :, 0]
         return out.reshape(n, -1)
 

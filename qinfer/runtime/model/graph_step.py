@@ -21,12 +21,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from qinfer.core.model_spec import ModelSpec
-from qinfer.runtime.ffn.hybrid import HybridRunner
+from qinfer.runtime.ffn.hybrid import HybridRunner, host_buffer
 from qinfer.runtime.kv.batch import Step, TokenBatch
 from qinfer.runtime.kv.cache import Cache, KVCache
 
@@ -79,19 +79,24 @@ class _HostLayer:
     on_device: torch.Tensor | None = None
 
 
-def _host_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host buffer that `device` copies to and from without waiting: pinned where that is a GPU."""
-    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+def _resolved(device: torch.device) -> torch.device:
+    """`device` with its index: a tensor made on torch.device("cuda") reports "cuda:0", which does not equal it."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class GraphStep:
     """The program of one batch size over one cache, and, once captured, its graphs."""
 
-    def __init__(self, forward: GraphedForward, runner: HybridRunner, cache: KVCache, tokens: int, capture: bool):
-        self.forward, self.runner, self.cache, self.capture = forward, runner, cache, capture
+    def __init__(
+        self, forward: GraphedForward, runner: HybridRunner, cache: KVCache, tokens: int, capture: bool, pool: Any
+    ):
+        """`pool`: the CUDA graph memory pool every batch size's graphs share (their steps never run at once)."""
+        self.forward, self.runner, self.cache, self.capture, self.pool = forward, runner, cache, capture, pool
         device, cfg = forward.device, forward.cfg
-        self.host_batch = [_host_buffer((tokens,), torch.long, device) for _ in range(3)]
-        self.host_h = _host_buffer((tokens, cfg.hidden), torch.float32, device)
+        self.host_batch = [host_buffer((tokens,), torch.long, device) for _ in range(3)]
+        self.host_h = host_buffer((tokens, cfg.hidden), torch.float32, device)
         self.batch = TokenBatch(*(torch.empty(tokens, dtype=torch.long, device=device) for _ in range(3)))
         self.h0 = torch.empty(tokens, cfg.hidden, device=device)
         self.cold = [runner.cold(i) for i in range(cfg.layers)]
@@ -117,11 +122,11 @@ class GraphStep:
         """The residual stream after layer `layer` (-1: the embeddings)."""
         if layer < 0:
             return self.h0
-        h = self.values["h"]
-        assert isinstance(h, torch.Tensor)
-        out = h + self.values[f"ffn{layer}"]
+        h, ffn = self.values["h"], self.values[f"ffn{layer}"]
+        assert isinstance(h, torch.Tensor) and isinstance(ffn, torch.Tensor)
         host = self.host.get(layer)
-        return out if host is None else out + host.on_device
+        # Summed in the eager path's order: the layer's two parts first, then the residual.
+        return h + (ffn if host is None else ffn + host.on_device)
 
     def _begin(self) -> None:
         self.values["step"] = self.forward.fixed_step(self.batch, self.cache.ctx)
@@ -147,7 +152,7 @@ class GraphStep:
         host, reads = self.host[layer], self.values[f"reads{layer}"]
         assert isinstance(reads, list)
         if not host.reads:
-            host.reads = [None if t is None else _host_buffer(t.shape, t.dtype, t.device) for t in reads]
+            host.reads = [None if t is None else host_buffer(t.shape, t.dtype, t.device) for t in reads]
         for mine, t in zip(host.reads, reads, strict=True):
             if mine is not None and t is not None:
                 mine.copy_(t, non_blocking=True)
@@ -161,7 +166,7 @@ class GraphStep:
             host.ready.synchronize()
         out = self.runner.host_ffn(layer, *host.reads)
         if host.result is None or host.on_device is None:
-            host.result = _host_buffer(out.shape, out.dtype, self.forward.device)
+            host.result = host_buffer(out.shape, out.dtype, self.forward.device)
             host.on_device = torch.empty(out.shape, dtype=out.dtype, device=self.forward.device)
         host.result.copy_(out)
         host.on_device.copy_(host.result, non_blocking=True)
@@ -187,14 +192,13 @@ class GraphStep:
         with torch.cuda.stream(side):
             self._eager()
         torch.cuda.current_stream().wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
         graphs = []
         group: list[_Device] = []
 
         def close() -> None:
             if group:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=self.pool):
                     for piece in group:
                         piece.run()
                 graphs.append(graph)
@@ -248,11 +252,12 @@ class GraphSteps:
         self.steps: dict[int, GraphStep] = {}
         self.cache: KVCache | None = None
         self.failed: str | None = None  # why graphs could not be recorded here; the eager path decodes instead
+        self.pool: Any = None  # made with the first graphs
 
     def takes(self, batch: TokenBatch, cache: Cache) -> bool:
         """A decode batch (one token per sequence) over a full cache on the device, with the static split's kernels."""
         one_each = batch.tokens.shape[0] == 1 or not batch.single_sequence
-        on_device = isinstance(cache, KVCache) and cache.k.device == self.forward.device
+        on_device = isinstance(cache, KVCache) and cache.k.device == _resolved(self.forward.device)
         return one_each and on_device and self.runner.in_kernel and self.failed is None
 
     def run(self, batch: TokenBatch, cache: Cache) -> torch.Tensor | None:
@@ -262,15 +267,19 @@ class GraphSteps:
         if cache is not self.cache:
             # Graphs address one cache's tensors: another cache's steps are recorded anew.
             self.steps, self.cache = {}, cache
-        tokens = batch.tokens.shape[0]
-        step = self.steps.get(tokens)
-        if step is None:
-            step = self.steps[tokens] = GraphStep(self.forward, self.runner, cache, tokens, self.capture)
-        if step.graphs is not None or not self.capture:
-            return step.run(batch)
+        step = self.steps.get(batch.tokens.shape[0])
+        if not self.capture or (step is not None and step.graphs is not None):
+            return (step or self._new_step(cache, batch)).run(batch)
         try:
-            return step.run(batch)
+            return (step or self._new_step(cache, batch)).run(batch)
         except RuntimeError as exc:  # CUDA's and torch's capture errors
             self.failed, self.steps = str(exc).splitlines()[0] if str(exc) else type(exc).__name__, {}
             print(f"qinfer: decoding without CUDA graphs, which could not be recorded: {self.failed}", file=sys.stderr)
             return None
+
+    def _new_step(self, cache: KVCache, batch: TokenBatch) -> GraphStep:
+        if self.capture and self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        tokens = batch.tokens.shape[0]
+        step = self.steps[tokens] = GraphStep(self.forward, self.runner, cache, tokens, self.capture, self.pool)
+        return step

@@ -33,7 +33,7 @@ def inv_freq(model: ModelFile) -> torch.Tensor:
 
 
 def rope_tables(freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = positions.float()[:, None] * freq.to(positions.device)[None, :]
+    angles = positions.float()[:, None] * freq[None, :]
     return angles.cos(), angles.sin()
 
 

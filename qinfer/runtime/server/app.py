@@ -44,7 +44,7 @@ from qinfer.runtime.server.openai_schema import (
     chat_prompt,
     tool_call_schema,
 )
-from qinfer.runtime.server.template_process import TemplateProcess
+from qinfer.runtime.server.template_process import RendererBusy, TemplateProcess
 
 # The slowest body upload accepted, on average: a full 8 MiB body may take about two minutes.
 MIN_BODY_BYTES_PER_S = 64 * 1024
@@ -128,8 +128,13 @@ class ApiKeyGuard:
 def host_allowed(header: str, names: tuple[str, ...]) -> bool:
     """Whether a Host header ("name", "name:port", "[v6]:port") names this server: an IP address (which no DNS
     answer can rebind), localhost, or one of `names` ("*" allows any)."""
-    host = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-    host = host.removeprefix("[").split("]")[0].rstrip(".").lower()
+    if header.startswith("["):
+        host, bracket, rest = header[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            return False
+    else:
+        host = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    host = host.rstrip(".").lower()
     try:
         ipaddress.ip_address(host)
         return True
@@ -288,7 +293,8 @@ def create_app(
     `webui`: a chat page at / (webui/index.html, shipped in the package: no CDN)."""
     # With a key, the schema and its pages (not under /v1) are not served to whoever asks.
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if options.api_key else {}
-    app = FastAPI(title="qinfer", lifespan=_lifespan(worker, lambda: routes.renderer), **docs)
+    lifespan = _lifespan(worker, lambda: routes.renderer, options.shutdown_timeout_s)
+    app = FastAPI(title="qinfer", lifespan=lifespan, **docs)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -316,13 +322,13 @@ def create_app(
 
 
 def _lifespan(
-    worker: EngineWorker, renderer: Callable[[], TemplateProcess | None]
+    worker: EngineWorker, renderer: Callable[[], TemplateProcess | None], shutdown_timeout_s: float
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         worker.start()
         yield
-        worker.stop()
+        worker.stop(shutdown_timeout_s)
         if (process := renderer()) is not None:
             process.close()
 
@@ -426,11 +432,12 @@ class _Routes:
             prompt = chat_prompt(body.messages)
         else:
             try:
-                # Off the event loop: a render may take its whole deadline.
                 messages, tools = body.template_inputs()
-                prompt = await asyncio.to_thread(self.renderer.render, messages, True, tools)
+                prompt = await self.renderer.render_async(messages, True, tools)
             except ChatTemplateError as exc:
                 raise ApiError(400, str(exc), param="messages") from exc
+            except RendererBusy as exc:
+                raise ApiError(503, str(exc), "server_error") from exc
         offered = [t.function.name for t in body.tools or []] if body.tool_choice != "none" else []
         stops = body.chat_stops(self.template)
         return await self._answer(http, body, prompt, stops, chat=True, tools=offered, forced=forced)

@@ -5,14 +5,18 @@ the internet brings can loop for hours (nested `range`s), build gigabytes (`'x' 
 `lipsum(10**7)`) or recurse, and a thread cannot be stopped. So the server renders in a child process that it
 started with nothing but jinja2 and the template, whose address space is capped: a render over its deadline kills
 that process (a new one is started for the next request), and one that runs out of memory fails there. Either
-way the request gets one line saying so, and no other client waits longer than one deadline for it.
+way the request gets one line saying so. Renders queue on a thread of their own, never on the threads that
+tokenize, and at most MAX_WAITING of them: past that a chat request is refused at once, so hostile templates cost
+chat requests at most that many deadlines and the other requests nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -22,6 +26,11 @@ RENDER_TIMEOUT_S = 2.0  # real templates render a conversation in milliseconds
 RENDER_MEMORY_BYTES = 1 << 30  # the child's address space: Python, jinja2, a conversation and its prompt
 MAX_RENDERED_CHARS = 1 << 25  # larger is no prompt any context holds; refused before it is sent back
 START_TIMEOUT_S = 60.0  # a fresh Python importing jinja2, on a loaded machine
+MAX_WAITING = 8  # renders queued behind the one running
+
+
+class RendererBusy(Exception):
+    """MAX_WAITING renders already wait: the request is refused rather than queued."""
 
 
 def _limit_memory(limit: int) -> None:
@@ -69,6 +78,9 @@ class TemplateProcess:
         self._lock = threading.Lock()
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
+        self._closed = False
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qinfer-chat-template")
+        self._waiting = 0  # renders submitted and not done; touched on the event loop alone
         self._start()
 
     def _start(self) -> None:
@@ -81,7 +93,7 @@ class TemplateProcess:
         child.close()
         status, value = self._receive() if self._conn.poll(START_TIMEOUT_S) else ("late", None)
         if status != "ready":
-            self.close()
+            self._stop()
             raise ChatTemplateError(value if status == "error" else "the chat template's process did not start")
 
     def _receive(self) -> tuple[str, Any]:
@@ -91,10 +103,25 @@ class TemplateProcess:
         except (EOFError, OSError):  # the child died: killed by the system, or crashed in an allocation
             return "died", None
 
+    async def render_async(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+    ) -> str:
+        """`render` on the renderer's own thread; RendererBusy where MAX_WAITING renders wait already."""
+        if self._waiting > MAX_WAITING:
+            raise RendererBusy(f"{MAX_WAITING} chat requests are waiting for their template to render; retry shortly")
+        self._waiting += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self.render, messages, add_generation_prompt, tools)
+        finally:
+            self._waiting -= 1
+
     def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
     ) -> str:
         with self._lock:
+            if self._closed:
+                raise ChatTemplateError("the server is shutting down; send the request again once it is back")
             if self._process is None or not self._process.is_alive():
                 self._restart()
             assert self._conn is not None
@@ -111,10 +138,17 @@ class TemplateProcess:
         return str(value)
 
     def _restart(self) -> None:
-        self.close()
+        self._stop()
         self._start()
 
     def close(self) -> None:
+        """End the child; a render under way finishes first (it holds the lock for at most its deadline)."""
+        with self._lock:
+            self._closed = True
+            self._stop()
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _stop(self) -> None:
         if self._process is not None:
             self._process.kill()
             self._process.join()

@@ -107,7 +107,7 @@ def uvicorn_server(
         port,
         http=protocol,
         timeout_keep_alive=options.idle_timeout_s,
-        timeout_graceful_shutdown=max(1, round(options.shutdown_timeout_s)),
+        timeout_graceful_shutdown=options.shutdown_timeout_s,  # type: ignore[arg-type] - uvicorn takes any number
         log_level="warning",
     )
     return ClosingServer(config, on_exit)

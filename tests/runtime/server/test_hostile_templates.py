@@ -4,6 +4,7 @@ deadline, the process that rendered it is replaced, and the server answers /heal
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from qinfer.core.errors import UserError
 from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.worker import EngineWorker
+from qinfer.runtime.server import template_process
 from qinfer.runtime.server.app import create_app
 from qinfer.runtime.server.template_process import TemplateProcess
 from qinfer.runtime.server.thread import serve_in_thread
@@ -126,3 +128,25 @@ def _refusal(path: Path) -> BaseException:
     except UserError as exc:
         return exc
     raise AssertionError(f"{path} was read as a template")
+
+
+def test_renders_queue_on_their_own_thread_and_only_so_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile chat requests arriving together: past MAX_WAITING they are refused at once, and the threads that
+    tokenize every other request stay free meanwhile."""
+    monkeypatch.setattr(template_process, "MAX_WAITING", 2)
+    renderer = TemplateProcess(guarded(FREEZE), timeout_s=0.5)
+    attack = [{"role": "user", "content": "attack"}]
+
+    async def main() -> list[object]:
+        renders = [asyncio.create_task(renderer.render_async(attack)) for _ in range(5)]
+        await asyncio.sleep(0.1)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 1.0) == "free"
+        return await asyncio.gather(*renders, return_exceptions=True)
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        renderer.close()
+    assert [type(o).__name__ for o in outcomes] == ["ChatTemplateError"] * 3 + ["RendererBusy"] * 2
+    with pytest.raises(ChatTemplateError, match="shutting down"):
+        renderer.render(MESSAGES)
