@@ -198,7 +198,8 @@ class GraphStep:
         def close() -> None:
             if group:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                # Thread-local: a server's other threads may use CUDA meanwhile (a copy, a query of memory).
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     for piece in group:
                         piece.run()
                 graphs.append(graph)
