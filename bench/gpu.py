@@ -78,6 +78,8 @@ class Ours:
 
     timer: Timer
     peak: Callable[[], float | None]
+    graphs: Callable[[], str | None]  # how its steps ran: replayed from graphs, or why not
+
 
 
 def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | None, schedule: str,
@@ -103,7 +105,15 @@ def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | No
             peaks.append((torch.cuda.max_memory_allocated() - base) / GIB)
         return speed
 
-    return Ours(tps, lambda: peaks[0] if peaks else None)
+    def graphed() -> str | None:
+        steps = engine.forward.graphs
+        if steps is None:
+            return None
+        if steps.failed is not None:
+            return f"not graphed: {steps.failed}"
+        return f"graphs for batch sizes {sorted(steps.steps)}" if steps.steps else "no step was graphed"
+
+    return Ours(tps, lambda: peaks[0] if peaks else None, graphed)
 
 
 def _failing() -> Speed:
@@ -141,6 +151,7 @@ def main() -> None:
         variants = [model, *([quantized(model, args.quant)] if args.quant else [])]
         timers: dict[str, Timer] = {}
         failed: dict[str, str] = {}
+        graph_notes: dict[str, Callable[[], str | None]] = {}
         peaks: dict[str, tuple[Callable[[], float | None], float]] = {}
         for v in variants:
             _, acct = dry_run_account(v.powerinfer, 1 << 50, PlanOptions(ctx_size=args.ctx, batch=1))
@@ -166,6 +177,8 @@ def main() -> None:
                     timers[key] = _failing
                     continue
                 timers[key] = run.timer
+                if graphs:
+                    graph_notes[key] = run.graphs
                 if budget is not None:
                     peaks[key] = (run.peak, budget)
             if args.powerinfer_main is not None:
@@ -213,6 +226,9 @@ def main() -> None:
         console.print(table)
         for key, why in failed.items():
             console.print(f"{key}: {why}", markup=False)
+        for key, note in graph_notes.items():
+            if (said := note()) is not None:
+                console.print(f"{key}: {said}", markup=False)
 
 
 if __name__ == "__main__":
