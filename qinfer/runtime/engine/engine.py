@@ -216,7 +216,8 @@ class Engine:
                 if constraint is not None and not ends:
                     constraint.advance(token)
             except Exception as exc:  # noqa: BLE001 - one sequence's bad logits or settings must not end the batch
-                cause = f": {non_finite_cause(self.cache, slot)}" if isinstance(exc, NonFiniteLogits) else ""
+                broken = isinstance(exc, NonFiniteLogits)
+                cause = f": {non_finite_cause(self.cache, slot, seq.position)}" if broken else ""
                 outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}{cause}"))
                 self._end(slot)
                 continue

@@ -46,7 +46,8 @@ def window_logits(
         steps = enumerate(tokens.tolist())
         logits = torch.cat([forward.forward(TokenBatch.decode([int(t)], [j], [0]), cache) for j, t in steps])
     if unusable(logits):
-        raise UserError(f"the perplexity is not finite: the logits hold NaN or inf: {non_finite_cause(cache, 0)}")
+        cause = non_finite_cause(cache, 0, tokens.shape[0])
+        raise UserError(f"the perplexity is not finite: the logits hold NaN or inf: {cause}")
     return logits
 
 

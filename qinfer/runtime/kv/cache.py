@@ -86,11 +86,12 @@ class KVCache:
 Cache = KVCache | WindowKVCache
 
 
-def non_finite_cause(cache: Cache, slot: int) -> str:
-    """Why logits `slot` computed through `cache` hold NaN or inf, as far as its rows tell. A key or value beyond
-    f16's range (65504) is inf in an f16 cache, and attention turns it into NaN, where an f32 cache keeps it; an
-    f32 cache, or an f16 one without inf, leaves the weights as the cause."""
-    rows = (cache.k[:, slot], cache.v[:, slot])
+def non_finite_cause(cache: Cache, slot: int, positions: int) -> str:
+    """Why logits `slot` computed through `cache` hold NaN or inf, as far as its first `positions` rows (the
+    sequence's own; past them an earlier sequence's may remain) tell. A key or value beyond f16's range (65504) is
+    inf in an f16 cache, and attention turns it into NaN, where an f32 cache keeps it; an f32 cache, or an f16 one
+    without inf, leaves the weights as the cause."""
+    rows = (cache.k[:, slot, :, :positions], cache.v[:, slot, :, :positions])
     if not any(t.dtype == torch.float16 and bool(torch.isinf(t).any()) for t in rows):
         return "the model's weights are damaged; re-convert it"
     if cache.k.device.type != "cpu":

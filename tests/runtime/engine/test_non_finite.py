@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from qinfer.runtime.engine.engine import Engine
+from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.engine.worker import EngineWorker
 from qinfer.runtime.server.app import create_app
 from qinfer.runtime.server.thread import serve_in_thread
@@ -96,3 +97,15 @@ def test_the_server_answers_500(nan_model: Path) -> None:
     assert failed.value.code == 500
     error = json.loads(failed.value.read())["error"]
     assert error["type"] == "server_error" and "logits are not finite" in error["message"]
+
+
+def test_an_earlier_sequences_overflow_past_the_position_is_not_the_cause(nan_model: Path) -> None:
+    """The slot still holds an earlier sequence's inf rows past this one's position: they took no part in these
+    logits, so the weights are named, not the cache."""
+    engine = Engine.open(nan_model, slots=1, ctx_size=64)
+    ids = engine.tokenizer.encode("Once upon a time")
+    engine.cache.k[:, 0, :, len(ids) + 5 :] = float("inf")
+    engine.submit(Request(ids, 4, SamplingParams(0.0, 0, 1.0)))
+    (out,) = engine.step()
+    assert out.reason == "error" and out.error is not None
+    assert "weights are damaged" in out.error and "f16" not in out.error
