@@ -7,8 +7,8 @@ Per file (the f16 PowerInfer GGUF, and with --quant the file quantized to that t
 best of --rounds interleaved rounds:
 - split, the dense parts and 35% of the FFN on the GPU: ours static (the device selects and computes its neurons
   in the hot-FFN kernels, each step replayed from CUDA graphs), the same without graphs, ours static on torch's
-  ops (the earlier path), ours dynamic; the engine with its own plan (its solver, run by `main`), and the engine
-  with our plan (our .gpuidx beside the file);
+  ops (the earlier path), ours dynamic (promotions between graphed steps, and on torch's ops); the engine with its
+  own plan (its solver, run by `main`), and the engine with our plan (our .gpuidx beside the file);
 - all FFN on the GPU: ours (with and without graphs), the engine (its own plan);
 - dense, every layer on the GPU: the engine on the dense GGUF (-ngl 99);
 - ours all on the CPU, and transformers' eager `generate` on the GPU (f16), as references.
@@ -161,7 +161,8 @@ def main() -> None:
                 ("split ours static", "split-ours", split, "static", None, True),
                 ("split ours static, no graphs", "split-ours", split, "static", None, False),
                 ("split ours static, torch ops", "split-ours", split, "static", False, False),
-                ("split ours dynamic", "split-ours", split, "dynamic", None, False),
+                ("split ours dynamic", "split-ours", split, "dynamic", None, True),
+                ("split ours dynamic, torch ops", "split-ours", split, "dynamic", False, False),
                 ("all FFN ours", "whole-ours", whole, "static", None, True),
                 ("all FFN ours, no graphs", "whole-ours", whole, "static", None, False),
                 ("all-CPU ours", "cpu", None, "static", None, False),

@@ -3,10 +3,12 @@
 Per decode step and layer: the predictor (on the device) selects neurons; selected resident ones are computed
 on the device while a CPU thread computes the others, and the two disjoint partial sums are added. With the
 dynamic schedule the split moves per step (split_cost.balance) and a neuron cache (neuron_cache.NeuronCache)
-promotes neurons hot for this prompt into device slots. On a CUDA device with the static schedule the device's
-share runs in the hot-FFN kernels (kernels/hot_ffn.py), which select among the slots themselves, with one host wait
-per layer. The device may be "cpu": a second tensor set that simulates the GPU side, for tests and for machines
-without one.
+promotes neurons hot for this prompt into device slots. On a CUDA device the device's share runs in the hot-FFN
+kernels (kernels/hot_ffn.py), which select among the slots themselves, with one host wait per layer; there the
+dynamic schedule keeps the split fixed within a step and only promotes, copying the new neurons' rows on a side
+stream between steps into the slots the kernels (and a step's CUDA graphs) already read, which the layer's next
+device work waits for. The device may be "cpu": a second tensor set that simulates the GPU side, for tests and for
+machines without one.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from qinfer.runtime.ffn.sparse import (
 )
 from qinfer.runtime.ffn.split_cost import SplitCosts, balance
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
-from qinfer.runtime.kernels.weight_rows import rows_to, weighted_row_sum
+from qinfer.runtime.kernels.weight_rows import gather_rows, rows_to, weighted_row_sum
 
 
 def empty_rows(t: Weight, capacity: int, device: torch.device) -> Weight:
@@ -80,15 +82,16 @@ class DeviceSlots:
         fc1, fc2 = (whole(w.fc1), whole(w.fc2)) if predictors else (None, None)
         return cls(up, down_t, empty(w.gate), fc1, fc2)
 
-    def load(self, w: FFNWeights, slots: torch.Tensor, neurons: torch.Tensor) -> None:
-        """Copy neurons' rows from the mapped weights into `slots`."""
+    def load(self, w: FFNWeights, slots: torch.Tensor, neurons: torch.Tensor, staged: bool = False) -> None:
+        """Copy neurons' rows from the mapped weights into `slots`; `staged`: through pinned memory, queued on the
+        current stream without waiting (a GPU's side stream)."""
         if slots.numel() == 0:
             return
-        device_slots = slots.to(self.up.device)
+        device_slots = slots.to(self.up.device, non_blocking=staged)
         for mine, source in ((self.up, w.up), (self.down_t, w.down_t), (self.gate, w.gate)):
             if mine is None or source is None:
                 continue
-            rows = rows_on(source, neurons, mine.device)
+            rows = _staged_rows(source, neurons, mine.device) if staged else rows_on(source, neurons, mine.device)
             if isinstance(mine, QuantizedMatrix) and isinstance(rows, QuantizedMatrix):
                 mine.blocks[device_slots] = rows.blocks
             else:
@@ -116,6 +119,13 @@ class LayerSplit:
     device: int = 0
     cpu: int = 0
     moved: int = 0
+
+
+def _staged_rows(t: Weight, ids: torch.Tensor, device: torch.device) -> Weight:
+    """`rows_on`, through pinned memory and without waiting for the copy."""
+    picked = t.blocks.index_select(0, ids) if isinstance(t, QuantizedMatrix) else gather_rows(t, ids)
+    moved = host_buffer(picked.shape, picked.dtype, device).copy_(picked).to(device, non_blocking=True)
+    return t.like(moved) if isinstance(t, QuantizedMatrix) else moved
 
 
 def _kernel_reads(t: Weight) -> bool:
@@ -163,8 +173,7 @@ class HybridRunner:
         in_kernel: bool | None = None,
     ):
         """`in_kernel`: the device side selects and computes its neurons in the hot-FFN kernels (kernels/hot_ffn.py)
-        rather than in torch ops over a host list of ids; None: where it can, on a CUDA device with the static
-        schedule (the dynamic one ships rows by host ids each step)."""
+        rather than in torch ops over a host list of ids; None: where it can, on a CUDA device."""
         require_split_support(layers[0].form)
         self.layers = layers
         self.threshold = threshold
@@ -188,13 +197,18 @@ class HybridRunner:
             # The simulated device keeps torch's ops unless asked (the tests run the kernels in Triton's interpreter);
             # so does a CUDA build of torch that came without triton.
             has_triton = importlib.util.find_spec("triton") is not None
-            in_kernel = device.type == "cuda" and has_triton and kernel_rows and not dynamic
-        elif in_kernel and (dynamic or not kernel_rows):
-            raise ValueError("the hot-FFN kernels take the static schedule over float or Q4_0 rows")
+            in_kernel = device.type == "cuda" and has_triton and kernel_rows
+        elif in_kernel and not kernel_rows:
+            raise ValueError("the hot-FFN kernels read float or Q4_0 rows")
         self.in_kernel = in_kernel
         # Per layer: which neuron each slot holds, on the device, and which neurons are resident, on the host.
         self.slot_neuron = [cache.slot_neuron.to(device, torch.int32) for cache in self.caches]
         self.resident = [cache.neuron_slot >= 0 for cache in self.caches]
+        # The kernel path's promotions: per layer, (slots, neurons) chosen but not yet copied, and the event their
+        # copy recorded, which the layer's next device work waits for.
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._promoted: dict[int, torch.cuda.Event] = {}
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def device_bytes(self) -> int:
         """Bytes of neuron rows held on the device (slots, empty ones included)."""
@@ -206,6 +220,8 @@ class HybridRunner:
 
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
         """x and h may live on the CPU (dense parts there) or on the device; the result goes where x is."""
+        self.promote(layer)
+        self.await_promoted(layer)
         x_dev, h_dev = x.to(self.device), h.to(self.device)
         out = self._prefill(layer, x_dev) if prefill else self._decode(layer, x_dev, h_dev)
         return out.to(x.device)
@@ -267,7 +283,46 @@ class HybridRunner:
         ids = active_ids(cold)
         out = sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, cold[:, ids] if x.shape[0] > 1 else None)
         self.last[layer] = LayerSplit(int((picked & self.resident[layer]).any(0).sum()), int(ids.numel()), 0)
+        if self.dynamic:
+            self._choose_promotions(layer, picked)
         return out
+
+    def _choose_promotions(self, layer: int, picked: torch.Tensor) -> None:
+        """The neuron cache sees this step's selection and may choose swaps; the host counts them resident from the
+        layer's next step on, when its device work waits for their rows (`promote`, `await_promoted`)."""
+        cache = self.caches[layer]
+        cache.observe(active_ids(picked))
+        if not cache.due():
+            return
+        slots, neurons = cache.rebalance()
+        if slots.numel():
+            self.pending[layer] = (slots, neurons)
+            self.resident[layer] = cache.neuron_slot >= 0
+            self.last[layer].moved = int(slots.numel())
+
+    def promote(self, layer: int) -> None:
+        """Copy the layer's pending promotions into its slots: on a GPU, on a side stream behind all work queued so
+        far (the step that read the old rows), with an event the layer's next device work waits for."""
+        slots, neurons = self.pending.pop(layer, (None, None))
+        if slots is None or neurons is None or slots.numel() == 0:
+            return
+        if self._side is None:
+            self.slots[layer].load(self.layers[layer], slots, neurons)
+            self.slot_neuron[layer][slots] = neurons.to(torch.int32)
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            self.slots[layer].load(self.layers[layer], slots, neurons, staged=True)
+            where = slots.to(self.device, non_blocking=True)
+            self.slot_neuron[layer][where] = neurons.to(self.device, torch.int32, non_blocking=True)
+            self._promoted[layer] = torch.cuda.Event()
+            self._promoted[layer].record()
+
+    def await_promoted(self, layer: int) -> None:
+        """Make the current stream wait for the layer's last promotion copy (queued, not a host wait)."""
+        event = self._promoted.pop(layer, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def _decode_in_kernel(self, layer: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The device selects among its slots inside the hot-FFN kernels while the host, after one wait for the
@@ -278,6 +333,7 @@ class HybridRunner:
         ready = torch.cuda.Event() if x.device.type == "cuda" else None
         if ready is not None:
             ready.record()
+        self.await_promoted(layer)
         out = self.device_ffn(layer, x, scores)
         if ready is not None:
             ready.synchronize()
@@ -332,5 +388,8 @@ class HybridRunner:
         if self.dynamic:
             cache.observe(ids)
             if cache.due():
-                s.load(w, *cache.rebalance())
+                # Copied now (on a GPU's side stream, which the layer's next call waits for).
+                self.pending[layer] = cache.rebalance()
+                self.resident[layer] = cache.neuron_slot >= 0
+                self.promote(layer)
         return out

@@ -9,6 +9,9 @@ sends their sum back before the next layer's A. Device pieces between two host p
 layer with no cold neuron joins its neighbours' graph: with the whole FFN on the GPU a token is one graph and one
 wait (for its logits).
 
+With the dynamic schedule, a layer's promotions (ffn/hybrid.py) are copied on a side stream after the step that
+chose them, into the slots the graphs read, and the layer's piece B of the next step waits for them.
+
 A batch size's graphs are captured on its first step, after one eager run of the same program (Triton compiles
 its kernels, cuBLAS makes its handles); that run writes the same KV rows that the replay then writes again. The
 step reads no value on the host: the batch's tokens, positions and slots are copied to the device, attention reads
@@ -29,6 +32,10 @@ from qinfer.core.model_spec import ModelSpec
 from qinfer.runtime.ffn.hybrid import HybridRunner, host_buffer
 from qinfer.runtime.kv.batch import Step, TokenBatch
 from qinfer.runtime.kv.cache import Cache, KVCache
+
+# Set to 0, decode steps on a GPU run eagerly (the same numbers, more launches): a way around a CUDA build whose
+# graphs misbehave without failing to record.
+GRAPHS_VARIABLE = "QINFER_CUDA_GRAPHS"
 
 
 class GraphedForward(Protocol):
@@ -149,6 +156,8 @@ class GraphStep:
         self.values["logits"] = self.forward.head(self._residual(self.forward.cfg.layers - 1))
 
     def _send(self, layer: int) -> None:
+        # The dynamic schedule's promotions, copied after the last step, are in the slots before B reads them.
+        self.runner.await_promoted(layer)
         host, reads = self.host[layer], self.values[f"reads{layer}"]
         assert isinstance(reads, list)
         if not host.reads:
@@ -184,14 +193,17 @@ class GraphStep:
             else:
                 self._host_piece(piece)
 
-    def _record(self) -> None:
-        """One eager run on a side stream (what capture needs warmed), then the graphs, each over the device pieces
-        between two host pieces, in one memory pool. Capture runs nothing: the step's result is the first replay's."""
+    def _record(self) -> torch.Tensor:
+        """One eager run on a side stream, which is this step (its logits are returned; capture computes nothing)
+        and warms what capture needs; then the graphs, each over the device pieces between two host pieces, in one
+        memory pool. The step runs once: its host parts (the neuron cache's view of it) see it once."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._eager()
         torch.cuda.current_stream().wait_stream(side)
+        logits = self.values["logits"]
+        assert isinstance(logits, torch.Tensor)
         graphs = []
         group: list[_Device] = []
 
@@ -212,6 +224,7 @@ class GraphStep:
                 close()
         close()
         self.graphs = graphs
+        return logits
 
     def _replay(self) -> None:
         assert self.graphs is not None
@@ -234,15 +247,16 @@ class GraphStep:
             getattr(self.batch, name).copy_(host, non_blocking=True)
         self.host_h.copy_(self.forward.embed[batch.tokens])
         self.h0.copy_(self.host_h, non_blocking=True)
-        if not self.capture:
-            self._eager()
-        else:
-            if self.graphs is None:
-                self._record()
+        if self.graphs is not None:
             self._replay()
-        logits = self.values["logits"]
+        elif not self.capture:
+            self._eager()
+        logits = self._record() if self.capture and self.graphs is None else self.values["logits"]
         assert isinstance(logits, torch.Tensor)
-        return logits.cpu()
+        logits = logits.cpu()
+        for layer in self.host:
+            self.runner.promote(layer)  # on a side stream, while the host samples and embeds the next step
+        return logits
 
 
 class GraphSteps:

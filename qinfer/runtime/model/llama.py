@@ -8,6 +8,7 @@ Hugging Face's rows, rotates halves, and adds biases to q, k and v.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.forward import FFNRunner, TransformerForward
-from qinfer.runtime.model.graph_step import GraphSteps
+from qinfer.runtime.model.graph_step import GRAPHS_VARIABLE, GraphSteps
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import rms_norm
 from qinfer.runtime.model.rope import ROTATIONS
@@ -51,7 +52,8 @@ class LlamaForward(TransformerForward):
     def __init__(self, model: ModelFile, ffn: FFNRunner | None = None, device: torch.device | str = "cpu"):
         super().__init__(model, ffn, device)
         self.rotate = ROTATIONS[architecture(self.cfg.arch).rope]
-        if self.device.type == "cuda" and isinstance(self.ffn, HybridRunner) and self.ffn.device == self.device:
+        split_on_gpu = isinstance(self.ffn, HybridRunner) and self.ffn.device == self.device
+        if self.device.type == "cuda" and split_on_gpu and os.environ.get(GRAPHS_VARIABLE, "1") != "0":
             self.graphs = GraphSteps(self, self.ffn)
 
     def native_rows(self) -> list[LayerRows]:

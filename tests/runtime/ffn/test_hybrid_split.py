@@ -21,6 +21,7 @@ from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.generate import generate, generate_many
 from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.ffn.hybrid import HybridRunner
+from qinfer.runtime.ffn.neuron_cache import CachePolicy
 from qinfer.runtime.ffn.split_cost import SplitCosts
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
@@ -180,6 +181,30 @@ def test_graphed_step_gives_the_eager_split_logits(model: Path, share: float) ->
         assert step.graphs is None if not cuda else len(step.graphs) == 1 + 2 * len(step.host)
 
 
+def test_the_dynamic_schedule_in_the_kernels_gives_the_cpu_logits_while_neurons_move(model: Path) -> None:
+    """Promotions chosen each step, copied between steps into the slots the kernels (and a GPU's graphs) read: the
+    logits stay the all-CPU ones, eagerly and through the graphed program, as neurons move in and out."""
+    pytest.importorskip("triton")
+    cpu_only = Engine.open(model, ctx_size=96, ffn="sparse")
+    budget = _budget_gib(model, 1, 0.4)
+    for graphed in (False, True):
+        split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="dynamic", device="cpu")
+        runner, forward = _hybrid(split), split.forward
+        runner.in_kernel = True
+        for cache in runner.caches:
+            cache.policy = CachePolicy(decay=0.5, margin=0.05, period=1)
+        forward.graphs = GraphSteps(forward, runner, capture=False) if graphed else None
+        ids = torch.tensor(cpu_only.tokenizer.encode(PROMPTS[1]))
+        a = KVCache(cpu_only.forward.cfg, 96, types=F32_KV)
+        b = KVCache(forward.cfg, 96, types=F32_KV)
+        with torch.inference_mode():
+            cpu_only.forward(ids[:3], 0, a), forward(ids[:3], 0, b)
+            for j in range(3, 12):
+                expected = cpu_only.forward(ids[j : j + 1], j, a)
+                assert torch.allclose(forward(ids[j : j + 1], j, b), expected, rtol=0, atol=1e-4)
+        assert sum(c.swaps for c in runner.caches) > 0
+
+
 def test_graphs_that_cannot_be_recorded_leave_the_step_eager(
     model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -295,14 +320,24 @@ def test_run_command_without_activation_statistics_names_the_profile_command(mod
     assert len(result.stderr.strip().splitlines()) == 1 and "qinfer prep profile" in result.stderr
 
 
-def test_dynamic_cache_swaps_keep_device_rows_equal_to_the_file(model: Path) -> None:
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["torch ops", "kernels"])
+def test_dynamic_cache_swaps_keep_device_rows_equal_to_the_file(model: Path, in_kernel: bool) -> None:
+    """On the kernels' path the swaps chosen in a step are copied at the layer's next one (`promote`): once they
+    are, the slots, the device's map of them and the host's view of residency agree with the file and the cache."""
+    if in_kernel:
+        pytest.importorskip("triton")
     split = Engine.open(
         model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3), schedule="dynamic", device="cpu"
     )
     runner = _hybrid(split)
+    runner.in_kernel = in_kernel
     generate(split, PROMPTS[1], 40, GREEDY, ignore_eos=True)
     assert sum(c.swaps for c in runner.caches) > 0
-    for w, slots, cache in zip(runner.layers, runner.slots, runner.caches, strict=True):
+    for layer in range(len(runner.layers)):
+        runner.promote(layer)
+    for i, (w, slots, cache) in enumerate(zip(runner.layers, runner.slots, runner.caches, strict=True)):
+        assert torch.equal(runner.slot_neuron[i].long(), cache.slot_neuron)
+        assert torch.equal(runner.resident[i], cache.neuron_slot >= 0)
         used = torch.nonzero(cache.slot_neuron >= 0).flatten()
         neurons = cache.slot_neuron[used]
         assert torch.equal(slots.up[used], w.up[neurons]) and torch.equal(slots.down_t[used], w.down_t[neurons])
