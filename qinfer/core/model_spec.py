@@ -25,6 +25,18 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts FFN: each token runs the `used` experts its router scores highest, of `count`, each a
+    SwiGLU of `ffn` neurons, and sums them weighted by the router's softmax."""
+
+    count: int
+    used: int
+    ffn: int
+    shared_ffn: int = 0  # neurons of the shared expert every token runs, sigmoid-gated (Qwen2-MoE); 0: none
+    norm_top_k: bool = True  # the chosen experts' weights rescaled to sum to 1 (Mixtral, Qwen3-MoE)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     arch: str  # general.architecture: a key of qinfer.core.architectures.ARCHITECTURES
     name: str
@@ -43,6 +55,7 @@ class ModelSpec:
     activation: str | None = None
     sliding_window: int | None = None  # each token attends to its last this-many positions (Mistral); None: all
     rope_scaling: RopeScaling | None = None  # from config.json only; a file holds its result, rope_freqs
+    experts: Experts | None = None  # None: one dense FFN of `ffn` neurons per layer
 
     @property
     def head_dim(self) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 from qinfer.core.architectures import CONFIG_FIX, architecture, architecture_for_hf
 from qinfer.core.errors import UserError
-from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, ModelSpec
+from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, Experts, ModelSpec
 from qinfer.core.names import Key, arch_key
 from qinfer.core.numbers import real, whole
 
@@ -84,6 +84,20 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
     def count(template: str, default: Any = None) -> int:
         return _count(key(template, default), arch_key(template, arch.name), path)
 
+    experts, shared = None, arch_key(Key.EXPERT_SHARED_FEED_FORWARD_LENGTH, arch.name)
+    if arch.experts == "always" or meta.get(arch_key(Key.EXPERT_COUNT, arch.name)):
+        if arch.experts == "never":
+            raise UserError(f"{path}: a {arch.name} model has no experts; re-convert it")
+        experts = Experts(
+            count(Key.EXPERT_COUNT),
+            count(Key.EXPERT_USED_COUNT),
+            count(Key.EXPERT_FEED_FORWARD_LENGTH, meta.get(arch_key(Key.FEED_FORWARD_LENGTH, arch.name))),
+            count(Key.EXPERT_SHARED_FEED_FORWARD_LENGTH) if shared in meta else 0,
+            bool(key(Key.EXPERT_WEIGHTS_NORM, arch.norm_top_k)),
+        )
+        if not 1 <= experts.used <= experts.count:
+            raise UserError(f"{path}: {experts.used} of {experts.count} experts per token; {_CORRUPT}")
+
     heads = count(Key.HEAD_COUNT)
     hidden = count(Key.EMBEDDING_LENGTH)
     tokens = meta.get(Key.TOKENS)
@@ -111,6 +125,7 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
         tie_word_embeddings=arch.output_is_embedding,
         activation=arch.file_activation(meta.get(Key.FFN_ACTIVATION), row_layout, path),
         sliding_window=None if window is None else _count(window, arch_key(Key.SLIDING_WINDOW, arch.name), path),
+        experts=experts,
     )
     if spec.context_length <= 0:
         raise UserError(f"{path}: the context length leaves no position; {_CORRUPT}")
