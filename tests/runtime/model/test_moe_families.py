@@ -19,6 +19,7 @@ from qinfer.runtime.kv.cache import KVCache
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.support.cli_in_process import run_in_process
+from tests.support.gguf_rewrite import rewrite_gguf
 from tests.support.runtime_logits import our_logits
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
@@ -108,3 +109,25 @@ def test_a_budget_or_sparse_run_is_refused_in_one_line(
     ran = run_in_process("run", "-m", str(moe["mixtral"]["dense-f32"]), "-p", "Once", "-n", "2", *option)
     assert ran.returncode == 2 and ran.stdout == "", ran.stderr
     assert ran.stderr == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_file_that_does_not_say_is_routed_as_llama_cpp_routes_it(
+    moe: dict[str, dict[str, Path]], family: str, tmp_path: Path
+) -> None:
+    """llama.cpp's own converter writes no expert_weights_norm, and its graphs rescale Mixtral's and Qwen3-MoE's
+    top-k weights but not Qwen2-MoE's: the synth models are built so, and read without the key they decode the same."""
+    path = moe[family]["dense-f32"]
+    arch = open_model(path).metadata["general.architecture"]
+    unsaid = rewrite_gguf(path, tmp_path / "unsaid.gguf", drop_keys={f"{arch}.expert_weights_norm"})
+    ids = hf_ids(moe[family]["model"], TEXT)[:10]
+    assert torch.equal(our_logits(unsaid, ids, "dense"), our_logits(path, ids, "dense"))
+
+
+def test_more_experts_per_token_than_there_are_is_refused(moe: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    bent = rewrite_gguf(
+        moe["qwen3moe"]["dense-f32"], tmp_path / "bent.gguf", replace={"qwen3moe.expert_used_count": (9, None)}
+    )
+    ran = run_in_process("run", "-m", str(bent), "-p", "Once", "-n", "2")
+    assert ran.returncode == 2 and ran.stdout == "", ran.stderr
+    assert ran.stderr == f"error: {bent}: 9 of 8 experts per token; the file is corrupt, re-convert it\n"
