@@ -691,7 +691,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             hf_classes=("Qwen2MoeForCausalLM",),
             ffn=ACTIVATIONS["silu"],
             rope="neox",
-            # Where the profiler would hook: experts are not profiled yet, so mlp.gate (the router) stands for up.
+            # Never hooked (the profiler refuses experts): mlp.gate, the router, stands in for up.
             hf=HfModules("Qwen2MoeForCausalLM", "model.layers", "post_attention_layernorm", "mlp.gate"),
             read_config=partial(_gated_config, "qwen2moe", qkv_bias=True, experts=True),
             hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN2MOE),
