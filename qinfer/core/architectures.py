@@ -147,7 +147,11 @@ class Architecture:
         for i in range(spec.layers):
             shapes |= self.block_tensors(spec, i)
             if self.qkv_bias:
-                for part, size in ((Tensor.ATTN_Q, e), (Tensor.ATTN_K, spec.kv_dim), (Tensor.ATTN_V, spec.kv_dim)):
+                for part, size in (
+                    (Tensor.ATTN_Q, spec.q_dim),
+                    (Tensor.ATTN_K, spec.kv_dim),
+                    (Tensor.ATTN_V, spec.kv_dim),
+                ):
                     shapes[tensor_name(part, i, BIAS)] = (size,)
             if self.qk_norm:
                 shapes[tensor_name(Tensor.ATTN_Q_NORM, i)] = (spec.head_dim,)
@@ -324,8 +328,11 @@ def _gated_config(
             raise UserError(f"{path} sets {flag}; the GGUF layout of this family has no such biases")
     heads = _count(cfg, "num_attention_heads", path)
     hidden = _count(cfg, "hidden_size", path)
-    if cfg.get("head_dim") not in (None, hidden // heads):
-        raise UserError(f"{path}: head_dim {cfg['head_dim']} is not hidden_size / num_attention_heads")
+    head_dim = _count(cfg, "head_dim", path, hidden // heads)
+    # Only the torch path reads heads of their own size: the native step and the planner take hidden / heads, and
+    # the families with experts use neither yet.
+    if head_dim != hidden // heads and not experts:
+        raise UserError(f"{path}: head_dim {head_dim} is not hidden_size / num_attention_heads")
     context = _count(cfg, "max_position_embeddings", path, 2048)
     return ModelSpec(
         arch=arch,
@@ -338,13 +345,14 @@ def _gated_config(
         heads=heads,
         kv_heads=_count(cfg, "num_key_value_heads", path, heads),
         norm_eps=_number(cfg, "rms_norm_eps", path, NORM_EPS, 1e-6),
-        rope_dim=hidden // heads,
+        rope_dim=head_dim,
         rope_theta=_rope_theta(cfg, path),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         activation=_HIDDEN_ACTS[act] if arch != "bamboo" else "drelu",
         sliding_window=_sliding_window(cfg, context, path),
         rope_scaling=_rope_scaling(cfg, path),
         experts=_moe(cfg, path, experts),
+        head_size=None if head_dim == hidden // heads else head_dim,
     )
 
 
@@ -428,13 +436,13 @@ def _llama_globals(spec: ModelSpec) -> Shapes:
 
 
 def _llama_block(spec: ModelSpec, i: int) -> Shapes:
-    e, kv = spec.hidden, spec.kv_dim
+    e, q, kv = spec.hidden, spec.q_dim, spec.kv_dim
     return {
         tensor_name(Tensor.ATTN_NORM, i): (e,),
-        tensor_name(Tensor.ATTN_Q, i): (e, e),
+        tensor_name(Tensor.ATTN_Q, i): (q, e),
         tensor_name(Tensor.ATTN_K, i): (kv, e),
         tensor_name(Tensor.ATTN_V, i): (kv, e),
-        tensor_name(Tensor.ATTN_OUT, i): (e, e),
+        tensor_name(Tensor.ATTN_OUT, i): (e, q),
         tensor_name(Tensor.FFN_NORM, i): (e,),
     }
 
@@ -596,6 +604,9 @@ def _llama_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
     writer.add_rope_dimension_count(spec.head_dim)
     writer.add_head_count(spec.heads)
     writer.add_head_count_kv(spec.kv_heads)
+    if spec.head_size is not None:
+        writer.add_key_length(spec.head_size)
+        writer.add_value_length(spec.head_size)
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     _rope_freq(writer, spec)
     if spec.sliding_window is not None:

@@ -56,10 +56,17 @@ class ModelSpec:
     sliding_window: int | None = None  # each token attends to its last this-many positions (Mistral); None: all
     rope_scaling: RopeScaling | None = None  # from config.json only; a file holds its result, rope_freqs
     experts: Experts | None = None  # None: one dense FFN of `ffn` neurons per layer
+    # Dimensions of each head where they are not hidden / heads (Qwen3-MoE: 128 for 2048 / 32); None: they are.
+    head_size: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Rows of q, and columns of the attention's output projection."""
+        return self.head_dim * self.heads
 
     @property
     def kv_dim(self) -> int:

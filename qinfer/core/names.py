@@ -104,6 +104,8 @@ class Key:
     EXPERT_WEIGHTS_NORM = Keys.LLM.EXPERT_WEIGHTS_NORM
     HEAD_COUNT = Keys.Attention.HEAD_COUNT
     HEAD_COUNT_KV = Keys.Attention.HEAD_COUNT_KV
+    KEY_LENGTH = Keys.Attention.KEY_LENGTH  # a head's dimensions where they are not embedding_length / head_count
+    VALUE_LENGTH = Keys.Attention.VALUE_LENGTH
     LAYERNORM_EPS = Keys.Attention.LAYERNORM_EPS
     LAYERNORM_RMS_EPS = Keys.Attention.LAYERNORM_RMS_EPS
     ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
@@ -192,6 +194,8 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     Key.EXPERT_WEIGHTS_NORM: (_BOOL, None),
     Key.HEAD_COUNT: (_U32, None),
     Key.HEAD_COUNT_KV: (_U32, None),
+    Key.KEY_LENGTH: (_U32, None),
+    Key.VALUE_LENGTH: (_U32, None),
     Key.LAYERNORM_EPS: (_F32, None),
     Key.LAYERNORM_RMS_EPS: (_F32, None),
     Key.ROPE_DIMENSION_COUNT: (_U32, None),

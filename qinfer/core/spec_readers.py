@@ -41,7 +41,7 @@ def _count(value: Any, key: str, path: Path) -> int:
 
 
 def _check_shape(spec: ModelSpec, path: Path, fix: str) -> None:
-    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+    if (spec.head_size is None and spec.hidden % spec.heads) or spec.heads % spec.kv_heads:
         raise UserError(
             f"{path}: {spec.hidden} embedding dimensions, {spec.heads} heads and {spec.kv_heads} kv heads do not "
             f"divide evenly; {fix}"
@@ -65,6 +65,23 @@ def _refuse_rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> None:
         f"{path}: {key} is {meta[key]:g}, asking for {kind} rope scaling, which qinfer does not apply; only "
         "unscaled rope and Llama-3.1's rope_freqs run"
     )
+
+
+def _head_size(meta: dict[str, Any], arch: str, even: int, experts: bool, path: Path) -> int | None:
+    """A head's dimensions where the file gives them other than embedding_length / head_count (key_length, and
+    value_length the same, as llama.cpp writes them for Qwen3); None where it does not."""
+    keys = [arch_key(template, arch) for template in (Key.KEY_LENGTH, Key.VALUE_LENGTH)]
+    sizes = {_count(meta[key], key, path) for key in keys if key in meta}
+    if not sizes or sizes == {even}:
+        return None
+    if len(sizes) > 1:
+        raise UserError(f"{path}: keys and values of different sizes ({', '.join(keys)}) do not run")
+    if not experts:
+        raise UserError(
+            f"{path}: heads of {sizes.pop()} dimensions, not embedding_length / head_count, run only in models with "
+            "experts yet"
+        )
+    return sizes.pop()
 
 
 def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> ModelSpec:
@@ -100,6 +117,7 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
 
     heads = count(Key.HEAD_COUNT)
     hidden = count(Key.EMBEDDING_LENGTH)
+    head_size = _head_size(meta, arch.name, hidden // heads, experts is not None, path)
     tokens = meta.get(Key.TOKENS)
     theta_key = arch_key(Key.ROPE_FREQ_BASE, arch.name)
     theta = meta.get(theta_key)
@@ -118,7 +136,9 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
         heads=heads,
         kv_heads=count(Key.HEAD_COUNT_KV, heads),
         norm_eps=eps,
-        rope_dim=0 if arch.rope == "none" else count(Key.ROPE_DIMENSION_COUNT, arch.default_rope_dim(hidden, heads)),
+        rope_dim=0
+        if arch.rope == "none"
+        else count(Key.ROPE_DIMENSION_COUNT, head_size or arch.default_rope_dim(hidden, heads)),
         rope_theta=None
         if theta is None
         else real(theta, arch_key(Key.ROPE_FREQ_BASE, arch.name), path, ROPE_BASE, _CORRUPT),
@@ -126,6 +146,7 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
         activation=arch.file_activation(meta.get(Key.FFN_ACTIVATION), row_layout, path),
         sliding_window=None if window is None else _count(window, arch_key(Key.SLIDING_WINDOW, arch.name), path),
         experts=experts,
+        head_size=head_size,
     )
     if spec.context_length <= 0:
         raise UserError(f"{path}: the context length leaves no position; {_CORRUPT}")

@@ -2,7 +2,8 @@
 
 Each has what sets its family apart, only small: Mixtral 4 experts of which 2 run, with a SentencePiece
 vocabulary; Qwen2-MoE q/k/v biases and a sigmoid-gated shared expert beside 4 experts whose top-2 weights are not
-rescaled; Qwen3-MoE q/k norms and 8 experts, top-2 rescaled. Weights are random (seeded).
+rescaled; Qwen3-MoE q/k norms, heads wider than hidden / heads and 8 experts, top-2 rescaled. Weights are random
+(seeded).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class MoeShape:
     kv_heads: int = 2
     expert_ffn: int = 32
     shared_ffn: int = 48  # Qwen2-MoE's shared expert
+    qwen3_head_dim: int = 32  # wider than hidden / heads, as Qwen3-30B-A3B's heads (128 of 2048 / 32) are
     used: int = 2
     vocab: int = 640
     context: int = 256
@@ -68,7 +70,7 @@ def _config(family: str, shape: MoeShape, vocab: int, ids: dict[str, int | None]
     qwen = dict(common, num_experts=experts, moe_intermediate_size=shape.expert_ffn, intermediate_size=4 * shape.hidden)
     if family == "qwen2moe":
         return Qwen2MoeConfig(**qwen, shared_expert_intermediate_size=shape.shared_ffn, norm_topk_prob=False)
-    return Qwen3MoeConfig(**qwen, head_dim=shape.hidden // shape.heads, norm_topk_prob=True)
+    return Qwen3MoeConfig(**qwen, head_dim=shape.qwen3_head_dim, norm_topk_prob=True)
 
 
 _CLASSES: dict[str, type[PreTrainedModel]] = {

@@ -58,8 +58,8 @@ class LlamaForward(TransformerForward):
             self.graphs = GraphSteps(self, self.ffn)
 
     def native_rows(self) -> list[LayerRows] | None:
-        if self.attn[0].q_norm is not None:
-            return None  # the native step has no q/k norms
+        if self.attn[0].q_norm is not None or self.cfg.head_size is not None:
+            return None  # the native step has no q/k norms, and takes heads of hidden / heads
         return [LayerRows(a.attn_norm, a.q, a.k, a.v, a.o, a.ffn_norm, None, None, a.q_bias, a.k_bias, a.v_bias)
                 for a in self.attn]  # fmt: skip
 

@@ -41,8 +41,10 @@ def llama_cpp_shapes(config: dict, family: str) -> dict[str, tuple[int, ...]]:
         shapes |= {"ffn_gate_inp_shexp": (e, 1), "ffn_gate_shexp": (e, s), "ffn_up_shexp": (e, s),
                    "ffn_down_shexp": (s, e)}  # fmt: skip
     if family == "qwen3moe":
-        head = e // config["num_attention_heads"]
-        shapes |= {"attn_q_norm": (head,), "attn_k_norm": (head,)}
+        head, heads, kv_heads = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+        assert head != e // heads  # Qwen3-MoE's heads are their own size
+        shapes |= {"attn_q_norm": (head,), "attn_k_norm": (head,), "attn_q": (e, heads * head),
+                   "attn_k": (e, kv_heads * head), "attn_output": (heads * head, e)}  # fmt: skip
     return shapes
 
 
@@ -66,6 +68,10 @@ def test_convert_dense_writes_llama_cpps_moe_layout(
     assert meta[Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=arch)] == expert_ffn
     shared = Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=arch)
     assert meta.get(shared) == config.get("shared_expert_intermediate_size")
+    # llama.cpp's converter writes a head's size where config.json gives one; ours where it is not hidden / heads.
+    head = config.get("head_dim") if family == "qwen3moe" else None
+    for template in (Keys.Attention.KEY_LENGTH, Keys.Attention.VALUE_LENGTH):
+        assert meta.get(template.format(arch=arch)) == head
     tensors = {t.name: t for t in reader.tensors}
     # Only names llama.cpp's table has for this architecture.
     known = {TENSOR_NAMES[t].format(bid=i) for t in MODEL_TENSORS[LLAMA_CPP_ARCH[family]] for i in range(2)}
@@ -96,6 +102,14 @@ def test_moe_config_refusals(moe: dict[str, dict[str, Path]]) -> None:
     ):
         with pytest.raises(UserError, match=message):
             ARCHITECTURES["qwen2moe"].read_config({**config, **keys}, where)
+
+
+def test_heads_of_their_own_size_need_experts(moe: dict[str, dict[str, Path]]) -> None:
+    """The native step and the planner take heads of hidden / heads; only the families with experts use neither."""
+    where = moe["mixtral"]["model"] / "config.json"
+    config = json.loads(where.read_text())
+    with pytest.raises(UserError, match="head_dim 32 is not hidden_size / num_attention_heads"):
+        ARCHITECTURES["llama"].read_config({**config, "head_dim": 32}, where)
 
 
 def test_experts_are_not_made_sparse_yet(moe: dict[str, dict[str, Path]], tmp_path: Path) -> None:

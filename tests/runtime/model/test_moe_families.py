@@ -131,3 +131,15 @@ def test_more_experts_per_token_than_there_are_is_refused(moe: dict[str, dict[st
     ran = run_in_process("run", "-m", str(bent), "-p", "Once", "-n", "2")
     assert ran.returncode == 2 and ran.stdout == "", ran.stderr
     assert ran.stderr == f"error: {bent}: 9 of 8 experts per token; the file is corrupt, re-convert it\n"
+
+
+def test_keys_and_values_of_different_sizes_are_refused(moe: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    bent = rewrite_gguf(
+        moe["qwen3moe"]["dense-f32"], tmp_path / "bent.gguf", replace={"qwen3moe.attention.value_length": (16, None)}
+    )
+    ran = run_in_process("run", "-m", str(bent), "-p", "Once", "-n", "2")
+    assert ran.returncode == 2 and ran.stdout == "", ran.stderr
+    assert ran.stderr == (
+        f"error: {bent}: keys and values of different sizes (qwen3moe.attention.key_length, "
+        "qwen3moe.attention.value_length) do not run\n"
+    )
