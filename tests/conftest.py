@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth
+from qinfer.prep.synth.moe import MOE_FAMILIES, build_moe
 from qinfer.prep.synth.swiglu import FAMILIES, build_swiglu
 from qinfer.runtime.kernels import row_kernels
 
@@ -49,6 +50,17 @@ def swiglu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path
     files = {}
     for family in FAMILIES:
         model = build_swiglu(out / family, family, init_std=0.1)
+        files[family] = {"model": model, "dense-f32": convert(model, out / f"{family}.gguf", None, "f32").outfile}
+    return files
+
+
+@pytest.fixture(scope="session")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """A tiny untrained checkpoint of each mixture-of-experts family and its dense f32 GGUF, by family."""
+    out = tmp_path_factory.mktemp("moe")
+    files = {}
+    for family in MOE_FAMILIES:
+        model = build_moe(out / family, family)
         files[family] = {"model": model, "dense-f32": convert(model, out / f"{family}.gguf", None, "f32").outfile}
     return files
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map
 
 from qinfer.core.errors import UserError
-from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, ModelSpec, RopeScaling
+from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, Experts, ModelSpec, RopeScaling
 from qinfer.core.names import BIAS, WEIGHT, Key, Tensor, tensor_name
 from qinfer.core.numbers import Span, real, whole
 
@@ -91,6 +91,12 @@ class Architecture:
     # PowerInfer's llama files are ReLU, llama.cpp's are SwiGLU. None: the family has one form, `ffn`.
     unstated_activation: tuple[str, str] | None = None
     qkv_bias: bool = False  # q, k and v carry biases (Qwen2)
+    qk_norm: bool = False  # q and k pass an RMSNorm over each head before rope (Qwen3)
+    # Whether the FFN is a mixture of experts: never, where config.json or the file says so (llama: Mixtral), or
+    # always; and whether the chosen experts' weights are rescaled to sum to 1 where the file does not say
+    # (Key.EXPERT_WEIGHTS_NORM), as llama.cpp's graph for the family does.
+    experts: Literal["never", "optional", "always"] = "never"
+    norm_top_k: bool = True
     # A file may leave output.weight out for a tied head, as llama.cpp writes tied models; the head then reads
     # token_embd.
     output_optional: bool = False
@@ -141,8 +147,18 @@ class Architecture:
         for i in range(spec.layers):
             shapes |= self.block_tensors(spec, i)
             if self.qkv_bias:
-                for part, size in ((Tensor.ATTN_Q, e), (Tensor.ATTN_K, spec.kv_dim), (Tensor.ATTN_V, spec.kv_dim)):
+                for part, size in (
+                    (Tensor.ATTN_Q, spec.q_dim),
+                    (Tensor.ATTN_K, spec.kv_dim),
+                    (Tensor.ATTN_V, spec.kv_dim),
+                ):
                     shapes[tensor_name(part, i, BIAS)] = (size,)
+            if self.qk_norm:
+                shapes[tensor_name(Tensor.ATTN_Q_NORM, i)] = (spec.head_dim,)
+                shapes[tensor_name(Tensor.ATTN_K_NORM, i)] = (spec.head_dim,)
+            if spec.experts is not None:
+                shapes |= expert_tensors(spec.experts, e, i)
+                continue
             if self.ffn.gated:
                 shapes[tensor_name(Tensor.FFN_GATE, i)] = (f, e)
             shapes[tensor_name(Tensor.FFN_UP, i)] = (f, e)
@@ -157,6 +173,27 @@ class Architecture:
                 shapes[tensor_name(Tensor.FC1, i)] = (rank, e)
                 shapes[tensor_name(Tensor.FC2, i)] = (f, rank)
         return shapes
+
+
+def expert_tensors(experts: Experts, hidden: int, i: int) -> Shapes:
+    """Layer i's router and experts, each kind of expert matrix stacked into one [N, rows, columns] tensor, as
+    llama.cpp lays them out (down as [N, E, F], like a dense file's down)."""
+    n, e, f = experts.count, hidden, experts.ffn
+    shapes = {
+        tensor_name(Tensor.FFN_GATE_INP, i): (n, e),
+        tensor_name(Tensor.FFN_GATE_EXPS, i): (n, f, e),
+        tensor_name(Tensor.FFN_UP_EXPS, i): (n, f, e),
+        tensor_name(Tensor.FFN_DOWN_EXPS, i): (n, e, f),
+    }
+    if experts.shared_ffn:
+        s = experts.shared_ffn
+        shapes |= {
+            tensor_name(Tensor.FFN_GATE_INP_SHEXP, i): (1, e),
+            tensor_name(Tensor.FFN_GATE_SHEXP, i): (s, e),
+            tensor_name(Tensor.FFN_UP_SHEXP, i): (s, e),
+            tensor_name(Tensor.FFN_DOWN_SHEXP, i): (e, s),
+        }
+    return shapes
 
 
 # --- reading config.json ----------------------------------------------------------------------------------------
@@ -253,8 +290,36 @@ def _sliding_window(cfg: dict[str, Any], context: int, path: Path) -> int | None
     return window
 
 
-def _gated_config(arch: str, cfg: dict[str, Any], path: Path, qkv_bias: bool = False) -> ModelSpec:
-    """LLaMA-shaped configs: ReluLLaMA, Bamboo, Llama-3, Mistral, Qwen2 (whose q/k/v carry biases)."""
+def _experts(cfg: dict[str, Any], path: Path, norm_default: bool) -> Experts | None:
+    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config (None: a dense FFN); `norm_default`: whether its
+    transformers class rescales the top-k weights where the config has no norm_topk_prob."""
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"  # Mixtral's name, Qwen's
+    if not cfg.get(key):
+        return None
+    count = _count(cfg, key, path)
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise UserError(
+            f"{path}: dense FFNs between the expert layers (mlp_only_layers, decoder_sparse_step) are not supported; "
+            "only models with experts in every layer run"
+        )
+    used = _count(cfg, "num_experts_per_tok", path)
+    if not 1 <= used <= count:
+        raise UserError(f"{path}: num_experts_per_tok {used} is not between 1 and the {count} experts; {CONFIG_FIX}")
+    return Experts(
+        count=count,
+        used=used,
+        ffn=_count(cfg, "moe_intermediate_size", path, _count(cfg, "intermediate_size", path)),
+        shared_ffn=_count(cfg, "shared_expert_intermediate_size", path, 0),
+        norm_top_k=bool(cfg.get("norm_topk_prob", norm_default)),
+    )
+
+
+def _gated_config(
+    arch: str, cfg: dict[str, Any], path: Path, qkv_bias: bool = False, experts: bool = False
+) -> ModelSpec:
+    """LLaMA-shaped configs: ReluLLaMA, Bamboo, Llama-3, Mistral, Qwen2 (whose q/k/v carry biases), and with
+    experts Mixtral, Qwen2-MoE and Qwen3-MoE (`experts`: the family always has them, and its transformers class
+    rescales the top-k weights only where the config says so)."""
     act = cfg.get("hidden_act", "silu")
     if not isinstance(act, str) or act not in _HIDDEN_ACTS:
         raise UserError(f"{path} has hidden_act={act!r}; supported: {', '.join(_HIDDEN_ACTS)}")
@@ -263,8 +328,11 @@ def _gated_config(arch: str, cfg: dict[str, Any], path: Path, qkv_bias: bool = F
             raise UserError(f"{path} sets {flag}; the GGUF layout of this family has no such biases")
     heads = _count(cfg, "num_attention_heads", path)
     hidden = _count(cfg, "hidden_size", path)
-    if cfg.get("head_dim") not in (None, hidden // heads):
-        raise UserError(f"{path}: head_dim {cfg['head_dim']} is not hidden_size / num_attention_heads")
+    head_dim = _count(cfg, "head_dim", path, hidden // heads)
+    # Only the torch path reads heads of their own size: the native step and the planner take hidden / heads, and
+    # the families with experts use neither yet.
+    if head_dim != hidden // heads and not experts:
+        raise UserError(f"{path}: head_dim {head_dim} is not hidden_size / num_attention_heads")
     context = _count(cfg, "max_position_embeddings", path, 2048)
     return ModelSpec(
         arch=arch,
@@ -277,13 +345,22 @@ def _gated_config(arch: str, cfg: dict[str, Any], path: Path, qkv_bias: bool = F
         heads=heads,
         kv_heads=_count(cfg, "num_key_value_heads", path, heads),
         norm_eps=_number(cfg, "rms_norm_eps", path, NORM_EPS, 1e-6),
-        rope_dim=hidden // heads,
+        rope_dim=head_dim,
         rope_theta=_rope_theta(cfg, path),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         activation=_HIDDEN_ACTS[act] if arch != "bamboo" else "drelu",
         sliding_window=_sliding_window(cfg, context, path),
         rope_scaling=_rope_scaling(cfg, path),
+        experts=_moe(cfg, path, experts),
+        head_size=None if head_dim == hidden // heads else head_dim,
     )
+
+
+def _moe(cfg: dict[str, Any], path: Path, always: bool) -> Experts | None:
+    found = _experts(cfg, path, norm_default=not always)  # Mixtral's class always rescales, and has no flag
+    if always and found is None:
+        raise UserError(f"{path} has no num_experts; {CONFIG_FIX}")
+    return found
 
 
 def _falcon_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
@@ -359,13 +436,13 @@ def _llama_globals(spec: ModelSpec) -> Shapes:
 
 
 def _llama_block(spec: ModelSpec, i: int) -> Shapes:
-    e, kv = spec.hidden, spec.kv_dim
+    e, q, kv = spec.hidden, spec.q_dim, spec.kv_dim
     return {
         tensor_name(Tensor.ATTN_NORM, i): (e,),
-        tensor_name(Tensor.ATTN_Q, i): (e, e),
+        tensor_name(Tensor.ATTN_Q, i): (q, e),
         tensor_name(Tensor.ATTN_K, i): (kv, e),
         tensor_name(Tensor.ATTN_V, i): (kv, e),
-        tensor_name(Tensor.ATTN_OUT, i): (e, e),
+        tensor_name(Tensor.ATTN_OUT, i): (e, q),
         tensor_name(Tensor.FFN_NORM, i): (e,),
     }
 
@@ -426,6 +503,16 @@ def _gguf_name_map(model_arch: MODEL_ARCH, spec: ModelSpec) -> Callable[[str], s
     """llama.cpp's own HF-to-GGUF name table, from gguf-py."""
     table = get_tensor_name_map(model_arch, spec.layers)
     return lambda hf_name: table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)(\..+)")
+
+
+def expert_source(hf_name: str) -> tuple[str, int] | None:
+    """A checkpoint's tensor of one expert (`...experts.3.w1.weight`) as the name of its stack, which the name
+    tables know (`...experts.w1.weight`), and its place in the stack; None for any other tensor."""
+    match = _EXPERT.fullmatch(hf_name)
+    return None if match is None else (match.group(1) + match.group(3), int(match.group(2)))
 
 
 _OPT_GLOBAL_NAMES = {
@@ -517,10 +604,24 @@ def _llama_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
     writer.add_rope_dimension_count(spec.head_dim)
     writer.add_head_count(spec.heads)
     writer.add_head_count_kv(spec.kv_heads)
+    if spec.head_size is not None:
+        writer.add_key_length(spec.head_size)
+        writer.add_value_length(spec.head_size)
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     _rope_freq(writer, spec)
     if spec.sliding_window is not None:
         writer.add_sliding_window(spec.sliding_window)
+    if spec.experts is not None:
+        _expert_metadata(writer, spec.experts)
+
+
+def _expert_metadata(writer: GGUFWriter, experts: Experts) -> None:
+    writer.add_expert_count(experts.count)
+    writer.add_expert_used_count(experts.used)
+    writer.add_expert_feed_forward_length(experts.ffn)
+    if experts.shared_ffn:
+        writer.add_expert_shared_feed_forward_length(experts.shared_ffn)
+    writer.add_expert_weights_norm(experts.norm_top_k)
 
 
 def _falcon_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
@@ -558,13 +659,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     for arch in (
         # ReluLLaMA and ProSparse (relu), Llama-3 and Mistral (SwiGLU; llama.cpp writes both as llama), and dReLU
         # models of their shape: one tensor layout, told apart by the activation.
+        # Mixtral too: llama.cpp writes it as llama with experts.
         Architecture(
             name="llama",
-            hf_classes=("LlamaForCausalLM", "MistralForCausalLM"),
+            hf_classes=("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
             ffn=ACTIVATIONS["relu"],
             hf=_LLAMA_HF,
             read_config=partial(_gated_config, "llama"),
             unstated_activation=("relu", "silu"),
+            experts="optional",
             **_LLAMA_COMMON,
         ),
         # Mistral-shaped with LLaMA's tensor names and relu on gate and up.
@@ -590,6 +693,37 @@ ARCHITECTURES: dict[str, Architecture] = {
             hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN2),
             unstated_activation=("silu", "silu"),
             qkv_bias=True,
+            **_GATED_COMMON,
+        ),
+        # Qwen2-MoE: Qwen2's attention, and experts beside a shared expert; llama.cpp uses the softmax's top-k
+        # weights as they are.
+        Architecture(
+            name="qwen2moe",
+            hf_classes=("Qwen2MoeForCausalLM",),
+            ffn=ACTIVATIONS["silu"],
+            rope="neox",
+            # Never hooked (the profiler refuses experts): mlp.gate, the router, stands in for up.
+            hf=HfModules("Qwen2MoeForCausalLM", "model.layers", "post_attention_layernorm", "mlp.gate"),
+            read_config=partial(_gated_config, "qwen2moe", qkv_bias=True, experts=True),
+            hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN2MOE),
+            unstated_activation=("silu", "silu"),
+            qkv_bias=True,
+            experts="always",
+            norm_top_k=False,
+            **_GATED_COMMON,
+        ),
+        # Qwen3-MoE: no biases but q/k norms, and experts whose top-k weights llama.cpp rescales.
+        Architecture(
+            name="qwen3moe",
+            hf_classes=("Qwen3MoeForCausalLM",),
+            ffn=ACTIVATIONS["silu"],
+            rope="neox",
+            hf=HfModules("Qwen3MoeForCausalLM", "model.layers", "post_attention_layernorm", "mlp.gate"),
+            read_config=partial(_gated_config, "qwen3moe", experts=True),
+            hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN3MOE),
+            unstated_activation=("silu", "silu"),
+            qk_norm=True,
+            experts="always",
             **_GATED_COMMON,
         ),
         # ReluFalcon-40B: Falcon-40B's new decoder (fused QKV, grouped kv heads, two LayerNorms feeding attention

@@ -25,6 +25,18 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts FFN: each token runs the `used` experts its router scores highest, of `count`, each a
+    SwiGLU of `ffn` neurons, and sums them weighted by the router's softmax."""
+
+    count: int
+    used: int
+    ffn: int
+    shared_ffn: int = 0  # neurons of the shared expert every token runs, sigmoid-gated (Qwen2-MoE); 0: none
+    norm_top_k: bool = True  # the chosen experts' weights rescaled to sum to 1 (Mixtral, Qwen3-MoE)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     arch: str  # general.architecture: a key of qinfer.core.architectures.ARCHITECTURES
     name: str
@@ -43,10 +55,18 @@ class ModelSpec:
     activation: str | None = None
     sliding_window: int | None = None  # each token attends to its last this-many positions (Mistral); None: all
     rope_scaling: RopeScaling | None = None  # from config.json only; a file holds its result, rope_freqs
+    experts: Experts | None = None  # None: one dense FFN of `ffn` neurons per layer
+    # Dimensions of each head where they are not hidden / heads (Qwen3-MoE: 128 for 2048 / 32); None: they are.
+    head_size: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Rows of q, and columns of the attention's output projection."""
+        return self.head_dim * self.heads
 
     @property
     def kv_dim(self) -> int:

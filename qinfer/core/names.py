@@ -10,7 +10,12 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
-from gguf import GGUFValueType, Keys
+from gguf import MODEL_TENSOR, TENSOR_NAMES, GGUFValueType, Keys
+
+
+def _part(tensor: MODEL_TENSOR) -> str:
+    """gguf-py's name of a block tensor, without its `blk.{bid}.` prefix."""
+    return TENSOR_NAMES[tensor].removeprefix("blk.{bid}.")
 
 
 class Tensor(StrEnum):
@@ -32,6 +37,19 @@ class Tensor(StrEnum):
     FFN_UP = "ffn_up"
     FFN_DOWN = "ffn_down"  # dense GGUF: [E, F] as ggml ne
     FFN_DOWN_T = "ffn_down_t"  # PowerInfer GGUF: down transposed, so that row i of every FFN matrix is neuron i
+    # Qwen3's RMSNorms over each head of q and k, before rope.
+    ATTN_Q_NORM = _part(MODEL_TENSOR.ATTN_Q_NORM)
+    ATTN_K_NORM = _part(MODEL_TENSOR.ATTN_K_NORM)
+    # A mixture of experts: the router [N, E], every expert's matrices stacked into one 3-D tensor, and Qwen2-MoE's
+    # shared expert with its sigmoid gate [1, E].
+    FFN_GATE_INP = _part(MODEL_TENSOR.FFN_GATE_INP)
+    FFN_GATE_EXPS = _part(MODEL_TENSOR.FFN_GATE_EXP)
+    FFN_UP_EXPS = _part(MODEL_TENSOR.FFN_UP_EXP)
+    FFN_DOWN_EXPS = _part(MODEL_TENSOR.FFN_DOWN_EXP)
+    FFN_GATE_INP_SHEXP = _part(MODEL_TENSOR.FFN_GATE_INP_SHEXP)
+    FFN_GATE_SHEXP = _part(MODEL_TENSOR.FFN_GATE_SHEXP)
+    FFN_UP_SHEXP = _part(MODEL_TENSOR.FFN_UP_SHEXP)
+    FFN_DOWN_SHEXP = _part(MODEL_TENSOR.FFN_DOWN_SHEXP)
     ROPE_FREQS = "rope_freqs"  # llama.cpp's per-frequency divisors of a scaled rope (Llama-3.1's "llama3" type)
     FC1 = "fc1"  # the layer's predictor, fc2(relu(fc1(h)))
     FC2 = "fc2"
@@ -44,6 +62,8 @@ BIAS = "bias"
 # The FFN matrices whose rows are neurons; the planner counts their bytes per neuron.
 FFN_ROWS = (Tensor.FFN_GATE, Tensor.FFN_UP, Tensor.FFN_DOWN_T, Tensor.FFN_DOWN)
 PREDICTOR = (Tensor.FC1, Tensor.FC2)
+# Kept float32 in an f16 file, as llama.cpp's converter keeps them: a router rounded to f16 can pick other experts.
+ROUTERS = (Tensor.FFN_GATE_INP, Tensor.FFN_GATE_INP_SHEXP)
 
 _NAME = re.compile(r"(?:blk\.(\d+)\.)?([a-z0-9_]+)\.([a-z]+)")
 
@@ -77,8 +97,15 @@ class Key:
     EMBEDDING_LENGTH = Keys.LLM.EMBEDDING_LENGTH
     BLOCK_COUNT = Keys.LLM.BLOCK_COUNT
     FEED_FORWARD_LENGTH = Keys.LLM.FEED_FORWARD_LENGTH
+    EXPERT_COUNT = Keys.LLM.EXPERT_COUNT
+    EXPERT_USED_COUNT = Keys.LLM.EXPERT_USED_COUNT
+    EXPERT_FEED_FORWARD_LENGTH = Keys.LLM.EXPERT_FEED_FORWARD_LENGTH
+    EXPERT_SHARED_FEED_FORWARD_LENGTH = Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH
+    EXPERT_WEIGHTS_NORM = Keys.LLM.EXPERT_WEIGHTS_NORM
     HEAD_COUNT = Keys.Attention.HEAD_COUNT
     HEAD_COUNT_KV = Keys.Attention.HEAD_COUNT_KV
+    KEY_LENGTH = Keys.Attention.KEY_LENGTH  # a head's dimensions where they are not embedding_length / head_count
+    VALUE_LENGTH = Keys.Attention.VALUE_LENGTH
     LAYERNORM_EPS = Keys.Attention.LAYERNORM_EPS
     LAYERNORM_RMS_EPS = Keys.Attention.LAYERNORM_RMS_EPS
     ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
@@ -160,8 +187,15 @@ KEY_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     Key.EMBEDDING_LENGTH: (_U32, None),
     Key.BLOCK_COUNT: (_U32, None),
     Key.FEED_FORWARD_LENGTH: (_U32, None),
+    Key.EXPERT_COUNT: (_U32, None),
+    Key.EXPERT_USED_COUNT: (_U32, None),
+    Key.EXPERT_FEED_FORWARD_LENGTH: (_U32, None),
+    Key.EXPERT_SHARED_FEED_FORWARD_LENGTH: (_U32, None),
+    Key.EXPERT_WEIGHTS_NORM: (_BOOL, None),
     Key.HEAD_COUNT: (_U32, None),
     Key.HEAD_COUNT_KV: (_U32, None),
+    Key.KEY_LENGTH: (_U32, None),
+    Key.VALUE_LENGTH: (_U32, None),
     Key.LAYERNORM_EPS: (_F32, None),
     Key.LAYERNORM_RMS_EPS: (_F32, None),
     Key.ROPE_DIMENSION_COUNT: (_U32, None),

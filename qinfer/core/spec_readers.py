@@ -8,7 +8,7 @@ from typing import Any
 
 from qinfer.core.architectures import CONFIG_FIX, architecture, architecture_for_hf
 from qinfer.core.errors import UserError
-from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, ModelSpec
+from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, Experts, ModelSpec
 from qinfer.core.names import Key, arch_key
 from qinfer.core.numbers import real, whole
 
@@ -41,7 +41,7 @@ def _count(value: Any, key: str, path: Path) -> int:
 
 
 def _check_shape(spec: ModelSpec, path: Path, fix: str) -> None:
-    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+    if (spec.head_size is None and spec.hidden % spec.heads) or spec.heads % spec.kv_heads:
         raise UserError(
             f"{path}: {spec.hidden} embedding dimensions, {spec.heads} heads and {spec.kv_heads} kv heads do not "
             f"divide evenly; {fix}"
@@ -67,6 +67,23 @@ def _refuse_rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> None:
     )
 
 
+def _head_size(meta: dict[str, Any], arch: str, even: int, experts: bool, path: Path) -> int | None:
+    """A head's dimensions where the file gives them other than embedding_length / head_count (key_length, and
+    value_length the same, as llama.cpp writes them for Qwen3); None where it does not."""
+    keys = [arch_key(template, arch) for template in (Key.KEY_LENGTH, Key.VALUE_LENGTH)]
+    sizes = {_count(meta[key], key, path) for key in keys if key in meta}
+    if not sizes or sizes == {even}:
+        return None
+    if len(sizes) > 1:
+        raise UserError(f"{path}: keys and values of different sizes ({', '.join(keys)}) do not run")
+    if not experts:
+        raise UserError(
+            f"{path}: heads of {sizes.pop()} dimensions, not embedding_length / head_count, run only in models with "
+            "experts yet"
+        )
+    return sizes.pop()
+
+
 def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> ModelSpec:
     """The spec a GGUF's metadata declares, every value checked for its type and range; the vocabulary size is the
     token list's length (0 when absent). `row_layout`: a PowerInfer file (PWRI magic), whose unstated activation is
@@ -84,8 +101,23 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
     def count(template: str, default: Any = None) -> int:
         return _count(key(template, default), arch_key(template, arch.name), path)
 
+    experts, shared = None, arch_key(Key.EXPERT_SHARED_FEED_FORWARD_LENGTH, arch.name)
+    if arch.experts == "always" or meta.get(arch_key(Key.EXPERT_COUNT, arch.name)):
+        if arch.experts == "never":
+            raise UserError(f"{path}: a {arch.name} model has no experts; re-convert it")
+        experts = Experts(
+            count(Key.EXPERT_COUNT),
+            count(Key.EXPERT_USED_COUNT),
+            count(Key.EXPERT_FEED_FORWARD_LENGTH, meta.get(arch_key(Key.FEED_FORWARD_LENGTH, arch.name))),
+            count(Key.EXPERT_SHARED_FEED_FORWARD_LENGTH) if shared in meta else 0,
+            bool(key(Key.EXPERT_WEIGHTS_NORM, arch.norm_top_k)),
+        )
+        if not 1 <= experts.used <= experts.count:
+            raise UserError(f"{path}: {experts.used} of {experts.count} experts per token; {_CORRUPT}")
+
     heads = count(Key.HEAD_COUNT)
     hidden = count(Key.EMBEDDING_LENGTH)
+    head_size = _head_size(meta, arch.name, hidden // heads, experts is not None, path)
     tokens = meta.get(Key.TOKENS)
     theta_key = arch_key(Key.ROPE_FREQ_BASE, arch.name)
     theta = meta.get(theta_key)
@@ -104,13 +136,17 @@ def spec_from_metadata(meta: dict[str, Any], path: Path, row_layout: bool) -> Mo
         heads=heads,
         kv_heads=count(Key.HEAD_COUNT_KV, heads),
         norm_eps=eps,
-        rope_dim=0 if arch.rope == "none" else count(Key.ROPE_DIMENSION_COUNT, arch.default_rope_dim(hidden, heads)),
+        rope_dim=0
+        if arch.rope == "none"
+        else count(Key.ROPE_DIMENSION_COUNT, head_size or arch.default_rope_dim(hidden, heads)),
         rope_theta=None
         if theta is None
         else real(theta, arch_key(Key.ROPE_FREQ_BASE, arch.name), path, ROPE_BASE, _CORRUPT),
         tie_word_embeddings=arch.output_is_embedding,
         activation=arch.file_activation(meta.get(Key.FFN_ACTIVATION), row_layout, path),
         sliding_window=None if window is None else _count(window, arch_key(Key.SLIDING_WINDOW, arch.name), path),
+        experts=experts,
+        head_size=head_size,
     )
     if spec.context_length <= 0:
         raise UserError(f"{path}: the context length leaves no position; {_CORRUPT}")

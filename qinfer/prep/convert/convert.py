@@ -14,10 +14,10 @@ import numpy as np
 import torch
 from gguf import GGUFWriter
 
-from qinfer.core.architectures import Architecture, Shapes, architecture
+from qinfer.core.architectures import Architecture, Shapes, architecture, expert_source
 from qinfer.core.errors import UserError
 from qinfer.core.model_spec import ModelSpec
-from qinfer.core.names import PREDICTOR, Key, Tensor, split_tensor_name, tensor_name
+from qinfer.core.names import PREDICTOR, ROUTERS, Key, Tensor, split_tensor_name, tensor_name
 from qinfer.core.spec_readers import spec_from_hf_dir
 from qinfer.formats.calibration_dir import Calibration, read_calibration
 from qinfer.formats.gguf_writer import TensorPlan, write_gguf
@@ -38,38 +38,55 @@ class ConvertResult:
     nbytes: int
 
 
-def _map_sources(arch: Architecture, spec: ModelSpec, refs: dict[str, TensorRef], expected: Shapes) -> dict[str, str]:
-    """GGUF name -> HF name for the checkpoint's tensors; refuses tensors this architecture does not have."""
+Sources = dict[str, tuple[str, ...]]  # GGUF name -> its HF tensor, or every expert's, stacked in this order
+
+
+def _map_sources(arch: Architecture, spec: ModelSpec, refs: dict[str, TensorRef], expected: Shapes) -> Sources:
+    """GGUF name -> HF names for the checkpoint's tensors; refuses tensors this architecture does not have."""
     gguf_name = arch.hf_names(spec)
     # A dense file's down and a PowerInfer file's down_t come from the same HF tensor.
-    known = {name.replace(f".{Tensor.FFN_DOWN_T}.", f".{Tensor.FFN_DOWN}.") for name in expected}
+    known = {name.replace(f".{Tensor.FFN_DOWN_T}.", f".{Tensor.FFN_DOWN}."): shape for name, shape in expected.items()}
     sources: dict[str, str] = {}
+    stacks: dict[str, dict[int, str]] = {}
     for hf_name in refs:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        name = gguf_name(hf_name)
+        expert = expert_source(hf_name)
+        name = gguf_name(hf_name if expert is None else expert[0])
         if name == tensor_name(Tensor.OUTPUT) and name not in known:
             continue  # a tied head saved anyway: this family's file has no output tensor
-        if name is None or name not in known:
+        if name is None or name not in known or (expert is not None) != (len(known[name]) == 3):
             raise UserError(
                 f"unexpected tensor {hf_name!r} for a {spec.arch} model; is config.json from this checkpoint?"
             )
-        sources[name] = hf_name
+        if expert is None:
+            sources[name] = hf_name
+        else:
+            stacks.setdefault(name, {})[expert[1]] = hf_name
+    mapped = {name: (hf_name,) for name, hf_name in sources.items()}
+    for name, stack in stacks.items():
+        if sorted(stack) != list(range(known[name][0])):
+            raise UserError(
+                f"the checkpoint has {len(stack)} experts for {name}, not {known[name][0]}; is config.json from "
+                "this checkpoint?"
+            )
+        mapped[name] = tuple(stack[j] for j in range(len(stack)))
     output, embedding = tensor_name(Tensor.OUTPUT), tensor_name(Tensor.TOKEN_EMBD)
-    if output in known and output not in sources and spec.tie_word_embeddings and embedding in sources:
-        sources[output] = sources[embedding]
-    return sources
+    if output in known and output not in mapped and spec.tie_word_embeddings and embedding in mapped:
+        mapped[output] = mapped[embedding]
+    return mapped
 
 
 def _load_weight(
-    hf_name: str,
-    ref: TensorRef,
+    hf_names: tuple[str, ...],
+    refs: dict[str, TensorRef],
     dtype: np.dtype,
     regroup: Callable[[torch.Tensor], torch.Tensor] | None,
     transpose: bool,
 ) -> np.ndarray:
     # Cast in torch, which knows bf16, straight to the output type: no float32 copy of a large tensor.
-    tensor = load_tensor(hf_name, ref).to(TORCH_DTYPES[dtype])
+    loaded = [load_tensor(hf_name, refs[hf_name]).to(TORCH_DTYPES[dtype]) for hf_name in hf_names]
+    tensor = loaded[0] if len(loaded) == 1 else torch.stack(loaded)
     if regroup is not None:
         tensor = regroup(tensor)
     if transpose:
@@ -81,9 +98,9 @@ def _load_predictor(path: Path, key: str, dtype: np.dtype) -> np.ndarray:
     return load_layer(path)[key].to(TORCH_DTYPES[dtype]).numpy()
 
 
-def _dtype_for(shape: tuple[int, ...], outtype: np.dtype) -> np.dtype:
+def _dtype_for(shape: tuple[int, ...], part: str, outtype: np.dtype) -> np.dtype:
     # Norms stay f32 in every GGUF: the engine reads 1-D tensors only as f32.
-    return np.dtype(np.float32) if len(shape) == 1 else outtype
+    return np.dtype(np.float32) if len(shape) == 1 or part in ROUTERS else outtype
 
 
 def plan_tensors(
@@ -98,8 +115,8 @@ def plan_tensors(
     sources = _map_sources(arch, spec, refs, shapes)
     plans: list[TensorPlan] = []
     for name, shape in shapes.items():
-        dtype = _dtype_for(shape, outtype)
         layer, part, kind = split_tensor_name(name) or (None, "", "")
+        dtype = _dtype_for(shape, part, outtype)
         if part == Tensor.ROPE_FREQS:
             plans.append(TensorPlan(name, shape, dtype, partial(llama3_rope_factors, spec)))
             continue
@@ -113,14 +130,15 @@ def plan_tensors(
         # down_t is down transposed (its bias, a vector, stays as it is).
         transpose = part == Tensor.FFN_DOWN_T and len(shape) == 2
         source_name = tensor_name(Tensor.FFN_DOWN, layer, kind) if part == Tensor.FFN_DOWN_T else name
-        hf_name = sources.get(source_name)
-        if hf_name is None:
+        hf_names = sources.get(source_name)
+        if hf_names is None:
             raise UserError(f"the checkpoint has no tensor for {source_name}; is the download complete?")
-        source_shape = refs[hf_name].shape
         want = shape[::-1] if transpose else shape
-        if source_shape != want:
-            raise UserError(f"{hf_name} has shape {list(source_shape)} but config.json implies {list(want)}")
-        load = partial(_load_weight, hf_name, refs[hf_name], dtype, arch.transforms(spec, name), transpose)
+        for hf_name in hf_names:
+            source_shape = refs[hf_name].shape
+            if source_shape != want[-len(source_shape) :]:
+                raise UserError(f"{hf_name} has shape {list(source_shape)} but config.json implies {list(want)}")
+        load = partial(_load_weight, hf_names, refs, dtype, arch.transforms(spec, name), transpose)
         plans.append(TensorPlan(name, shape, dtype, load))
     return plans
 
@@ -179,6 +197,8 @@ def convert(
     arch = architecture(spec.arch)
     if spec.hidden % spec.heads or (spec.rope_dim and spec.head_dim % 2):
         raise UserError(f"hidden_size {spec.hidden} does not split into {spec.heads} heads of even size")
+    if spec.experts is not None and (predictor_dir is not None or calibration_dir is not None):
+        raise UserError(f"{model_dir} has experts, which are not made sparse yet; convert it with convert-dense")
     predictors = None
     if predictor_dir is not None:
         predictors = open_predictors(predictor_dir, spec.layers, spec.hidden, spec.ffn)

@@ -144,6 +144,8 @@ def quantize_gguf(
     meta = metadata(reader)
     spec = spec_from_metadata(meta, infile, reader.is_powerinfer)
     check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, infile)
+    if spec.experts is not None:
+        raise UserError(f"{infile} has experts, which are not quantized yet; run it as it is")
     plans, kept_f16 = _plan(infile, reader, qtype)
     if on_plan is not None:
         on_plan(plans)

@@ -84,6 +84,11 @@ def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "au
     """The model in eval mode, without gradients. A model whose transformers class lacks its ReLU on up (dReLU:
     Bamboo, loaded as LLaMA) gets a hook that adds it."""
     spec = spec_from_hf_dir(model_dir)
+    if spec.experts is not None:
+        raise UserError(
+            f"{model_dir} has experts, which are not profiled, calibrated or given predictors yet; convert it with "
+            "`qinfer prep convert-dense` and run it dense"
+        )
     arch = architecture(spec.arch)
     where, fell_back = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, where)

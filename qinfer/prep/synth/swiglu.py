@@ -104,6 +104,30 @@ def _byte_level_tokenizer(family: str, text: str, vocab: int, context: int) -> P
     )
 
 
+def synth_tokenizer(family: str, tmp: Path, seed: int, vocab: int, context: int) -> PreTrainedTokenizerFast:
+    """A tokenizer of `family`'s kind trained on the synth corpus; Mistral's SentencePiece files are written into
+    `tmp` already, since the tokenizer is read back from them."""
+    text = synth_corpus(seed, TOKENIZER_CHARS, "train")
+    if family != "mistral":
+        return _byte_level_tokenizer(family, text, vocab, context)
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(train_tokenizer(text, vocab), context, tmp)
+    return PreTrainedTokenizerFast.from_pretrained(tmp)
+
+
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, family: str, tmp: Path) -> None:
+    """The model and (for a family of synth_tokenizer's) its tokenizer into `tmp`, without progress bars."""
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if family != "mistral":  # Mistral's SentencePiece files are in place already
+        tokenizer.save_pretrained(tmp)
+
+
 def _config(
     family: str, shape: SwigluShape, activation: str, vocab: int, ids: dict[str, int | None], init_std: float
 ) -> PretrainedConfig:
@@ -174,15 +198,8 @@ def build_swiglu(
         raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    text = synth_corpus(seed, TOKENIZER_CHARS, "train")
     with atomic_directory(out) as tmp:
-        if family == "mistral":
-            tokenizer_model = train_tokenizer(text, shape.vocab)
-            tmp.mkdir(parents=True, exist_ok=True)
-            save_tokenizer(tokenizer_model, shape.context, tmp)
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp)
-        else:
-            tokenizer = _byte_level_tokenizer(family, text, shape.vocab, shape.context)
+        tokenizer = synth_tokenizer(family, tmp, seed, shape.vocab, shape.context)
         ids = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
         # transformers' classes know relu, not dReLU: a dReLU model is saved as relu and declared after.
         hf_act = "relu" if activation == "drelu" else activation
@@ -198,15 +215,7 @@ def build_swiglu(
             _train(model, stream, train_steps, gen)
         if activation == "drelu":
             model.config.hidden_act = "drelu"
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            model.save_pretrained(tmp)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
-        if family != "mistral":  # Mistral's SentencePiece files are in place already
-            tokenizer.save_pretrained(tmp)
+        save_checkpoint(model, tokenizer, family, tmp)
         if chat_template is not None:
             (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     return out

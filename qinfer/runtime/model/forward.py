@@ -14,8 +14,9 @@ import torch
 
 from qinfer.core.architectures import architecture
 from qinfer.core.errors import UserError
-from qinfer.core.model_spec import ModelSpec
+from qinfer.core.model_spec import Experts, ModelSpec
 from qinfer.core.names import BIAS, Tensor, tensor_name
+from qinfer.runtime.ffn.experts import ExpertRunner, ExpertWeights, SwiGLU
 from qinfer.runtime.ffn.runners import DenseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
@@ -44,6 +45,36 @@ def ffn_weights(model: ModelFile, i: int) -> FFNWeights:
         up_bias=t(tensor_name(Tensor.FFN_UP, i, BIAS)) if form.biased else None,
         gate_threshold=model.gate_thresholds[i] if model.gate_thresholds is not None else 0.0,
     )
+
+
+def expert_weights(model: ModelFile, experts: Experts, i: int) -> ExpertWeights:
+    """Layer i's router and experts (and shared expert), as mapped views."""
+
+    def t(part: Tensor) -> torch.Tensor:
+        tensor = model.tensor(tensor_name(part, i))
+        if not isinstance(tensor, torch.Tensor):
+            raise UserError(f"{model.path}: quantized experts do not run yet; use its f16 or f32 file")
+        return tensor
+
+    shared = None
+    if experts.shared_ffn:
+        shared = SwiGLU(t(Tensor.FFN_GATE_SHEXP), t(Tensor.FFN_UP_SHEXP), t(Tensor.FFN_DOWN_SHEXP))
+    return ExpertWeights(
+        router=t(Tensor.FFN_GATE_INP),
+        gate=t(Tensor.FFN_GATE_EXPS),
+        up=t(Tensor.FFN_UP_EXPS),
+        down=t(Tensor.FFN_DOWN_EXPS),
+        shared=shared,
+        shared_gate=None if shared is None else t(Tensor.FFN_GATE_INP_SHEXP),
+    )
+
+
+def dense_runner(model: ModelFile) -> FFNRunner:
+    """Every neuron of every layer, or every expert a token chooses, on the CPU."""
+    layers, experts = range(model.config.layers), model.config.experts
+    if experts is not None:
+        return ExpertRunner([expert_weights(model, experts, i) for i in layers], experts)
+    return DenseRunner([ffn_weights(model, i) for i in layers])
 
 
 def down_bias(model: ModelFile, i: int) -> torch.Tensor:
@@ -101,7 +132,7 @@ class TransformerForward:
         # On the device already: a step replayed from a graph can copy nothing from the host.
         self.inv_freq = inv_freq(model).to(self.device) if self.cfg.rope_dim else None
         self.load_head(model)
-        self.ffn = ffn or DenseRunner([ffn_weights(model, i) for i in range(self.cfg.layers)])
+        self.ffn = ffn or dense_runner(model)
         self.native = self.native_layers()
 
     def native_rows(self) -> list[LayerRows] | None:

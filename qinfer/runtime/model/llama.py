@@ -1,9 +1,10 @@
-"""The forward block of the LLaMA-shaped families (llama, bamboo, qwen2) over GGUF tensors.
+"""The forward block of the LLaMA-shaped families (llama, bamboo, qwen2, qwen2moe, qwen3moe) over GGUF tensors.
 
 Weights stay in the file's dtype (mapped, not copied); each matmul runs in that dtype and the residual stream is
 kept in float32. LLaMA's q/k rows are in ggml's rotary layout
 (docs/formats.md#qk-permutation-and-falcons-qkv-regrouping), so its rope rotates adjacent pairs; Qwen2 keeps
-Hugging Face's rows, rotates halves, and adds biases to q, k and v.
+Hugging Face's rows, rotates halves, and adds biases to q, k and v; Qwen3-MoE normalises each head of q and k
+before rope.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class AttentionWeights:
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # RMSNorm weights over each head (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 def _biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -56,18 +59,22 @@ class LlamaForward(TransformerForward):
         if self.device.type == "cuda" and split_on_gpu and os.environ.get(GRAPHS_VARIABLE, "1") != "0":
             self.graphs = GraphSteps(self, self.ffn)
 
-    def native_rows(self) -> list[LayerRows]:
+    def native_rows(self) -> list[LayerRows] | None:
+        if self.attn[0].q_norm is not None or self.cfg.head_size is not None:
+            return None  # the native step has no q/k norms, and takes heads of hidden / heads
         return [LayerRows(a.attn_norm, a.q, a.k, a.v, a.o, a.ffn_norm, None, None, a.q_bias, a.k_bias, a.v_bias)
                 for a in self.attn]  # fmt: skip
 
     def load_block(self, model: ModelFile, i: int) -> AttentionWeights:
-        t = model.tensor
-        biases = {}
-        if architecture(model.config.arch).qkv_bias:
-            biases = {
+        t, arch = model.tensor, architecture(model.config.arch)
+        extra = {}
+        if arch.qkv_bias:
+            extra = {
                 f"{name}_bias": t(tensor_name(part, i, BIAS))
                 for name, part in (("q", Tensor.ATTN_Q), ("k", Tensor.ATTN_K), ("v", Tensor.ATTN_V))
             }
+        if arch.qk_norm:
+            extra |= {"q_norm": t(tensor_name(Tensor.ATTN_Q_NORM, i)), "k_norm": t(tensor_name(Tensor.ATTN_K_NORM, i))}
         return AttentionWeights(
             attn_norm=t(tensor_name(Tensor.ATTN_NORM, i)),
             q=t(tensor_name(Tensor.ATTN_Q, i)),
@@ -75,7 +82,7 @@ class LlamaForward(TransformerForward):
             v=t(tensor_name(Tensor.ATTN_V, i)),
             o=t(tensor_name(Tensor.ATTN_OUT, i)),
             ffn_norm=t(tensor_name(Tensor.FFN_NORM, i)),
-            **biases,
+            **extra,
         )
 
     def load_head(self, model: ModelFile) -> None:
@@ -90,6 +97,8 @@ class LlamaForward(TransformerForward):
         q = _biased(linear(x, w.q), w.q_bias).view(n, cfg.heads, cfg.head_dim)
         k = _biased(linear(x, w.k), w.k_bias).view(n, cfg.kv_heads, cfg.head_dim)
         v = _biased(linear(x, w.v), w.v_bias).view(n, cfg.kv_heads, cfg.head_dim)
+        if w.q_norm is not None and w.k_norm is not None:
+            q, k = rms_norm(q, w.q_norm, cfg.norm_eps), rms_norm(k, w.k_norm, cfg.norm_eps)
         q, k = self.rotate(q, step.cos, step.sin), self.rotate(k, step.cos, step.sin)
         return linear(cache.attend(q, k, v, i, step), w.o)
 

@@ -27,7 +27,7 @@ from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.ffn.split_cost import SplitCosts
 from qinfer.runtime.kernels import row_kernels
 from qinfer.runtime.model.falcon import FalconForward
-from qinfer.runtime.model.forward import TransformerForward, ffn_weights
+from qinfer.runtime.model.forward import TransformerForward, dense_runner, ffn_weights
 from qinfer.runtime.model.llama import LlamaForward
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.opt import OPTForward
@@ -169,10 +169,23 @@ def fit_context(model: ModelFile, requested: int | None) -> tuple[int, str | Non
     return own, f"-c {requested} is more than the model's context of {own} tokens; using {own}"
 
 
+def _experts_runtime(
+    model: ModelFile, options: RuntimeOptions, make_forward: type[TransformerForward]
+) -> LoadedRuntime:
+    """A mixture of experts runs every expert a token chooses, on the CPU: nothing plans or predicts experts yet."""
+    if options.vram_budget_gib is not None:
+        raise UserError("experts are not planned yet; run without --vram-budget")
+    if options.ffn in ("sparse", "oracle"):
+        raise UserError(f"experts are not made sparse yet; run without --ffn {options.ffn}")
+    return LoadedRuntime(make_forward(model, dense_runner(model), torch.device("cpu")), "dense", "static")
+
+
 def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
     if options.schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {options.schedule!r}; use static or dynamic")
     make_forward = forward_class(model)
+    if model.config.experts is not None:
+        return _experts_runtime(model, options, make_forward)
     layers = [ffn_weights(model, i) for i in range(model.config.layers)]
     mode = ffn_mode(model, options.ffn, layers)
     # Built (or found) now, so that a message about building them never lands inside generated text.

@@ -1,16 +1,19 @@
-"""Our dense files are the ecosystem's: llama.cpp (the `peers` extra, llama-cpp-python) loads each SwiGLU family's
-convert-dense output, tokenizes text to the ids transformers gives, and computes the logits we and transformers
-compute, within the rounding of its f16 products. Skipped where the extra is not installed."""
+"""Our dense files are the ecosystem's: llama.cpp (the `peers` extra, llama-cpp-python) loads each SwiGLU and
+mixture-of-experts family's convert-dense output, tokenizes text to the ids transformers gives, and computes the
+logits we and transformers compute, within the rounding of its f16 products. Skipped where the extra is not
+installed."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qinfer.prep.convert.convert import convert
+from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.prep.synth.swiglu import FAMILIES
 from qinfer.runtime.model.model_file import open_model
 from tests.support.gguf_rewrite import rewrite_gguf
@@ -33,11 +36,7 @@ def test_llama_cpp_runs_our_dense_file(swiglu: dict[str, dict[str, Path]], famil
             text
         )["input_ids"], text
     ids = tokenizer(TEXT)["input_ids"]
-    llm.eval(ids)
-    theirs = torch.tensor(llm.scores[: len(ids)], dtype=torch.float32)
-    ours = our_logits(f16, ids, "dense")
-    with torch.inference_mode():
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    theirs, ours, reference = three_logits(llm, f16, model_dir, ids)
     scale = reference.abs().max().item()
     # llama.cpp runs a llama file's attention over every position: it ignores Mistral's window, which we honour,
     # so only the positions inside the first window compare; past it llama.cpp equals our run without the window.
@@ -50,6 +49,31 @@ def test_llama_cpp_runs_our_dense_file(swiglu: dict[str, dict[str, Path]], famil
         assert (theirs - ours)[window:].abs().max().item() > 0.1 * scale
         unwindowed = our_logits(without_window(f16, tmp_path), ids, "dense")
         assert (theirs - unwindowed).abs().max().item() < 0.01 * scale
+
+
+def three_logits(llm: Any, path: Path, model_dir: Path, ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """llama.cpp's, our runtime's and transformers' logits for `ids`."""
+    llm.eval(ids)
+    theirs = torch.tensor(llm.scores[: len(ids)], dtype=torch.float32)
+    with torch.inference_mode():
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    return theirs, our_logits(path, ids, "dense"), reference
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_llama_cpp_runs_our_moe_file(moe: dict[str, dict[str, Path]], family: str, tmp_path: Path) -> None:
+    """llama.cpp finds the router, the stacked experts, Qwen2-MoE's shared expert and Qwen3-MoE's q/k norms where we
+    put them, and routes each token as transformers and we do."""
+    model_dir = moe[family]["model"]
+    f16 = convert(model_dir, tmp_path / f"{family}.f16.gguf", None, "f16").outfile
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(TEXT)["input_ids"]
+    llm = llama_cpp.Llama(model_path=str(f16), n_ctx=128, n_threads=2, logits_all=True, verbose=False)
+    assert llm.tokenize(TEXT.encode(), add_bos=tokenizer.bos_token_id is not None, special=False) == ids
+    theirs, ours, reference = three_logits(llm, f16, model_dir, ids)
+    scale = reference.abs().max().item()
+    assert (theirs - ours).abs().max().item() < 0.01 * scale
+    assert (theirs - reference).abs().max().item() < 0.01 * scale
 
 
 def without_window(path: Path, tmp_path: Path) -> Path:
