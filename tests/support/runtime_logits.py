@@ -1,10 +1,12 @@
-"""Our runtime's logits for a token sequence the way decode sees it, shared by the families' parity tests."""
+"""Our runtime's logits for a token sequence the way decode sees it, and transformers' for the same ids, shared by
+the families' parity tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qinfer.core.kv_policy import F32_KV
 from qinfer.runtime.kv.batch import TokenBatch
@@ -21,3 +23,14 @@ def our_logits(path: Path, ids: list[int], ffn: str, split: int = 5) -> torch.Te
         parts = [forward.forward(TokenBatch.prompt(torch.tensor(ids[:split]), 0), cache)]
         parts += [forward.forward(TokenBatch.decode([t], [split + j], [0]), cache) for j, t in enumerate(ids[split:])]
     return torch.cat(parts)
+
+
+def reference_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    """transformers' logits for `ids`, in float32, through the checkpoint's own model class."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def hf_ids(model_dir: Path, text: str) -> list[int]:
+    return AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qinfer.core.kv_policy import F32_KV
 from qinfer.prep.convert.convert import convert
@@ -20,21 +19,11 @@ from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.support.cli_in_process import run_in_process
 from tests.support.gguf_rewrite import rewrite_gguf
-from tests.support.runtime_logits import our_logits
+from tests.support.runtime_logits import hf_ids, our_logits, reference_logits
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
 OTHERS = ("The dog ran fast and the cat slept under a tree.", "A small bird sang on the old wall every morning.")
 DECODE_STEPS = 4
-
-
-def reference_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0]
-
-
-def hf_ids(model_dir: Path, text: str) -> list[int]:
-    return AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

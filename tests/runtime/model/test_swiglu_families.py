@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Tokenizer
+from transformers import AutoModelForCausalLM, Qwen2Tokenizer
 
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
@@ -26,7 +26,7 @@ from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.support.cli_in_process import run_in_process
 from tests.support.gguf_rewrite import rewrite_gguf
-from tests.support.runtime_logits import our_logits
+from tests.support.runtime_logits import hf_ids, our_logits, reference_logits
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
 TRICKY = [
@@ -37,16 +37,6 @@ TRICKY = [
     "Spaces   run\t\ttabs\n\n\n  and trailing   ",
     " leading space, CamelCaseWords, don't, we'll, I'M, <|im_start|> literal",
 ]
-
-
-def reference_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0]
-
-
-def hf_ids(model_dir: Path, text: str) -> list[int]:
-    return AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
