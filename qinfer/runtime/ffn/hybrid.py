@@ -87,7 +87,7 @@ class DeviceSlots:
         current stream without waiting (a GPU's side stream)."""
         if slots.numel() == 0:
             return
-        device_slots = slots.to(self.up.device, non_blocking=staged)
+        device_slots = _to_device(slots, self.up.device) if staged else slots.to(self.up.device)
         for mine, source in ((self.up, w.up), (self.down_t, w.down_t), (self.gate, w.gate)):
             if mine is None or source is None:
                 continue
@@ -118,14 +118,16 @@ class LayerSplit:
 
     device: int = 0
     cpu: int = 0
+    # Torch's path: neurons the per-step balance moved to the other side; the kernels' path: neurons promoted into
+    # device slots (for the layer's next step).
     moved: int = 0
 
 
 def _staged_rows(t: Weight, ids: torch.Tensor, device: torch.device) -> Weight:
     """`rows_on`, through pinned memory and without waiting for the copy."""
-    picked = t.blocks.index_select(0, ids) if isinstance(t, QuantizedMatrix) else gather_rows(t, ids)
-    moved = host_buffer(picked.shape, picked.dtype, device).copy_(picked).to(device, non_blocking=True)
-    return t.like(moved) if isinstance(t, QuantizedMatrix) else moved
+    if isinstance(t, QuantizedMatrix):
+        return t.like(_to_device(t.blocks.index_select(0, ids), device))
+    return _to_device(gather_rows(t, ids), device)
 
 
 def _kernel_reads(t: Weight) -> bool:
@@ -313,8 +315,8 @@ class HybridRunner:
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
             self.slots[layer].load(self.layers[layer], slots, neurons, staged=True)
-            where = slots.to(self.device, non_blocking=True)
-            self.slot_neuron[layer][where] = neurons.to(self.device, torch.int32, non_blocking=True)
+            where = _to_device(slots, self.device)
+            self.slot_neuron[layer][where] = _to_device(neurons.to(torch.int32), self.device)
             self._promoted[layer] = torch.cuda.Event()
             self._promoted[layer].record()
 
@@ -333,7 +335,6 @@ class HybridRunner:
         ready = torch.cuda.Event() if x.device.type == "cuda" else None
         if ready is not None:
             ready.record()
-        self.await_promoted(layer)
         out = self.device_ffn(layer, x, scores)
         if ready is not None:
             ready.synchronize()

@@ -156,7 +156,9 @@ class GraphStep:
         self.values["logits"] = self.forward.head(self._residual(self.forward.cfg.layers - 1))
 
     def _send(self, layer: int) -> None:
-        # The dynamic schedule's promotions, copied after the last step, are in the slots before B reads them.
+        # The dynamic schedule's promotions (copied after the last step; here, where an eager step chose them) are in
+        # the slots before B reads them.
+        self.runner.promote(layer)
         self.runner.await_promoted(layer)
         host, reads = self.host[layer], self.values[f"reads{layer}"]
         assert isinstance(reads, list)
@@ -241,6 +243,12 @@ class GraphStep:
 
     def run(self, batch: TokenBatch) -> torch.Tensor:
         """Logits [T, V] on the host for a decode batch of this step's size."""
+        for layer in range(self.forward.cfg.layers):
+            if layer not in self.host:
+                # A layer this program gives no host piece (all its neurons resident) may still have promotions
+                # chosen elsewhere (an eager step, another batch size's program): in its slots before it runs.
+                self.runner.promote(layer)
+                self.runner.await_promoted(layer)
         fields = ("tokens", "positions", "slots")
         for name, host in zip(fields, self.host_batch, strict=True):
             host.copy_(getattr(batch, name))
