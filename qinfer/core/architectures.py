@@ -299,8 +299,8 @@ def _experts(cfg: dict[str, Any], path: Path, norm_default: bool) -> Experts | N
     count = _count(cfg, key, path)
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise UserError(
-            f"{path}: dense FFNs between the expert layers (mlp_only_layers, decoder_sparse_step) are not supported; "
-            "only models with experts in every layer run"
+            f"{path}: dense FFNs between the expert layers (mlp_only_layers, decoder_sparse_step) are not supported "
+            "yet; use a model with experts in every layer"
         )
     used = _count(cfg, "num_experts_per_tok", path)
     if not 1 <= used <= count:
@@ -332,7 +332,10 @@ def _gated_config(
     # Only the torch path reads heads of their own size: the native step and the planner take hidden / heads, and
     # the families with experts use neither yet.
     if head_dim != hidden // heads and not experts:
-        raise UserError(f"{path}: head_dim {head_dim} is not hidden_size / num_attention_heads")
+        raise UserError(
+            f"{path}: head_dim {head_dim} is not hidden_size / num_attention_heads, which only models with experts "
+            "run yet; use another model"
+        )
     context = _count(cfg, "max_position_embeddings", path, 2048)
     return ModelSpec(
         arch=arch,

@@ -75,11 +75,11 @@ def _head_size(meta: dict[str, Any], arch: str, even: int, experts: bool, path: 
     if not sizes or sizes == {even}:
         return None
     if len(sizes) > 1:
-        raise UserError(f"{path}: keys and values of different sizes ({', '.join(keys)}) do not run")
+        raise UserError(f"{path}: keys and values of different sizes ({', '.join(keys)}) do not run; use another model")
     if not experts:
         raise UserError(
             f"{path}: heads of {sizes.pop()} dimensions, not embedding_length / head_count, run only in models with "
-            "experts yet"
+            "experts yet; use another model"
         )
     return sizes.pop()
 

@@ -65,9 +65,12 @@ def _map_sources(arch: Architecture, spec: ModelSpec, refs: dict[str, TensorRef]
             stacks.setdefault(name, {})[expert[1]] = hf_name
     mapped = {name: (hf_name,) for name, hf_name in sources.items()}
     for name, stack in stacks.items():
-        if sorted(stack) != list(range(known[name][0])):
+        count = known[name][0]
+        if sorted(stack) != list(range(count)):
+            odd = sorted(set(stack).symmetric_difference(range(count)))[0]
+            where = "lacks" if odd < count else "has an extra"
             raise UserError(
-                f"the checkpoint has {len(stack)} experts for {name}, not {known[name][0]}; is config.json from "
+                f"the checkpoint {where} expert {odd} of {name} (config.json implies {count}); is config.json from "
                 "this checkpoint?"
             )
         mapped[name] = tuple(stack[j] for j in range(len(stack)))
@@ -83,10 +86,18 @@ def _load_weight(
     dtype: np.dtype,
     regroup: Callable[[torch.Tensor], torch.Tensor] | None,
     transpose: bool,
+    stacked: bool,
 ) -> np.ndarray:
+    """One tensor of the GGUF; `stacked`: the experts' tensors `hf_names`, in order, as one [N, ...] tensor, each
+    copied into it as it is read (a list of them, then a stack, would hold the layer's experts twice)."""
     # Cast in torch, which knows bf16, straight to the output type: no float32 copy of a large tensor.
-    loaded = [load_tensor(hf_name, refs[hf_name]).to(TORCH_DTYPES[dtype]) for hf_name in hf_names]
-    tensor = loaded[0] if len(loaded) == 1 else torch.stack(loaded)
+    if stacked:
+        tensor = torch.empty((len(hf_names), *refs[hf_names[0]].shape), dtype=TORCH_DTYPES[dtype])
+        for j, hf_name in enumerate(hf_names):
+            tensor[j] = load_tensor(hf_name, refs[hf_name])
+    else:
+        (hf_name,) = hf_names
+        tensor = load_tensor(hf_name, refs[hf_name]).to(TORCH_DTYPES[dtype])
     if regroup is not None:
         tensor = regroup(tensor)
     if transpose:
@@ -134,11 +145,12 @@ def plan_tensors(
         if hf_names is None:
             raise UserError(f"the checkpoint has no tensor for {source_name}; is the download complete?")
         want = shape[::-1] if transpose else shape
+        stacked = len(shape) == 3  # the experts' tensors, one per expert in the checkpoint
         for hf_name in hf_names:
             source_shape = refs[hf_name].shape
-            if source_shape != want[-len(source_shape) :]:
+            if source_shape != (want[1:] if stacked else want):
                 raise UserError(f"{hf_name} has shape {list(source_shape)} but config.json implies {list(want)}")
-        load = partial(_load_weight, hf_names, refs, dtype, arch.transforms(spec, name), transpose)
+        load = partial(_load_weight, hf_names, refs, dtype, arch.transforms(spec, name), transpose, stacked)
         plans.append(TensorPlan(name, shape, dtype, load))
     return plans
 

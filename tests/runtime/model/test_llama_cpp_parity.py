@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.prep.synth.swiglu import FAMILIES
 from qinfer.runtime.model.model_file import open_model
 from tests.support.gguf_rewrite import rewrite_gguf
-from tests.support.runtime_logits import our_logits
+from tests.support.runtime_logits import our_logits, reference_logits
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -55,9 +55,7 @@ def three_logits(llm: Any, path: Path, model_dir: Path, ids: list[int]) -> tuple
     """llama.cpp's, our runtime's and transformers' logits for `ids`."""
     llm.eval(ids)
     theirs = torch.tensor(llm.scores[: len(ids)], dtype=torch.float32)
-    with torch.inference_mode():
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor([ids])).logits[0]
-    return theirs, our_logits(path, ids, "dense"), reference
+    return theirs, our_logits(path, ids, "dense"), reference_logits(model_dir, ids)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -130,5 +130,5 @@ def test_keys_and_values_of_different_sizes_are_refused(moe: dict[str, dict[str,
     assert ran.returncode == 2 and ran.stdout == "", ran.stderr
     assert ran.stderr == (
         f"error: {bent}: keys and values of different sizes (qwen3moe.attention.key_length, "
-        "qwen3moe.attention.value_length) do not run\n"
+        "qwen3moe.attention.value_length) do not run; use another model\n"
     )
