@@ -314,12 +314,12 @@ def _experts(cfg: dict[str, Any], path: Path, norm_default: bool) -> Experts | N
     )
 
 
-def _gated_config(
-    arch: str, cfg: dict[str, Any], path: Path, qkv_bias: bool = False, experts: bool = False
-) -> ModelSpec:
+def _gated_config(arch: str, cfg: dict[str, Any], path: Path) -> ModelSpec:
     """LLaMA-shaped configs: ReluLLaMA, Bamboo, Llama-3, Mistral, Qwen2 (whose q/k/v carry biases), and with
-    experts Mixtral, Qwen2-MoE and Qwen3-MoE (`experts`: the family always has them, and its transformers class
-    rescales the top-k weights only where the config says so)."""
+    experts Mixtral, Qwen2-MoE and Qwen3-MoE (a family that always has them rescales the top-k weights, in
+    transformers, only where the config says so)."""
+    family = architecture(arch)
+    qkv_bias, experts = family.qkv_bias, family.experts == "always"
     act = cfg.get("hidden_act", "silu")
     if not isinstance(act, str) or act not in _HIDDEN_ACTS:
         raise UserError(f"{path} has hidden_act={act!r}; supported: {', '.join(_HIDDEN_ACTS)}")
@@ -692,7 +692,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             hf=HfModules(
                 "Qwen2ForCausalLM", "model.layers", "post_attention_layernorm", "mlp.up_proj", "mlp.gate_proj"
             ),
-            read_config=partial(_gated_config, "qwen2", qkv_bias=True),
+            read_config=partial(_gated_config, "qwen2"),
             hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN2),
             unstated_activation=("silu", "silu"),
             qkv_bias=True,
@@ -707,7 +707,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             rope="neox",
             # Never hooked (the profiler refuses experts): mlp.gate, the router, stands in for up.
             hf=HfModules("Qwen2MoeForCausalLM", "model.layers", "post_attention_layernorm", "mlp.gate"),
-            read_config=partial(_gated_config, "qwen2moe", qkv_bias=True, experts=True),
+            read_config=partial(_gated_config, "qwen2moe"),
             hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN2MOE),
             unstated_activation=("silu", "silu"),
             qkv_bias=True,
@@ -722,7 +722,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             ffn=ACTIVATIONS["silu"],
             rope="neox",
             hf=HfModules("Qwen3MoeForCausalLM", "model.layers", "post_attention_layernorm", "mlp.gate"),
-            read_config=partial(_gated_config, "qwen3moe", experts=True),
+            read_config=partial(_gated_config, "qwen3moe"),
             hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN3MOE),
             unstated_activation=("silu", "silu"),
             qk_norm=True,

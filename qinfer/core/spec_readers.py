@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from qinfer.core.architectures import CONFIG_FIX, architecture, architecture_for_hf
 from qinfer.core.errors import UserError
+from qinfer.core.json_object import read_json_object
 from qinfer.core.model_spec import NORM_EPS, ROPE_BASE, Experts, ModelSpec
 from qinfer.core.names import Key, arch_key
 from qinfer.core.numbers import real, whole
@@ -18,12 +18,7 @@ def spec_from_hf_dir(model_dir: Path) -> ModelSpec:
     path = model_dir / "config.json"
     if not path.is_file():
         raise UserError(f"no config.json in {model_dir}: pass a Hugging Face model directory")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise UserError(f"{path} is not a JSON object; {CONFIG_FIX}")
+    cfg = read_json_object(path, CONFIG_FIX)
     arch = architecture_for_hf(cfg.get("architectures") or [cfg.get("model_type")], path)
     try:
         spec = arch.read_config(cfg, path)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qinfer.core.errors import UserError
+from qinfer.core.json_object import read_json_object
 from qinfer.core.names import Tensor, tensor_name
 from qinfer.core.numbers import FLOAT32, real
 from qinfer.formats.torch_files import load_torch_file
@@ -61,12 +61,6 @@ def read_threshold(path: Path) -> float | None:
     config = path / "config.json"
     if not config.is_file():
         return None
-    try:
-        raw = json.loads(config.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{config} is not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise UserError(f"{config} is not a JSON object; {_FIX}")
-    value = raw.get("sparse_threshold")
+    value = read_json_object(config, _FIX).get("sparse_threshold")
     # A model file keeps it as a float32 (powerinfer.sparse_threshold), which the runtime requires finite.
     return None if value is None else real(value, "sparse_threshold", config, FLOAT32, _FIX)

@@ -83,11 +83,11 @@ class DeviceSlots:
         return cls(up, down_t, empty(w.gate), fc1, fc2)
 
     def load(self, w: FFNWeights, slots: torch.Tensor, neurons: torch.Tensor, staged: bool = False) -> None:
-        """Copy neurons' rows from the mapped weights into `slots`; `staged`: through pinned memory, queued on the
-        current stream without waiting (a GPU's side stream)."""
+        """Copy neurons' rows from the mapped weights into `slots`; `staged`: the rows through pinned memory, queued
+        on the current stream without waiting (a GPU's side stream, with `slots` already on the device)."""
         if slots.numel() == 0:
             return
-        device_slots = _to_device(slots, self.up.device) if staged else slots.to(self.up.device)
+        device_slots = slots.to(self.up.device)
         for mine, source in ((self.up, w.up), (self.down_t, w.down_t), (self.gate, w.gate)):
             if mine is None or source is None:
                 continue
@@ -286,21 +286,22 @@ class HybridRunner:
         out = sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, cold[:, ids] if x.shape[0] > 1 else None)
         self.last[layer] = LayerSplit(int((picked & self.resident[layer]).any(0).sum()), int(ids.numel()), 0)
         if self.dynamic:
-            self._choose_promotions(layer, picked)
+            self.last[layer].moved = self._choose_promotions(layer, active_ids(picked))
         return out
 
-    def _choose_promotions(self, layer: int, picked: torch.Tensor) -> None:
-        """The neuron cache sees this step's selection and may choose swaps; the host counts them resident from the
-        layer's next step on, when its device work waits for their rows (`promote`, `await_promoted`)."""
+    def _choose_promotions(self, layer: int, selected: torch.Tensor) -> int:
+        """The neuron cache sees this step's selected neuron ids and may choose swaps (how many it returns); the host
+        counts them resident from the layer's next device work on, which waits for their rows (`promote`,
+        `await_promoted`)."""
         cache = self.caches[layer]
-        cache.observe(active_ids(picked))
+        cache.observe(selected)
         if not cache.due():
-            return
+            return 0
         slots, neurons = cache.rebalance()
         if slots.numel():
             self.pending[layer] = (slots, neurons)
             self.resident[layer] = cache.neuron_slot >= 0
-            self.last[layer].moved = int(slots.numel())
+        return int(slots.numel())
 
     def promote(self, layer: int) -> None:
         """Copy the layer's pending promotions into its slots: on a GPU, on a side stream behind all work queued so
@@ -314,8 +315,8 @@ class HybridRunner:
             return
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
-            self.slots[layer].load(self.layers[layer], slots, neurons, staged=True)
             where = _to_device(slots, self.device)
+            self.slots[layer].load(self.layers[layer], where, neurons, staged=True)
             self.slot_neuron[layer][where] = _to_device(neurons.to(torch.int32), self.device)
             self._promoted[layer] = torch.cuda.Event()
             self._promoted[layer].record()
@@ -387,10 +388,6 @@ class HybridRunner:
         out = out + future.result().to(self.device)
         self.last[layer] = LayerSplit(int(dev_pos.numel()) + int(shipped.numel()), int(cpu_pos.numel()), move)
         if self.dynamic:
-            cache.observe(ids)
-            if cache.due():
-                # Copied now (on a GPU's side stream, which the layer's next call waits for).
-                self.pending[layer] = cache.rebalance()
-                self.resident[layer] = cache.neuron_slot >= 0
-                self.promote(layer)
+            self._choose_promotions(layer, ids)
+            self.promote(layer)  # now (on a GPU's side stream, which the layer's next call waits for)
         return out

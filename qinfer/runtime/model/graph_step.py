@@ -12,9 +12,9 @@ wait (for its logits).
 With the dynamic schedule, a layer's promotions (ffn/hybrid.py) are copied on a side stream after the step that
 chose them, into the slots the graphs read, and the layer's piece B of the next step waits for them.
 
-A batch size's graphs are captured on its first step, after one eager run of the same program (Triton compiles
-its kernels, cuBLAS makes its handles); that run writes the same KV rows that the replay then writes again. The
-step reads no value on the host: the batch's tokens, positions and slots are copied to the device, attention reads
+A batch size's graphs are captured at its first step, which runs the same program eagerly (Triton compiles its
+kernels, cuBLAS makes its handles) and gives that step's logits; capture itself computes nothing. The step reads no
+value on the host: the batch's tokens, positions and slots are copied to the device, attention reads
 every row of the cache under a mask (kv/batch.Step.fixed), and nothing in a piece may wait for the device.
 `capture=False` runs the same program eagerly, which is how the CPU's simulated device tests it.
 """
@@ -106,8 +106,8 @@ class GraphStep:
         self.host_h = host_buffer((tokens, cfg.hidden), torch.float32, device)
         self.batch = TokenBatch(*(torch.empty(tokens, dtype=torch.long, device=device) for _ in range(3)))
         self.h0 = torch.empty(tokens, cfg.hidden, device=device)
-        self.cold = [runner.cold(i) for i in range(cfg.layers)]
-        self.host = {i: _HostLayer() for i in range(cfg.layers) if self.cold[i]}
+        # The layers with a host part (neurons on the host alone), made when the program is.
+        self.host = {i: _HostLayer() for i in range(cfg.layers) if runner.cold(i)}
         # What the pieces hand each other; after capture, the graphs' own output tensors.
         self.values: dict[str, torch.Tensor | list[torch.Tensor | None] | Step | None] = {}
         self.program = self._program()
@@ -116,11 +116,12 @@ class GraphStep:
     def _program(self) -> list[_Device | _Send | _Receive]:
         program: list[_Device | _Send | _Receive] = [_Device(self._begin)]
         for i in range(self.forward.cfg.layers):
+            cold = i in self.host
             program.append(_Device(lambda i=i: self._attention(i)))
-            if self.cold[i]:
+            if cold:
                 program.append(_Send(i))
             program.append(_Device(lambda i=i: self._ffn(i)))
-            if self.cold[i]:
+            if cold:
                 program.append(_Receive(i))
         program.append(_Device(self._end))
         return program
@@ -144,7 +145,7 @@ class GraphStep:
         h, x = self.forward.attention_block(i, self._residual(i - 1), step, self.cache)
         scores = self.runner.device_scores(i, h)
         self.values |= {"h": h, f"x{i}": x, f"scores{i}": scores}
-        if self.cold[i]:
+        if i in self.host:
             self.values[f"reads{i}"] = self.runner.host_reads(i, x, h, scores)
 
     def _ffn(self, i: int) -> None:
@@ -257,9 +258,12 @@ class GraphStep:
         self.h0.copy_(self.host_h, non_blocking=True)
         if self.graphs is not None:
             self._replay()
-        elif not self.capture:
+            logits = self.values["logits"]
+        elif self.capture:
+            logits = self._record()
+        else:
             self._eager()
-        logits = self._record() if self.capture and self.graphs is None else self.values["logits"]
+            logits = self.values["logits"]
         assert isinstance(logits, torch.Tensor)
         logits = logits.cpu()
         for layer in self.host:
@@ -291,11 +295,12 @@ class GraphSteps:
             # Graphs address one cache's tensors: another cache's steps are recorded anew.
             self.steps, self.cache = {}, cache
         step = self.steps.get(batch.tokens.shape[0])
-        if not self.capture or (step is not None and step.graphs is not None):
-            return (step or self._new_step(cache, batch)).run(batch)
+        recording = self.capture and (step is None or step.graphs is None)
         try:
             return (step or self._new_step(cache, batch)).run(batch)
         except RuntimeError as exc:  # CUDA's and torch's capture errors
+            if not recording:
+                raise
             self.failed, self.steps = str(exc).splitlines()[0] if str(exc) else type(exc).__name__, {}
             print(f"qinfer: decoding without CUDA graphs, which could not be recorded: {self.failed}", file=sys.stderr)
             return None

@@ -293,8 +293,8 @@ def create_app(
     `webui`: a chat page at / (webui/index.html, shipped in the package: no CDN)."""
     # With a key, the schema and its pages (not under /v1) are not served to whoever asks.
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if options.api_key else {}
-    lifespan = _lifespan(worker, lambda: routes.renderer, options.shutdown_timeout_s)
-    app = FastAPI(title="qinfer", lifespan=lifespan, **docs)
+    renderer = TemplateProcess(chat_template) if chat_template is not None else None
+    app = FastAPI(title="qinfer", lifespan=_lifespan(worker, renderer, options.shutdown_timeout_s), **docs)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -304,7 +304,6 @@ def create_app(
         # Added late, so it runs early: a stranger's body is never read.
         app.add_middleware(ApiKeyGuard, api_key=options.api_key)
     app.add_middleware(HostGuard, names=options.allowed_hosts)
-    renderer = TemplateProcess(chat_template) if chat_template is not None else None
     routes = _Routes(worker, model_id, chat_template, renderer, ServerMetrics(worker))
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.metrics)
@@ -322,15 +321,15 @@ def create_app(
 
 
 def _lifespan(
-    worker: EngineWorker, renderer: Callable[[], TemplateProcess | None], shutdown_timeout_s: float
+    worker: EngineWorker, renderer: TemplateProcess | None, shutdown_timeout_s: float
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         worker.start()
         yield
         worker.stop(shutdown_timeout_s)
-        if (process := renderer()) is not None:
-            process.close()
+        if renderer is not None:
+            renderer.close()
 
     return lifespan
 
