@@ -53,7 +53,8 @@ def profile_cmd(
         bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier activation directory.")
     ] = False,
 ) -> None:
-    """Count how often each FFN neuron fires over a corpus: writes activation_{i}.pt per layer and summary.json.
+    """Count how often each FFN neuron fires over a corpus (in a model with experts: how often the router picks each
+    expert): writes activation_{i}.pt per layer and summary.json.
 
     An interrupted run continues from its last checkpoint when started again with the same arguments (under
     torchrun: with the same number of processes, each from its own checkpoint).
@@ -110,10 +111,11 @@ def profile_cmd(
         err.print(f"resumed after {result.resumed_from} windows")
     err.print(f"wrote {result.out} ({result.tokens} tokens, {result.dtype} on {result.device})")
     for layer in result.layers:
-        err.print(
-            f"layer {layer.layer}: sparsity {layer.sparsity:.1%}, hottest 10/20/50% hold "
-            + "/".join(f"{share:.0%}" for share in layer.top_share.values())
-        )
+        shares = "/".join(f"{share:.0%}" for share in layer.top_share.values())
+        if result.unit == "expert":  # a router's sparsity is fixed (1 - used / count); only its skew is news
+            err.print(f"layer {layer.layer}: the most-routed 10/20/50% of experts take {shares} of the routings")
+        else:
+            err.print(f"layer {layer.layer}: sparsity {layer.sparsity:.1%}, hottest 10/20/50% hold {shares}")
 
 
 @prep.command("train-predictor")

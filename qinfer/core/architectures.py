@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -70,6 +70,8 @@ class HfModules:
     up: str  # from a layer
     gate: str | None = None
     llama_config: bool = False  # config.json is read as a LlamaConfig (Bamboo's model_type is unknown to transformers)
+    # A model with experts: the router, from a layer, a module with `weight` [N, E] whose input is what it routes.
+    router: str | None = None
 
 
 @dataclass(frozen=True)
@@ -641,6 +643,8 @@ def _opt_metadata(writer: GGUFWriter, spec: ModelSpec) -> None:
     writer.add_head_count(spec.heads)
 
 
+# transformers 5 names the router of Mixtral, Qwen2-MoE and Qwen3-MoE alike (MixtralTopKRouter and its Qwen kin).
+_MOE_ROUTER = "mlp.gate"
 _LLAMA_HF = HfModules(
     "LlamaForCausalLM", "model.layers", "post_attention_layernorm", "mlp.up_proj", "mlp.gate_proj", llama_config=True
 )
@@ -667,7 +671,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             name="llama",
             hf_classes=("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
             ffn=ACTIVATIONS["relu"],
-            hf=_LLAMA_HF,
+            hf=replace(_LLAMA_HF, router=_MOE_ROUTER),
             read_config=partial(_gated_config, "llama"),
             unstated_activation=("relu", "silu"),
             experts="optional",
@@ -705,8 +709,10 @@ ARCHITECTURES: dict[str, Architecture] = {
             hf_classes=("Qwen2MoeForCausalLM",),
             ffn=ACTIVATIONS["silu"],
             rope="neox",
-            # Never hooked (the profiler refuses experts): mlp.gate, the router, stands in for up.
-            hf=HfModules("Qwen2MoeForCausalLM", "model.layers", "post_attention_layernorm", "mlp.gate"),
+            # No dense FFN, so up is never hooked: the router stands in for it.
+            hf=HfModules(
+                "Qwen2MoeForCausalLM", "model.layers", "post_attention_layernorm", _MOE_ROUTER, router=_MOE_ROUTER
+            ),
             read_config=partial(_gated_config, "qwen2moe"),
             hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN2MOE),
             unstated_activation=("silu", "silu"),
@@ -721,7 +727,9 @@ ARCHITECTURES: dict[str, Architecture] = {
             hf_classes=("Qwen3MoeForCausalLM",),
             ffn=ACTIVATIONS["silu"],
             rope="neox",
-            hf=HfModules("Qwen3MoeForCausalLM", "model.layers", "post_attention_layernorm", "mlp.gate"),
+            hf=HfModules(
+                "Qwen3MoeForCausalLM", "model.layers", "post_attention_layernorm", _MOE_ROUTER, router=_MOE_ROUTER
+            ),
             read_config=partial(_gated_config, "qwen3moe"),
             hf_names=partial(_gguf_name_map, MODEL_ARCH.QWEN3MOE),
             unstated_activation=("silu", "silu"),

@@ -1,5 +1,6 @@
 """Read and write activation statistics: `activation_{i}.pt` per layer and `summary.json`
-(docs/formats.md#activation-directories)."""
+(docs/formats.md#activation-directories). A directory counts either neurons (how often each FFN neuron fired) or,
+for a model with experts, experts (how many tokens the router sent to each); summary.json says which."""
 
 from __future__ import annotations
 
@@ -8,23 +9,28 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
 from qinfer.core.errors import UserError
+from qinfer.core.json_object import read_json_object
+from qinfer.core.model_spec import Experts
 from qinfer.formats.atomic_file import atomic_output
 from qinfer.formats.torch_files import load_torch_file
 
 LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
 SUMMARY_FILE = "summary.json"
 TOP_SHARES = (0.1, 0.2, 0.5)
+Unit = Literal["neuron", "expert"]  # what one entry of a layer file counts
+UNIT_KEY = "unit"  # in summary.json; absent for neurons, so that a dense profile's bytes stay as they always were
 
 
 @dataclass(frozen=True)
 class LayerSummary:
     layer: int
-    sparsity: float  # share of (token, neuron) pairs on which the neuron stayed silent
-    top_share: dict[str, float]  # "10%" -> share of all firings held by the hottest 10% of neurons, ...
+    sparsity: float  # share of (token, neuron) pairs on which the neuron stayed silent; of (token, expert) unrouted
+    top_share: dict[str, float]  # "10%" -> share of all firings (routings) held by the hottest 10% of units, ...
 
 
 def summarise(counts: torch.Tensor, tokens: int) -> list[LayerSummary]:
@@ -42,8 +48,11 @@ def summarise(counts: torch.Tensor, tokens: int) -> list[LayerSummary]:
     return out
 
 
-def write_activations(out: Path, counts: torch.Tensor, tokens: int, meta: dict[str, object]) -> list[LayerSummary]:
-    """`activation_{i}.pt` (1-D int64 counts, length F) for each layer and `summary.json`, each written atomically."""
+def write_activations(
+    out: Path, counts: torch.Tensor, tokens: int, meta: dict[str, object], experts: Experts | None = None
+) -> list[LayerSummary]:
+    """`activation_{i}.pt` (1-D int64 counts, length F, or N with `experts`: the counts are routings) for each layer
+    and `summary.json`, each written atomically."""
     out.mkdir(parents=True, exist_ok=True)
     for i, row in enumerate(counts):
         # Saved through a file object, the archive inside is named "archive" rather than after the temporary file,
@@ -51,7 +60,10 @@ def write_activations(out: Path, counts: torch.Tensor, tokens: int, meta: dict[s
         with atomic_output(out / f"activation_{i}.pt") as tmp, tmp.open("wb") as file:
             torch.save(row.detach().to("cpu", torch.int64).clone(), file)
     layers = summarise(counts, tokens)
-    summary = {"tokens": tokens, **meta, "layers": [asdict(layer) for layer in layers]}
+    summary: dict[str, object] = {"tokens": tokens, **meta}
+    if experts is not None:
+        summary |= {UNIT_KEY: "expert", "expert_count": experts.count, "expert_used_count": experts.used}
+    summary["layers"] = [asdict(layer) for layer in layers]
     with atomic_output(out / SUMMARY_FILE) as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return layers
@@ -66,6 +78,19 @@ def is_activation_output(path: Path, others: re.Pattern[str]) -> bool:
         e.is_file() and bool(LAYER_FILE.fullmatch(e.name) or e.name == SUMMARY_FILE or others.fullmatch(e.name))
         for e in entries
     )
+
+
+def activation_unit(directory: Path) -> Unit:
+    """What the layer files of `directory` count: "neuron" where summary.json names no unit (or is absent, as in
+    directories written before experts were profiled), else the unit it names."""
+    path = directory / SUMMARY_FILE
+    if not path.is_file():
+        return "neuron"
+    unit = read_json_object(path, "re-profile the model").get(UNIT_KEY, "neuron")
+    units: tuple[Unit, ...] = get_args(Unit)
+    if unit not in units:
+        raise UserError(f"{path} counts {unit!r}, not one of {', '.join(units)}; re-profile the model")
+    return unit
 
 
 def activation_paths(directory: Path, n_layers: int | None = None) -> list[Path]:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from qinfer.core.errors import UserError
-from qinfer.formats.activation_files import activation_paths, load_counts
+from qinfer.formats.activation_files import activation_paths, activation_unit, load_counts
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,12 @@ class ActivationStats:
 
 
 def load_activation(directory: Path, ffn_neurons: tuple[int, ...]) -> ActivationStats:
+    # An expert profile's layer may be as long as a dense layer's FFN by chance; its unit tells them apart.
+    if (unit := activation_unit(directory)) != "neuron":
+        raise UserError(
+            f"{directory} counts how often each {unit} is routed to, not neuron firings; point --activation at a "
+            "dense model's `qinfer prep profile` directory"
+        )
     paths = activation_paths(directory, len(ffn_neurons))
     digest = hashlib.sha256()
     counts = []

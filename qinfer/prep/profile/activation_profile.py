@@ -1,4 +1,5 @@
-"""Profile how often each FFN neuron fires over a corpus, resumably, and write the activation statistics.
+"""Profile how often each FFN neuron fires over a corpus, resumably, and write the activation statistics; in a model
+with experts, how often the router sends a token to each expert instead.
 
 A distributed run (`--distributed` under torchrun) splits the corpus between processes by batch: every process walks
 the same batches and profiles those whose index % world size is its rank, keeps its own checkpoint, and the counts
@@ -20,12 +21,19 @@ import torch
 import torch.distributed as dist
 
 from qinfer.core.errors import UserError
-from qinfer.formats.activation_files import LayerSummary, is_activation_output, summarise, write_activations
+from qinfer.formats.activation_files import (
+    LayerSummary,
+    Unit,
+    is_activation_output,
+    summarise,
+    write_activations,
+)
 from qinfer.formats.atomic_file import OutputKind, atomic_directory, atomic_output, check_replaceable, disk_errors
 from qinfer.formats.torch_files import load_torch_file
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
 from qinfer.prep.profile.ffn_taps import firing_counts
 from qinfer.prep.profile.relu_model import load_relu_model, resolve_device
+from qinfer.prep.profile.router_taps import routing_counts
 
 STATE_FILE = ".profile_state.pt"
 STATE_FILES = re.compile(r"\.profile_state(?:\.rank\d+)?\.pt")  # state_file's names, of every process
@@ -69,6 +77,7 @@ class ProfileResult:
     dtype: str
     fell_back_to_cpu: bool
     layers: list[LayerSummary]
+    unit: Unit  # what the counts count: a dense model's neurons, or the experts a router chose
 
 
 def torchrun_shard(environ: Mapping[str, str]) -> Shard:
@@ -134,8 +143,9 @@ def profile_activations(
     shard: Shard | None = None,
     force: bool = False,
 ) -> ProfileResult:
-    """Count, per layer and neuron, the tokens on which the neuron fires; write `out` (default MODEL_DIR/activation),
-    which replaces an earlier activation directory or an empty one whole, or any other with `force`.
+    """Count, per layer and neuron, the tokens on which the neuron fires (in a model with experts, per layer and
+    expert, the tokens routed to the expert); write `out` (default MODEL_DIR/activation), which replaces an earlier
+    activation directory or an empty one whole, or any other with `force`.
 
     Every `checkpoint_every` profiled windows the counts and the corpus position go to `out/.profile_state.pt`
     (`state_file`), so a run that is stopped continues from there when started again with the same arguments.
@@ -149,19 +159,26 @@ def profile_activations(
     files = corpus_files(data)
     if shard is not None:
         _use_local_gpu(shard, device)
-    loaded = load_relu_model(model_dir, dtype, device)
-    if loaded.form.act != "relu":
+    loaded = load_relu_model(model_dir, dtype, device, experts=True)
+    spec, experts = loaded.spec, loaded.spec.experts
+    # A router's choice is sparse whatever its experts compute; only dense neurons need a ReLU to ever be silent.
+    if experts is None and loaded.form.act != "relu":
         raise UserError(
             f"{model_dir} is a {loaded.form.act} model: its neurons never stop firing on their own; calibrate a "
             "sparsity for it with `qinfer prep calibrate`"
         )
-    spec = loaded.spec
     rank, world_size = (0, 1) if shard is None else (shard.rank, shard.world_size)
     key = fingerprint(model_dir, files, seq_len, batch_size, tokens, loaded.dtype, shard)
     with disk_errors(out):
         out.mkdir(parents=True, exist_ok=True)  # the checkpoint is written into it long before the results
     state_path = out / state_file(shard)
-    counts = torch.zeros(spec.layers, spec.ffn, dtype=torch.int64, device=loaded.device)
+    width = spec.ffn if experts is None else experts.count
+    counts = torch.zeros(spec.layers, width, dtype=torch.int64, device=loaded.device)
+    taps = (
+        firing_counts(loaded.layers, loaded.arch, loaded.form, counts)
+        if experts is None
+        else routing_counts(loaded.layers, loaded.arch, experts, counts)
+    )
     with _process_group(shard, loaded.device):
         start = StreamPosition()
         if state_path.is_file() and not restart:
@@ -172,7 +189,7 @@ def profile_activations(
         tell = on_progress or (lambda _t, _n, _w: None)
         tell(start.tokens, tokens, start.windows)
         position, since_checkpoint = start, 0
-        with torch.inference_mode(), firing_counts(loaded.layers, loaded.arch, loaded.form, counts):
+        with torch.inference_mode(), taps:
             for batch in itertools.islice(stream, start.batches, None):
                 mine = position.batches % world_size == rank
                 position = position.after(batch)
@@ -197,7 +214,7 @@ def profile_activations(
         if rank == 0:
             # Swapped in whole: a run killed while writing leaves the earlier files, never some of each.
             with atomic_directory(out, ACTIVATION_OUTPUT, force) as tmp:
-                layers = write_activations(tmp, counts, position.tokens, meta)
+                layers = write_activations(tmp, counts, position.tokens, meta, experts)
         else:
             layers = summarise(counts, position.tokens)
         if shard is not None:
@@ -212,6 +229,7 @@ def profile_activations(
         dtype=str(loaded.dtype).removeprefix("torch."),
         fell_back_to_cpu=loaded.fell_back,
         layers=layers,
+        unit="neuron" if experts is None else "expert",
     )
 
 

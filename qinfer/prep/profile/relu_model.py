@@ -80,14 +80,17 @@ def _model_class(arch: Architecture, cfg: dict[str, Any]) -> tuple[type[PreTrain
     return model_class, _llama_config(cfg) if arch.hf.llama_config else None
 
 
-def load_relu_model(model_dir: Path, dtype: str | None = None, device: str = "auto") -> ReluModel:
+def load_relu_model(
+    model_dir: Path, dtype: str | None = None, device: str = "auto", *, experts: bool = False
+) -> ReluModel:
     """The model in eval mode, without gradients. A model whose transformers class lacks its ReLU on up (dReLU:
-    Bamboo, loaded as LLaMA) gets a hook that adds it."""
+    Bamboo, loaded as LLaMA) gets a hook that adds it. A model with experts is refused, before it loads, unless
+    `experts` (the profiler counts their routing; nothing else reads them yet)."""
     spec = spec_from_hf_dir(model_dir)
-    if spec.experts is not None:
+    if spec.experts is not None and not experts:
         raise UserError(
-            f"{model_dir} has experts, which are not profiled, calibrated or given predictors yet; convert it with "
-            "`qinfer prep convert-dense` and run it dense"
+            f"{model_dir} has experts, which are not calibrated or given predictors yet; count their routing with "
+            "`qinfer prep profile`, or convert it with `qinfer prep convert-dense` and run it dense"
         )
     arch = architecture(spec.arch)
     where, fell_back = resolve_device(device)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qinfer.core.expert_routing import route
 from qinfer.core.model_spec import Experts
 from qinfer.runtime.kernels.weight_rows import linear
 
@@ -39,14 +40,6 @@ class ExpertWeights:
 
     def expert(self, j: int) -> SwiGLU:
         return SwiGLU(self.gate[j], self.up[j], self.down[j])
-
-
-def route(router_logits: torch.Tensor, used: int, norm_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's chosen experts [T, k] and their weights [T, k], in float32 as transformers computes them."""
-    weights, chosen = torch.topk(torch.softmax(router_logits.float(), dim=-1), used, dim=-1)
-    if norm_top_k:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return chosen, weights
 
 
 class ExpertRunner:

@@ -1,5 +1,6 @@
-"""Profile, calibrate and predictor training refuse a mixture-of-experts checkpoint in one line, before loading it:
-nothing makes experts sparse yet, and what they would hook is no neuron's gate or up."""
+"""Calibrate and predictor training refuse a mixture-of-experts checkpoint in one line, before loading it: its
+experts are SwiGLU and not calibrated, and what they would hook is no neuron's gate or up. (`prep profile` counts
+its routing: test_expert_profile.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from qinfer.prep.synth.moe import MOE_FAMILIES
 from tests.support.cli_in_process import run_in_process
 
 
-@pytest.mark.parametrize("command", ["profile", "calibrate"])
+@pytest.mark.parametrize("command", ["calibrate", "train-predictor"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_experts_are_refused(moe: dict[str, dict[str, Path]], family: str, command: str, tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
@@ -20,7 +21,7 @@ def test_experts_are_refused(moe: dict[str, dict[str, Path]], family: str, comma
     ran = run_in_process("prep", command, str(model), "--data", str(corpus), "--out", str(tmp_path / "out"))
     assert ran.returncode == 2, ran.stderr
     assert ran.stderr.strip().splitlines() == [
-        f"error: {model} has experts, which are not profiled, calibrated or given predictors yet; convert it with "
-        "`qinfer prep convert-dense` and run it dense"
+        f"error: {model} has experts, which are not calibrated or given predictors yet; count their routing with "
+        "`qinfer prep profile`, or convert it with `qinfer prep convert-dense` and run it dense"
     ]
     assert not (tmp_path / "out").exists()

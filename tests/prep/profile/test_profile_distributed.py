@@ -18,6 +18,7 @@ from qinfer.core.errors import UserError
 from qinfer.prep.profile.activation_profile import profile_activations, state_file, torchrun_shard
 from qinfer.prep.synth.build import SynthReport
 from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.prep.synth.moe import build_moe
 from tests.support.cli_in_process import run_in_process
 
 TOKENS, SEQ_LEN, BATCH = 3000, 64, 2  # 47 windows in 24 batches, the last window short
@@ -95,6 +96,17 @@ def test_two_processes_write_the_files_one_process_writes(
     assert files(tmp_path) == files(single)  # the same bytes, summary.json and its token count included
     assert json.loads((tmp_path / "summary.json").read_text())["tokens"] == TOKENS
     assert done.stderr.count("layer 1: sparsity") == 1  # rank 0 alone reports
+
+
+def test_two_processes_count_an_expert_model_as_one_does(corpus: Path, tmp_path: Path) -> None:
+    model = build_moe(tmp_path / "model", "qwen2moe")
+    single = tmp_path / "single"
+    profile_activations(model, corpus, single, tokens=TOKENS, seq_len=SEQ_LEN, batch_size=BATCH, device="cpu")
+    done = torchrun_profile(model, corpus, tmp_path / "two")
+    assert done.returncode == 0, done.stderr
+    assert files(tmp_path / "two") == files(single)
+    assert json.loads((single / "summary.json").read_text())["unit"] == "expert"
+    assert done.stderr.count("layer 1: the most-routed") == 1
 
 
 def test_each_process_resumes_from_its_own_checkpoint(

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from qinfer.core.expert_routing import route
 from qinfer.core.kv_policy import F32_KV
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.synth.moe import MOE_FAMILIES
-from qinfer.runtime.ffn.experts import ExpertRunner, route
+from qinfer.runtime.ffn.experts import ExpertRunner
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
