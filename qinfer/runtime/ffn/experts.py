@@ -4,6 +4,7 @@ says so), each expert a SwiGLU, and Qwen2-MoE's shared expert added under a sigm
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ class SwiGLU:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
 
+    def to(self, device: torch.device) -> SwiGLU:
+        return SwiGLU(self.gate.to(device), self.up.to(device), self.down.to(device))
+
 
 @dataclass(frozen=True)
 class ExpertWeights:
@@ -42,6 +46,30 @@ class ExpertWeights:
         return SwiGLU(self.gate[j], self.up[j], self.down[j])
 
 
+def shared_output(shared: SwiGLU | None, gate: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """Qwen2-MoE's shared expert under its sigmoid gate; None for a model without one."""
+    if shared is None or gate is None:
+        return None
+    return torch.sigmoid(linear(x, gate)) * shared(x)
+
+
+def mixture(
+    expert: Callable[[int], SwiGLU | None], x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The sum over each token's chosen experts of its weight times the expert's output, float32 [T, E] on x's
+    device; each expert runs once, on the tokens that chose it. `chosen` and `weights` may be host copies of a
+    device's routing; the experts `expert` answers None for are left out (another device computes them)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in chosen.unique().tolist():
+        if (run := expert(j)) is None:
+            continue
+        tokens, rank = torch.where(chosen == j)
+        scale = weights[tokens, rank, None].to(x.device)
+        tokens = tokens.to(x.device)
+        out.index_add_(0, tokens, run(x[tokens]) * scale)
+    return out
+
+
 class ExpertRunner:
     """Every layer's experts on the CPU; each expert runs once per call, on the tokens that chose it, so the
     tokens of a batch (a prompt, or one of each of several sequences) are routed each on its own."""
@@ -53,10 +81,6 @@ class ExpertRunner:
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
         w = self.layers[layer]
         chosen, weights = route(linear(x, w.router), self.experts.used, self.experts.norm_top_k)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for j in chosen.unique().tolist():
-            tokens, rank = torch.where(chosen == j)
-            out.index_add_(0, tokens, w.expert(j)(x[tokens]) * weights[tokens, rank, None])
-        if w.shared is not None and w.shared_gate is not None:
-            out += torch.sigmoid(linear(x, w.shared_gate)) * w.shared(x)
-        return out
+        out = mixture(w.expert, x, chosen, weights)
+        shared = shared_output(w.shared, w.shared_gate, x)
+        return out if shared is None else out + shared

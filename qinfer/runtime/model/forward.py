@@ -69,12 +69,16 @@ def expert_weights(model: ModelFile, experts: Experts, i: int) -> ExpertWeights:
     )
 
 
+def expert_runner(model: ModelFile, experts: Experts) -> ExpertRunner:
+    """Every expert a token chooses, on the CPU."""
+    return ExpertRunner([expert_weights(model, experts, i) for i in range(model.config.layers)], experts)
+
+
 def dense_runner(model: ModelFile) -> FFNRunner:
     """Every neuron of every layer, or every expert a token chooses, on the CPU."""
-    layers, experts = range(model.config.layers), model.config.experts
-    if experts is not None:
-        return ExpertRunner([expert_weights(model, experts, i) for i in layers], experts)
-    return DenseRunner([ffn_weights(model, i) for i in layers])
+    if model.config.experts is not None:
+        return expert_runner(model, model.config.experts)
+    return DenseRunner([ffn_weights(model, i) for i in range(model.config.layers)])
 
 
 def down_bias(model: ModelFile, i: int) -> torch.Tensor:

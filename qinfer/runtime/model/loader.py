@@ -17,9 +17,11 @@ import torch
 from qinfer.core.architectures import architecture
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVPolicy, KVTypes
+from qinfer.core.model_spec import Experts
 from qinfer.planner.budget import GIB
 from qinfer.planner.device_profiles import DEFAULT_CPU, load_profile
 from qinfer.planner.model_layout import ModelLayout
+from qinfer.runtime.ffn.expert_split import ExpertSplit
 from qinfer.runtime.ffn.hybrid import HybridRunner, require_split_support
 from qinfer.runtime.ffn.runners import DenseRunner, Selector, SparseRunner
 from qinfer.runtime.ffn.schedule import FFNSchedule
@@ -27,7 +29,7 @@ from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.ffn.split_cost import SplitCosts
 from qinfer.runtime.kernels import row_kernels
 from qinfer.runtime.model.falcon import FalconForward
-from qinfer.runtime.model.forward import TransformerForward, dense_runner, ffn_weights
+from qinfer.runtime.model.forward import TransformerForward, expert_runner, ffn_weights
 from qinfer.runtime.model.llama import LlamaForward
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.opt import OPTForward
@@ -134,7 +136,8 @@ def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOpti
     if options.disable_gpu_index:
         # Still refuse a budget too small for the dense parts, with the planner's message.
         layout, _ = dry_run_account(model.path, budget, plan_options)
-        notes.append("--disable-gpu-index: every FFN neuron stays on the CPU")
+        unit = "expert" if model.config.experts is not None else "FFN neuron"
+        notes.append(f"--disable-gpu-index: every {unit} stays on the CPU")
         empty = [torch.empty(0, dtype=torch.long) for _ in layout.layers]
         return Placement(None, layout, empty, [0] * len(empty), True)
     plan = load_or_make_gpuidx(model.path, budget, options=plan_options, reset=options.reset_gpu_index)
@@ -146,8 +149,9 @@ def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOpti
     ]
     share = sum(int(r.numel()) for r in resident) / sum(layer.ffn_neurons for layer in plan.layout.layers)
     verb = "reused" if plan.reused else "wrote"
+    units, uses = ("experts", "routings") if model.config.experts is not None else ("FFN neurons", "activations")
     notes.append(
-        f"plan: {share:.0%} of FFN neurons on the GPU, {plan.gpu_activation_share:.0%} of activations ({verb} "
+        f"plan: {share:.0%} of {units} on the GPU, {plan.gpu_activation_share:.0%} of {uses} ({verb} "
         f"{plan.gpuidx_path})"
     )
     dense_on_gpu = all(plan.placement.attention_on_gpu) and plan.placement.output_on_gpu
@@ -170,14 +174,39 @@ def fit_context(model: ModelFile, requested: int | None) -> tuple[int, str | Non
 
 
 def _experts_runtime(
-    model: ModelFile, options: RuntimeOptions, make_forward: type[TransformerForward]
+    model: ModelFile,
+    experts: Experts,
+    options: RuntimeOptions,
+    make_forward: type[TransformerForward],
+    slots: int,
+    ctx_size: int,
 ) -> LoadedRuntime:
-    """A mixture of experts runs every expert a token chooses, on the CPU: nothing plans or predicts experts yet."""
-    if options.vram_budget_gib is not None:
-        raise UserError("experts are not planned yet; run without --vram-budget")
+    """A mixture of experts runs every expert a token chooses; with a VRAM budget the plan's experts on the GPU
+    side, the router and the shared expert with them, and the rest on the CPU."""
     if options.ffn in ("sparse", "oracle"):
         raise UserError(f"experts are not made sparse yet; run without --ffn {options.ffn}")
-    return LoadedRuntime(make_forward(model, dense_runner(model), torch.device("cpu")), "dense", "static")
+    runner = expert_runner(model, experts)
+    cpu = torch.device("cpu")
+    if options.vram_budget_gib is None:
+        return LoadedRuntime(make_forward(model, runner, cpu), "dense", "static")
+    if options.schedule == "dynamic":
+        raise UserError("experts stay where the plan puts them; run without --schedule dynamic")
+    device = gpu_device(options.device)
+    notes: list[str] = []
+    placed = _placement(model, options, _plan_options(device, options, slots, ctx_size), notes)
+    if device is None:
+        notes.append("no GPU: the plan is kept for a GPU machine; every expert runs on the CPU")
+        return LoadedRuntime(make_forward(model, runner, cpu), "dense", "static", placed.plan, notes)
+    split = ExpertSplit(runner, device, placed.resident)
+    forward = make_forward(model, split, device if placed.dense_on_gpu else cpu)
+    return LoadedRuntime(forward, "dense", "static", placed.plan, notes)
+
+
+def _plan_options(device: torch.device | None, options: RuntimeOptions, slots: int, ctx_size: int) -> PlanOptions:
+    """The plan a run asks for: its context, one sequence per slot, this GPU's profile and the run's KV policy."""
+    from qinfer.planner.make_plan import PlanOptions
+
+    return PlanOptions(ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device), kv_policy=options.kv_policy)
 
 
 def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
@@ -185,7 +214,7 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
         raise UserError(f"unknown schedule {options.schedule!r}; use static or dynamic")
     make_forward = forward_class(model)
     if model.config.experts is not None:
-        return _experts_runtime(model, options, make_forward)
+        return _experts_runtime(model, model.config.experts, options, make_forward, slots, ctx_size)
     layers = [ffn_weights(model, i) for i in range(model.config.layers)]
     mode = ffn_mode(model, options.ffn, layers)
     # Built (or found) now, so that a message about building them never lands inside generated text.
@@ -206,11 +235,7 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     device = gpu_device(options.device)
     if device is not None:
         require_split_support(layers[0].form)
-    from qinfer.planner.make_plan import PlanOptions
-
-    plan_options = PlanOptions(
-        ctx_size=ctx_size, batch=slots, gpu=gpu_profile_name(device), kv_policy=options.kv_policy
-    )
+    plan_options = _plan_options(device, options, slots, ctx_size)
     notes: list[str] = []
     placed = _placement(model, options, plan_options, notes)
     if device is None:

@@ -89,11 +89,12 @@ def test_run_command_generates(moe: dict[str, dict[str, Path]]) -> None:
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        (("--vram-budget", "1"), "experts are not planned yet; run without --vram-budget"),
         (("--ffn", "sparse"), "experts are not made sparse yet; run without --ffn sparse"),
+        (("--vram-budget", "1", "--schedule", "dynamic"), "experts stay where the plan puts them; run without "
+         "--schedule dynamic"),
     ],
-)
-def test_a_budget_or_sparse_run_is_refused_in_one_line(
+)  # fmt: skip
+def test_a_sparse_or_dynamic_run_is_refused_in_one_line(
     moe: dict[str, dict[str, Path]], option: tuple[str, str], message: str
 ) -> None:
     ran = run_in_process("run", "-m", str(moe["mixtral"]["dense-f32"]), "-p", "Once", "-n", "2", *option)

@@ -1,0 +1,77 @@
+"""The planned split of a mixture of experts: resident experts on the device side, the rest on the CPU, summed
+with the router's weights. On a machine without a GPU the device is the CPU simulating one (and CUDA where there
+is one), so every machine checks what is computed where and that the sum is the CPU runner's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qinfer.core.expert_routing import route
+from qinfer.prep.synth.moe import MOE_FAMILIES
+from qinfer.runtime.ffn.expert_split import ExpertSplit
+from qinfer.runtime.ffn.experts import ExpertRunner, ExpertWeights, SwiGLU
+from qinfer.runtime.kernels.weight_rows import linear
+from qinfer.runtime.model.forward import expert_runner
+from qinfer.runtime.model.model_file import open_model
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class Recording(ExpertWeights):
+    """ExpertWeights that remember which experts the CPU was asked for."""
+
+    asked: list[int]
+
+    def expert(self, j: int) -> SwiGLU:
+        self.asked.append(j)
+        return super().expert(j)
+
+
+def _recording(runner: ExpertRunner) -> list[Recording]:
+    layers = []
+    for w in runner.layers:
+        layer = Recording(w.router, w.gate, w.up, w.down, w.shared, w.shared_gate)
+        object.__setattr__(layer, "asked", [])
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_the_split_sums_what_the_cpu_runner_computes(
+    moe: dict[str, dict[str, Path]], family: str, device: str, tokens: int
+) -> None:
+    model = open_model(moe[family]["dense-f32"])
+    assert model.config.experts is not None
+    runner = expert_runner(model, model.config.experts)
+    x = torch.randn(tokens, model.config.hidden, generator=torch.Generator().manual_seed(tokens))
+    chosen = [route(linear(x, w.router), runner.experts.used, runner.experts.norm_top_k)[0] for w in runner.layers]
+    # The first token's first expert on the device, so both sides have work in every layer.
+    resident = [torch.tensor([int(c[0, 0])]) for c in chosen]
+    layers = _recording(runner)
+    split = ExpertSplit(ExpertRunner(list(layers), runner.experts), torch.device(device), resident)
+    for layer in layers:
+        layer.asked.clear()  # residency reads the resident experts once, to copy them
+    for i in range(model.config.layers):
+        expected = runner(i, x, x, tokens > 1)
+        got = split(i, x.to(device), x.to(device), tokens > 1)
+        assert got.device.type == device
+        assert (got.cpu() - expected).abs().max().item() < 1e-5 * max(1.0, expected.abs().max().item())
+        # The CPU computes exactly the chosen experts that are not resident.
+        assert sorted(layers[i].asked) == sorted(set(chosen[i].flatten().tolist()) - set(resident[i].tolist()))
+
+
+def test_resident_experts_and_the_router_live_on_the_device_side(moe: dict[str, dict[str, Path]]) -> None:
+    model = open_model(moe["qwen2moe"]["dense-f32"])
+    assert model.config.experts is not None
+    runner = expert_runner(model, model.config.experts)
+    split = ExpertSplit(runner, torch.device(DEVICES[-1]), [torch.tensor([1, 3]), torch.tensor([], dtype=torch.long)])
+    assert [split.resident_count(i) for i in range(2)] == [2, 0]
+    assert torch.equal(split.resident[0][3].up.cpu(), runner.layers[0].up[3])
+    assert split.routers[1].device.type == DEVICES[-1]
+    shared, gate = split.shared[0]
+    assert shared is not None and gate is not None and gate.device.type == DEVICES[-1]
