@@ -8,16 +8,21 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from qinfer.core.errors import UserError
+from qinfer.core.json_object import read_json_object
 from qinfer.formats.atomic_file import atomic_output
 from qinfer.formats.torch_files import load_torch_file
 
 LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
 SUMMARY_FILE = "summary.json"
 TOP_SHARES = (0.1, 0.2, 0.5)
+# What a directory counts (summary.json's "unit"): FFN neurons that fired, or a mixture's experts that tokens chose.
+Unit = Literal["neuron", "expert"]
+UNITS: tuple[Unit, ...] = ("neuron", "expert")
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,28 @@ def load_counts(path: Path, neurons: int | None = None) -> torch.Tensor:
     if tensor.is_complex() or not bool(torch.isfinite(tensor).all()) or bool((tensor < 0).any()):
         raise UserError(f"{path} has negative or non-finite counts; re-profile the model")
     return tensor
+
+
+@dataclass(frozen=True)
+class CountBasis:
+    """What a directory's counts are of, from its summary.json: the unit (neurons where the summary or its "unit"
+    is absent, as before experts were counted) and the tokens profiled (None where not recorded)."""
+
+    unit: Unit
+    tokens: int | None
+
+
+def count_basis(directory: Path) -> CountBasis:
+    path = directory / SUMMARY_FILE
+    if not path.is_file():
+        return CountBasis("neuron", None)
+    summary = read_json_object(path, "re-profile the model")
+    unit, tokens = summary.get("unit", "neuron"), summary.get("tokens")
+    if unit not in UNITS:
+        raise UserError(f"{path}: unit {unit!r} is not one of {', '.join(UNITS)}; re-profile the model")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+        raise UserError(f"{path}: tokens {tokens!r} is not a count; re-profile the model")
+    return CountBasis(unit, tokens)
 
 
 def read_activations(path: Path) -> list[torch.Tensor]:
