@@ -1,4 +1,4 @@
-"""`qinfer plan`: GPU placement of FFN neurons, written as `<model>.generated.gpuidx`."""
+"""`qinfer plan`: GPU placement of FFN neurons (or of a mixture's experts), written as `<model>.generated.gpuidx`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ TIME_LIMIT = Real(0.0, low_open=True)
 
 @app.command("plan")
 def plan_cmd(
-    model: Annotated[Path, typer.Option("--model", "-m", help="The PowerInfer GGUF (*.powerinfer.gguf) to plan.")],
+    model: Annotated[
+        Path,
+        typer.Option(
+            "--model", "-m", help="The PowerInfer GGUF (*.powerinfer.gguf), or a dense GGUF with experts, to plan."
+        ),
+    ],
     vram_budget: Annotated[
         float,
         typer.Option(
@@ -33,7 +38,10 @@ def plan_cmd(
         int, typer.Option(min=1, help="Number of sequences decoded together (KV cache, scratch, timing).")
     ] = 1,
     group_size: Annotated[
-        int, typer.Option(min=1, help="Neurons per placement group (hottest first within a layer).")
+        int,
+        typer.Option(
+            min=1, help="Neurons per placement group (hottest first within a layer); experts are placed one by one."
+        ),
     ] = 64,
     device: Annotated[str, typer.Option(help="GPU profile (`qinfer profiles` lists them).")] = "rtx4090",
     cpu: Annotated[str, typer.Option(help="CPU profile name (`qinfer profiles` lists them).")] = DEFAULT_CPU,
@@ -55,7 +63,8 @@ def plan_cmd(
     ] = False,
     report: Annotated[Path | None, typer.Option(help="Write a per-layer PNG of the plan (needs matplotlib).")] = None,
 ) -> None:
-    """Decide which FFN neurons live on the GPU and write <model>.generated.gpuidx beside the model."""
+    """Decide which FFN neurons (or experts) live on the GPU and write <model>.generated.gpuidx beside the model;
+    for a mixture, also model llama.cpp's --n-cpu-moe split of the same budget."""
     # Imported here, as in the other commands, so that `qinfer --help` and unrelated commands start fast.
     from qinfer.cli.stop_signals import stop_signals_raise
     from qinfer.formats.atomic_file import check_output_file

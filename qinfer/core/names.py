@@ -61,6 +61,9 @@ WEIGHT = "weight"
 BIAS = "bias"
 # The FFN matrices whose rows are neurons; the planner counts their bytes per neuron.
 FFN_ROWS = (Tensor.FFN_GATE, Tensor.FFN_UP, Tensor.FFN_DOWN_T, Tensor.FFN_DOWN)
+# The stacked expert matrices, [N_exp, ...]: the planner places a mixture's experts whole and counts their bytes per
+# expert; a layer's other tensors (router, shared expert) run for every token with its attention.
+EXPERT_STACKS = (Tensor.FFN_GATE_EXPS, Tensor.FFN_UP_EXPS, Tensor.FFN_DOWN_EXPS)
 PREDICTOR = (Tensor.FC1, Tensor.FC2)
 # Kept float32 in an f16 file, as llama.cpp's converter keeps them: a router rounded to f16 can pick other experts.
 ROUTERS = (Tensor.FFN_GATE_INP, Tensor.FFN_GATE_INP_SHEXP)

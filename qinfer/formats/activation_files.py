@@ -9,7 +9,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
@@ -22,7 +22,9 @@ from qinfer.formats.torch_files import load_torch_file
 LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
 SUMMARY_FILE = "summary.json"
 TOP_SHARES = (0.1, 0.2, 0.5)
-Unit = Literal["neuron", "expert"]  # what one entry of a layer file counts
+# What a directory counts: FFN neurons that fired, or a mixture's experts that tokens chose.
+Unit = Literal["neuron", "expert"]
+UNITS: tuple[Unit, ...] = ("neuron", "expert")
 UNIT_KEY = "unit"  # in summary.json; absent for neurons, so that a dense profile's bytes stay as they always were
 
 
@@ -80,19 +82,6 @@ def is_activation_output(path: Path, others: re.Pattern[str]) -> bool:
     )
 
 
-def activation_unit(directory: Path) -> Unit:
-    """What the layer files of `directory` count: "neuron" where summary.json names no unit (or is absent, as in
-    directories written before experts were profiled), else the unit it names."""
-    path = directory / SUMMARY_FILE
-    if not path.is_file():
-        return "neuron"
-    unit = read_json_object(path, "re-profile the model").get(UNIT_KEY, "neuron")
-    units: tuple[Unit, ...] = get_args(Unit)
-    if unit not in units:
-        raise UserError(f"{path} counts {unit!r}, not one of {', '.join(units)}; re-profile the model")
-    return unit
-
-
 def activation_paths(directory: Path, n_layers: int | None = None) -> list[Path]:
     """The layer files sorted by integer index (2 before 10); with `n_layers`, exactly those of layers 0 to
     n_layers - 1, else a contiguous run from 0. A missing or extra layer is a user error."""
@@ -123,6 +112,28 @@ def load_counts(path: Path, neurons: int | None = None) -> torch.Tensor:
     if tensor.is_complex() or not bool(torch.isfinite(tensor).all()) or bool((tensor < 0).any()):
         raise UserError(f"{path} has negative or non-finite counts; re-profile the model")
     return tensor
+
+
+@dataclass(frozen=True)
+class CountBasis:
+    """What a directory's counts are of, from its summary.json: the unit (neurons where the summary or its "unit"
+    is absent, as before experts were counted) and the tokens profiled (None where not recorded)."""
+
+    unit: Unit
+    tokens: int | None
+
+
+def count_basis(directory: Path) -> CountBasis:
+    path = directory / SUMMARY_FILE
+    if not path.is_file():
+        return CountBasis("neuron", None)
+    summary = read_json_object(path, "re-profile the model")
+    unit, tokens = summary.get(UNIT_KEY, "neuron"), summary.get("tokens")
+    if unit not in UNITS:
+        raise UserError(f"{path}: unit {unit!r} is not one of {', '.join(UNITS)}; re-profile the model")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+        raise UserError(f"{path}: tokens {tokens!r} is not a count; re-profile the model")
+    return CountBasis(unit, tokens)
 
 
 def read_activations(path: Path) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Per-layer activation statistics (`activation/activation_{i}.pt`) as firing probabilities."""
+"""Per-layer activation statistics (`activation/activation_{i}.pt`) as firing probabilities: of each FFN neuron, or
+of each expert of a mixture (the chance a token chooses it)."""
 
 from __future__ import annotations
 
@@ -10,29 +11,36 @@ import numpy as np
 import torch
 
 from qinfer.core.errors import UserError
-from qinfer.formats.activation_files import activation_paths, activation_unit, load_counts
+from qinfer.formats.activation_files import Unit, activation_paths, count_basis, load_counts
+
+_NOUN = {"neuron": "FFN neuron", "expert": "expert"}
 
 
 @dataclass(frozen=True)
 class ActivationStats:
-    """`firing[i][j]`: probability that neuron j of layer i fires on a token.
+    """`firing[i][j]`: probability that unit j of layer i fires on a token (a neuron), or that a token chooses it
+    (an expert).
 
-    Counts become probabilities by dividing by the largest count in the model: profiling corpora are long enough
-    that the hottest neuron of a ReLU model fires on (almost) every token, and the files do not record the token count.
+    Neuron counts become probabilities by dividing by the largest count in the model: profiling corpora are long
+    enough that the hottest neuron of a ReLU model fires on (almost) every token, and older directories do not record
+    the token count. Expert counts are divided by the tokens profiled, which their summary must record: no expert
+    is chosen by every token, so the largest count says nothing about the tokens.
     """
 
     firing: tuple[np.ndarray, ...]
     digest: str
 
 
-def load_activation(directory: Path, ffn_neurons: tuple[int, ...]) -> ActivationStats:
-    # An expert profile's layer may be as long as a dense layer's FFN by chance; its unit tells them apart.
-    if (unit := activation_unit(directory)) != "neuron":
-        raise UserError(
-            f"{directory} counts how often each {unit} is routed to, not neuron firings; point --activation at a "
-            "dense model's `qinfer prep profile` directory"
-        )
+def load_activation(directory: Path, ffn_neurons: tuple[int, ...], unit: Unit = "neuron") -> ActivationStats:
+    """`ffn_neurons`: the units per layer the model places, each a `unit`; a directory counting the other unit is
+    refused."""
     paths = activation_paths(directory, len(ffn_neurons))
+    basis = count_basis(directory)
+    if basis.unit != unit:
+        raise UserError(
+            f"{directory} counts {_NOUN[basis.unit]}s but this model places {_NOUN[unit]}s; profile this model with "
+            "`qinfer prep profile` and pass its directory with --activation"
+        )
     digest = hashlib.sha256()
     counts = []
     for index, (path, f) in enumerate(zip(paths, ffn_neurons, strict=True)):
@@ -40,7 +48,14 @@ def load_activation(directory: Path, ffn_neurons: tuple[int, ...]) -> Activation
         digest.update(f"{index}:{len(raw)}:".encode())
         digest.update(raw)
         counts.append(load_counts(path, f).detach().to(torch.float64).numpy())
-    return ActivationStats(firing=to_firing(counts), digest=digest.hexdigest())
+    if unit == "neuron":
+        return ActivationStats(firing=to_firing(counts), digest=digest.hexdigest())
+    if not basis.tokens:
+        raise UserError(f"{directory}/summary.json records no tokens profiled; re-profile the model")
+    # The same counts over another number of tokens are other probabilities, so the plan they made is stale.
+    digest.update(f"tokens:{basis.tokens}".encode())
+    firing = tuple(np.clip(c / basis.tokens, 0.0, 1.0) for c in counts)
+    return ActivationStats(firing=firing, digest=digest.hexdigest())
 
 
 def to_firing(counts: list[np.ndarray]) -> tuple[np.ndarray, ...]:

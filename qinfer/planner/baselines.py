@@ -1,15 +1,18 @@
-"""Placements to compare the ILP with: a greedy fill of the true budget, and the reference engine's own planner."""
+"""Placements to compare the ILP with: a greedy fill of the true budget, the reference engine's own planner, and for
+a mixture of experts llama.cpp's `--n-cpu-moe N`."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from qinfer.planner.budget import VramAccount
+from qinfer.planner.budget import VramAccount, vram_used
 from qinfer.planner.model_layout import ModelLayout
 from qinfer.planner.neuron_groups import NeuronGroups, group_neurons
 from qinfer.planner.placement import Placement
+from qinfer.planner.time_model import TimeModel
 
 REFERENCE_GROUP = 256
 REFERENCE_BYTES_FACTOR = 4.5
@@ -68,3 +71,32 @@ def reference_placement(layout: ModelLayout, firing: tuple[np.ndarray, ...], bud
         attention_on_gpu=(True,) * len(firing),
         output_on_gpu=True,
     )
+
+
+@dataclass(frozen=True)
+class NCpuMoe:
+    """llama.cpp's `--n-cpu-moe layers`: the experts of the first `layers` layers on the CPU, everything else (the
+    other experts, every dense part, the output head) on the GPU."""
+
+    layers: int
+    placement: Placement
+    tokens_per_second: float
+
+
+def n_cpu_moe_placement(acct: VramAccount, layers: int) -> Placement:
+    n = len(acct.ffn_neurons)
+    return Placement(
+        gpu_neurons=tuple(np.full(f, i >= layers) for i, f in enumerate(acct.ffn_neurons)),
+        attention_on_gpu=(True,) * n,
+        output_on_gpu=True,
+    )
+
+
+def smallest_n_cpu_moe(acct: VramAccount, times: TimeModel, budget: int) -> NCpuMoe | None:
+    """The smallest `--n-cpu-moe` whose placement fits `budget`, and its modelled speed; None where even every
+    expert on the CPU leaves the dense parts over the budget (a plan with --dense-placement auto)."""
+    for layers in range(len(acct.ffn_neurons) + 1):
+        placement = n_cpu_moe_placement(acct, layers)
+        if sum(vram_used(acct, placement).values()) <= budget:
+            return NCpuMoe(layers, placement, times.tokens_per_second(placement))
+    return None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVPolicy
+from qinfer.formats.activation_files import Unit
 from qinfer.planner.model_layout import ModelLayout
 from qinfer.planner.placement import Placement
 
@@ -30,7 +31,8 @@ class BudgetOptions:
 
 @dataclass(frozen=True)
 class VramAccount:
-    """Bytes per category if placed on the GPU; per-layer lists where the planner can decide layer by layer."""
+    """Bytes per category if placed on the GPU; per-layer lists where the planner can decide layer by layer.
+    `neuron_bytes` and `ffn_neurons` are of the model's `unit`: FFN neurons, or a mixture's experts."""
 
     attention: tuple[int, ...]
     kv_cache: tuple[int, ...]
@@ -40,6 +42,7 @@ class VramAccount:
     output: int
     embeddings: int
     scratch: int
+    unit: Unit = "neuron"
 
     @property
     def fixed(self) -> int:
@@ -63,7 +66,7 @@ def kv_cache_bytes(layout: ModelLayout, options: BudgetOptions) -> int:
 
 def scratch_bytes(layout: ModelLayout, options: BudgetOptions) -> int:
     e = layout.spec.hidden
-    f = max(layer.ffn_neurons for layer in layout.layers)
+    f = layout.ffn_width
     kv = layout.spec.kv_dim
     scores = layout.spec.heads * options.kv_policy.attended_rows(options.ctx_size)
     per_sequence = (2 * e + 2 * kv + 2 * f + scores) * 4
@@ -83,6 +86,7 @@ def account(layout: ModelLayout, options: BudgetOptions) -> VramAccount:
         output=layout.output_bytes,
         embeddings=layout.embedding_bytes if options.gpu_embeddings else 0,
         scratch=scratch_bytes(layout, options),
+        unit=layout.unit,
     )
 
 

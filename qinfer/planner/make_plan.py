@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -14,7 +15,7 @@ from qinfer.core.names import PLAN_KEYS
 from qinfer.formats.atomic_file import check_not_special
 from qinfer.formats.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.planner.activation_stats import ActivationStats, load_activation
-from qinfer.planner.baselines import greedy_placement
+from qinfer.planner.baselines import NCpuMoe, greedy_placement, smallest_n_cpu_moe
 from qinfer.planner.budget import BudgetOptions, VramAccount, account, minimum_budget, require_budget, vram_used
 from qinfer.planner.device_profiles import DEFAULT_CPU, load_profile
 from qinfer.planner.model_layout import ModelLayout, read_model_layout
@@ -63,6 +64,7 @@ class Plan:
     gpu_activation_share: float
     layer_activation_share: tuple[float, ...]
     solve: SolveResult | None
+    n_cpu_moe: NCpuMoe | None = None  # for a mixture: llama.cpp's `--n-cpu-moe` split of the same budget
     gpuidx_path: Path | None = None
     reused: bool = False
     notes: tuple[str, ...] = field(default=())
@@ -105,11 +107,15 @@ def provenance(
     )
 
 
-def _fit_context(options: PlanOptions, layout: ModelLayout) -> PlanOptions:
-    """`options` with the context capped at the model's own, as the runtime caps it, so that a plan made with the
-    default --ctx-size is the plan a run of the same model asks for."""
+def _fit_model(options: PlanOptions, layout: ModelLayout) -> PlanOptions:
+    """`options` as they apply to this model: the context capped at the model's own, as the runtime caps it, so that
+    a plan made with the default --ctx-size is the plan a run of the same model asks for; and a mixture's experts
+    placed one by one whatever --group-size says (an expert is already the size of many neuron groups), recorded
+    so, so that another --group-size does not make its plan stale."""
     if 0 < layout.spec.context_length < options.ctx_size:
-        return replace(options, ctx_size=layout.spec.context_length)
+        options = replace(options, ctx_size=layout.spec.context_length)
+    if layout.unit == "expert":
+        options = replace(options, group_size=1)
     return options
 
 
@@ -117,7 +123,7 @@ def _account(
     model_path: Path, vram_budget_bytes: int, options: PlanOptions
 ) -> tuple[PlanOptions, ModelLayout, VramAccount]:
     layout = read_model_layout(model_path)
-    options = _fit_context(options, layout)
+    options = _fit_model(options, layout)
     acct = account(layout, options.budget_options())
     require_budget(acct, vram_budget_bytes, options.dense == "gpu")
     return options, layout, acct
@@ -133,11 +139,14 @@ def _inputs(
     model_path: Path, vram_budget_bytes: int, activation_dir: Path | None, options: PlanOptions
 ) -> tuple[PlanOptions, ModelLayout, VramAccount, ActivationStats, TimeModel]:
     options, layout, acct = _account(model_path, vram_budget_bytes, options)
-    stats = load_activation(activation_dir or model_path.parent / "activation", acct.ffn_neurons)
+    stats = load_activation(activation_dir or model_path.parent / "activation", acct.ffn_neurons, layout.unit)
+    return options, layout, acct, stats, _time_model(layout, stats.firing, options)
+
+
+def _time_model(layout: ModelLayout, firing: tuple[np.ndarray, ...], options: PlanOptions) -> TimeModel:
     gpu = load_profile(options.gpu, "gpu")
     cpu = load_profile(options.cpu, "cpu")
-    times = build_time_model(layout, stats.firing, gpu, cpu, options.budget_options())
-    return options, layout, acct, stats, times
+    return build_time_model(layout, firing, gpu, cpu, options.budget_options())
 
 
 def _plan(
@@ -165,6 +174,7 @@ def _plan(
         gpu_activation_share=sum(held) / sum(totals) if sum(totals) else 0.0,
         layer_activation_share=tuple(h / t if t else 0.0 for h, t in zip(held, totals, strict=True)),
         solve=solve,
+        n_cpu_moe=smallest_n_cpu_moe(acct, times, budget) if layout.unit == "expert" else None,
     )
 
 
@@ -179,12 +189,20 @@ def _make(
     model_path: Path, budget: int, activation_dir: Path | None, options: PlanOptions
 ) -> tuple[Plan, ActivationStats]:
     options, layout, acct, stats, times = _inputs(model_path, budget, activation_dir, options)
-    groups = group_neurons(stats.firing, options.group_size)
-    start = greedy_placement(acct, stats.firing, groups, budget) if options.dense == "gpu" else None
-    result = solve_placement(
+    result = _solve(acct, times, stats.firing, budget, options)
+    plan = _plan(model_path, budget, options, layout, acct, stats, times, result.placement, result)
+    return plan, stats
+
+
+def _solve(
+    acct: VramAccount, times: TimeModel, firing: tuple[np.ndarray, ...], budget: int, options: PlanOptions
+) -> SolveResult:
+    groups = group_neurons(firing, options.group_size)
+    start = greedy_placement(acct, firing, groups, budget) if options.dense == "gpu" else None
+    return solve_placement(
         acct,
         times,
-        stats.firing,
+        firing,
         groups,
         budget,
         objective=options.objective,
@@ -193,8 +211,41 @@ def _make(
         solver=options.solver,
         warm_start=start,
     )
-    plan = _plan(model_path, budget, options, layout, acct, stats, times, result.placement, result)
-    return plan, stats
+
+
+@dataclass(frozen=True)
+class ExpertSplits:
+    """A mixture under one budget: the planner's split of its experts and llama.cpp's `--n-cpu-moe` split (None
+    where that cannot fit), each with its modelled decode tokens/s by the same time model."""
+
+    planned: Placement
+    planned_tokens_per_second: float
+    n_cpu_moe: NCpuMoe | None
+
+    @property
+    def ratio(self) -> float:
+        """Planned over `--n-cpu-moe` tokens/s; NaN where `--n-cpu-moe` cannot fit."""
+        return math.nan if self.n_cpu_moe is None else self.planned_tokens_per_second / self.n_cpu_moe.tokens_per_second
+
+
+def compare_expert_splits(
+    layout: ModelLayout, frequencies: tuple[np.ndarray, ...], vram_budget_bytes: int, options: PlanOptions | None = None
+) -> ExpertSplits:
+    """Plan a mixture without a file (a layout from `layout_for_spec`, say): `frequencies[i][j]` is the chance a
+    token chooses expert j of layer i (its count over the tokens profiled). Raises if the budget cannot hold the
+    dense parts (with --dense-placement gpu)."""
+    if layout.unit != "expert":
+        raise ValueError("compare_expert_splits needs a layout with experts")
+    options = _fit_model(options or PlanOptions(), layout)
+    acct = account(layout, options.budget_options())
+    require_budget(acct, vram_budget_bytes, options.dense == "gpu")
+    times = _time_model(layout, frequencies, options)
+    result = _solve(acct, times, frequencies, vram_budget_bytes, options)
+    return ExpertSplits(
+        planned=result.placement,
+        planned_tokens_per_second=times.tokens_per_second(result.placement),
+        n_cpu_moe=smallest_n_cpu_moe(acct, times, vram_budget_bytes),
+    )
 
 
 @dataclass(frozen=True)
@@ -207,7 +258,7 @@ class FullKVComparison:
 
 def full_kv_account(layout: ModelLayout, options: PlanOptions) -> VramAccount:
     """The account `options` would have with a `full` KV cache."""
-    return account(layout, replace(_fit_context(options, layout), kv_policy=KVPolicy()).budget_options())
+    return account(layout, replace(_fit_model(options, layout), kv_policy=KVPolicy()).budget_options())
 
 
 def compare_with_full_kv(plan: Plan, activation_dir: Path | None = None) -> FullKVComparison:

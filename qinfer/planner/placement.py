@@ -9,8 +9,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Placement:
-    """Per layer a boolean mask over FFN neurons (True = GPU), whether its attention (and KV cache) is on the GPU,
-    and whether the output head is. A layer's predictor is on the GPU exactly when any of its neurons is."""
+    """Per layer a boolean mask over FFN neurons, or over a mixture's experts (True = GPU), whether its attention
+    (and KV cache) is on the GPU, and whether the output head is. A layer's predictor is on the GPU exactly when any
+    of its neurons is."""
 
     gpu_neurons: tuple[np.ndarray, ...]
     attention_on_gpu: tuple[bool, ...]

@@ -12,6 +12,10 @@ from qinfer.formats.atomic_file import atomic_output
 from qinfer.planner.budget import GIB, MIB, VramAccount, minimum_budget
 from qinfer.planner.make_plan import FullKVComparison, Plan
 
+# How each unit the planner places is named in a table: its plural, and what the dense part of a layer holds.
+_UNITS = {"neuron": "neurons", "expert": "experts"}
+_DENSE_NOTE = {"neuron": "weights and norms", "expert": "weights, norms, router, shared expert"}
+
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.3f}" if n >= MIB else f"{n / GIB:.6f}"
@@ -32,21 +36,22 @@ def account_table(
     table.add_column("bytes", justify="right")
     table.add_column("note")
     neurons = sum(acct.ffn_neurons)
+    units = _UNITS[acct.unit]
     per_neuron = sum(b * n for b, n in zip(acct.neuron_bytes, acct.ffn_neurons, strict=True)) / max(1, neurons)
     rows = [
-        ("attention (all layers)", sum(acct.attention), "weights and norms"),
+        ("attention (all layers)", sum(acct.attention), _DENSE_NOTE[acct.unit]),
         ("KV cache", sum(acct.kv_cache), "f16 K and V for ctx x batch" if full_kv is None else "window rows x batch"),
         ("output head", acct.output, f"{Tensor.OUTPUT} and {Tensor.OUTPUT_NORM}"),
         ("embeddings", acct.embeddings, "on GPU" if acct.embeddings else "kept on CPU"),
         ("scratch reserve", acct.scratch, "256 MiB + per-sequence buffers"),
         ("predictors (all layers)", sum(acct.predictors), "on GPU with a layer's first neuron"),
-        ("FFN neurons (all)", acct.ffn_total - sum(acct.predictors), f"{neurons} neurons x {per_neuron:.1f} B"),
+        (f"FFN {units} (all)", acct.ffn_total - sum(acct.predictors), f"{neurons} {units} x {per_neuron:.1f} B"),
     ]
     if full_kv is not None:
         freed = full_kv.dense - acct.dense
         rows += [
             ("KV cache with full", sum(full_kv.kv_cache), "f16 K and V for ctx x batch"),
-            ("freed by the window", freed, f"KV and scratch: room for {int(freed // per_neuron)} more FFN neurons"),
+            ("freed by the window", freed, f"KV and scratch: room for {int(freed // per_neuron)} more FFN {units}"),
         ]
     for name, n, note in rows:
         table.add_row(name, _gib(n), f"{int(round(n))}", note)
@@ -62,15 +67,18 @@ def summary_table(plan: Plan, full_kv: FullKVComparison | None = None) -> Table:
     table.add_column("")
     table.add_column("value", justify="right")
     solve = plan.solve
+    units = _UNITS[plan.account.unit]
     rows = [
         ("GPU-served activation share", f"{100 * plan.gpu_activation_share:.2f} %"),
         ("modelled decode tokens/s", f"{plan.tokens_per_second:.2f}"),
-        ("neurons on GPU", f"{plan.placement.gpu_neuron_count()} / {sum(plan.account.ffn_neurons)}"),
+        (f"{units} on GPU", f"{plan.placement.gpu_neuron_count()} / {sum(plan.account.ffn_neurons)}"),
         ("layers with attention on GPU", f"{sum(plan.placement.attention_on_gpu)} / {len(plan.account.attention)}"),
     ]
+    if plan.account.unit == "expert":
+        rows += _n_cpu_moe_rows(plan)
     if full_kv is not None:
         rows += _window_rows(plan, full_kv)
-    rows += [(f"VRAM: {name}", f"{_gib(n)} GiB") for name, n in plan.vram.items()]
+    rows += [(f"VRAM: {_vram_label(name, units)}", f"{_gib(n)} GiB") for name, n in plan.vram.items()]
     rows.append(("VRAM used / budget", f"{_gib(plan.vram_total)} / {_gib(plan.vram_budget)} GiB"))
     if solve is not None:
         rows += [
@@ -83,6 +91,21 @@ def summary_table(plan: Plan, full_kv: FullKVComparison | None = None) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _vram_label(category: str, units: str) -> str:
+    return f"ffn {units}" if category == "ffn neurons" else category
+
+
+def _n_cpu_moe_rows(plan: Plan) -> list[tuple[str, str]]:
+    baseline = plan.n_cpu_moe
+    if baseline is None:
+        return [("llama.cpp --n-cpu-moe", "does not fit: the budget cannot hold the dense parts")]
+    ratio = plan.tokens_per_second / baseline.tokens_per_second
+    return [
+        (f"--n-cpu-moe {baseline.layers} modelled tokens/s", f"{baseline.tokens_per_second:.2f}"),
+        ("planned / --n-cpu-moe", f"{ratio:.2f}x"),
+    ]
 
 
 def _window_rows(plan: Plan, full_kv: FullKVComparison) -> list[tuple[str, str]]:
@@ -100,7 +123,10 @@ def _window_rows(plan: Plan, full_kv: FullKVComparison) -> list[tuple[str, str]]
     speed = plan.tokens_per_second / full.tokens_per_second
     return [
         *rows,
-        ("neurons on GPU, full -> window", f"{full_neurons} -> {neurons} ({neurons - full_neurons:+d})"),
+        (
+            f"{_UNITS[plan.account.unit]} on GPU, full -> window",
+            f"{full_neurons} -> {neurons} ({neurons - full_neurons:+d})",
+        ),
         (
             "modelled tokens/s, full -> window",
             f"{full.tokens_per_second:.2f} -> {plan.tokens_per_second:.2f} ({speed:.2f}x)",
@@ -109,7 +135,7 @@ def _window_rows(plan: Plan, full_kv: FullKVComparison) -> list[tuple[str, str]]
 
 
 def write_report_png(plan: Plan, path: Path) -> None:
-    """Per layer: neurons on GPU vs CPU (bars) and the share of firing the GPU serves (line)."""
+    """Per layer: neurons (or experts) on GPU vs CPU (bars) and the share of firing the GPU serves (line)."""
     with needs_extra("plot", "--report"):
         import matplotlib
 
@@ -120,11 +146,12 @@ def write_report_png(plan: Plan, path: Path) -> None:
     gpu = [int(m.sum()) for m in plan.placement.gpu_neurons]
     cpu = [len(m) - g for m, g in zip(plan.placement.gpu_neurons, gpu, strict=True)]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.15 * len(layers) + 4), 4.5))
-    ax.bar(layers, gpu, label="neurons on GPU", color="tab:green")
-    ax.bar(layers, cpu, bottom=gpu, label="neurons on CPU", color="tab:gray")
+    units = _UNITS[plan.account.unit]
+    ax.bar(layers, gpu, label=f"{units} on GPU", color="tab:green")
+    ax.bar(layers, cpu, bottom=gpu, label=f"{units} on CPU", color="tab:gray")
     ax.set_xlabel("layer")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("FFN neurons")
+    ax.set_ylabel(f"FFN {units}")
     share = ax.twinx()
     share.plot(layers, [100 * s for s in plan.layer_activation_share], color="tab:red", marker=".", label="GPU share")
     share.set_ylabel("activation served by GPU (%)")

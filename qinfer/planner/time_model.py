@@ -1,7 +1,9 @@
 """Modelled decode time of one step (one token for each of `batch` sequences) for a placement.
 
 Each part costs max(bytes read / bandwidth, FLOPs / FLOP/s) on the device it lives on. A neuron is read when it
-fires for any sequence of the batch and computed once per sequence it fires for. Per layer: attention, then the
+fires for any sequence of the batch and computed once per sequence it fires for; so is an expert of a mixture when
+a sequence's token chooses it (its firing probability being the chance a token does), its router and any shared
+expert running with attention. Per layer: attention, then the
 GPU and CPU halves of the FFN concurrently (the slower one counts), plus a synchronisation cost (a latency and the
 hidden state across PCIe both ways) whenever the layer's work spans both devices. Attention reads every KV row the
 policy keeps for a full context (all `ctx_size` of them under `full`), the worst step of a sequence.

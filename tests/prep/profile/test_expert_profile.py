@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qinfer.core.errors import UserError
 from qinfer.core.spec_readers import spec_from_hf_dir
-from qinfer.formats.activation_files import SUMMARY_FILE, activation_unit, read_activations
+from qinfer.formats.activation_files import SUMMARY_FILE, count_basis, read_activations
 from qinfer.planner.activation_stats import load_activation
 from qinfer.prep.profile.activation_profile import STATE_FILE, profile_activations
 from qinfer.prep.profile.corpus_reader import batches, token_windows
@@ -72,7 +72,7 @@ def test_expert_counts_equal_transformers_routing(
     assert (counts > 0).all() and not (counts == counts[:, :1]).all()  # a router that really varies
     summary = json.loads((tmp_path / SUMMARY_FILE).read_text())
     assert (summary["unit"], summary["expert_count"], summary["expert_used_count"]) == ("expert", experts.count, 2)
-    assert activation_unit(tmp_path) == "expert" and result.unit == "expert"
+    assert count_basis(tmp_path).unit == "expert" and result.unit == "expert"
     assert [layer.sparsity for layer in result.layers] == [1 - experts.used / experts.count] * 2
 
 
@@ -110,14 +110,14 @@ def test_the_cli_profiles_experts(models: dict[str, Path], corpus: Path, tmp_pat
 def test_the_planner_refuses_an_expert_profile(models: dict[str, Path], corpus: Path, tmp_path: Path) -> None:
     profile_activations(models["mixtral"], corpus, tmp_path, tokens=200, seq_len=SEQ_LEN, device="cpu")
     # Layer files as long as the FFN the planner expects: only the unit tells them apart.
-    with pytest.raises(UserError, match="counts how often each expert is routed to, not neuron firings"):
+    with pytest.raises(UserError, match="counts experts but this model places FFN neurons"):
         load_activation(tmp_path, (4, 4))
 
 
 def test_a_directory_without_a_unit_counts_neurons(tmp_path: Path) -> None:
-    assert activation_unit(tmp_path) == "neuron"  # no summary.json, as in directories written before experts
+    assert count_basis(tmp_path).unit == "neuron"  # no summary.json, as in directories written before experts
     (tmp_path / SUMMARY_FILE).write_text('{"tokens": 3, "layers": []}')
-    assert activation_unit(tmp_path) == "neuron"
+    assert count_basis(tmp_path).unit == "neuron"
     (tmp_path / SUMMARY_FILE).write_text('{"unit": "head"}')
-    with pytest.raises(UserError, match="counts 'head', not one of neuron, expert; re-profile the model"):
-        activation_unit(tmp_path)
+    with pytest.raises(UserError, match="unit 'head' is not one of neuron, expert; re-profile the model"):
+        count_basis(tmp_path)

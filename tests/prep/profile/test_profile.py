@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from qinfer.cli.main import app
 from qinfer.core.errors import UserError
-from qinfer.formats.activation_files import activation_unit, read_activations, summarise, write_activations
+from qinfer.formats.activation_files import count_basis, read_activations, summarise, write_activations
 from qinfer.prep.profile.activation_profile import STATE_FILE, profile_activations
 from qinfer.prep.profile.corpus_reader import corpus_files, documents, token_windows
 from qinfer.prep.profile.relu_model import load_relu_model
@@ -121,7 +121,7 @@ def test_activation_files_round_trip_in_integer_layer_order(tmp_path: Path) -> N
     assert torch.equal(torch.stack(back), counts)  # layer 10 and 11 come after 9, not after 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     # A neuron profile names no unit: its summary.json keeps the keys it had before experts were profiled.
-    assert list(summary) == ["tokens", "arch", "layers"] and activation_unit(tmp_path) == "neuron"
+    assert list(summary) == ["tokens", "arch", "layers"] and count_basis(tmp_path).unit == "neuron"
     layer = summary["layers"][11]
     assert layer["layer"] == 11
     assert layer["sparsity"] == pytest.approx(1 - counts[11].sum().item() / (1000 * 40))
