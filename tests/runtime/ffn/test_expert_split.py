@@ -4,18 +4,29 @@ is one), so every machine checks what is computed where and that the sum is the 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from qinfer.core.expert_routing import route
+from qinfer.core.kv_policy import F32_KV
+from qinfer.formats.gpuidx import read_gpuidx
+from qinfer.planner.budget import GIB
+from qinfer.planner.make_plan import PlanOptions, dry_run_account
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.ffn.expert_split import ExpertSplit
 from qinfer.runtime.ffn.experts import ExpertRunner, ExpertWeights, SwiGLU
 from qinfer.runtime.kernels.weight_rows import linear
+from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.cache import KVCache
 from qinfer.runtime.model.forward import expert_runner
+from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
+from tests.support.fake_activation import write_expert_activation
+from tests.support.runtime_logits import hf_ids, reference_logits
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -75,3 +86,30 @@ def test_resident_experts_and_the_router_live_on_the_device_side(moe: dict[str, 
     assert split.routers[1].device.type == DEVICES[-1]
     shared, gate = split.shared[0]
     assert shared is not None and gate is not None and gate.device.type == DEVICES[-1]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_planned_run_keeps_the_plans_experts_on_the_device_side_and_equals_transformers(
+    moe: dict[str, dict[str, Path]], family: str, tmp_path: Path
+) -> None:
+    path = tmp_path / f"{family}.gguf"
+    shutil.copy(moe[family]["dense-f32"], path)
+    experts = open_model(path).config.experts
+    assert experts is not None
+    counts = [[(7 * j + 3 * i) % experts.count + 1 for j in range(experts.count)] for i in range(2)]
+    write_expert_activation(tmp_path / "activation", counts, sum(counts[0]))
+    _, acct = dry_run_account(path, 1 << 40, PlanOptions(ctx_size=64))  # the run's context
+    budget = acct.dense + 3 * int(acct.neuron_bytes[0]) + int(acct.neuron_bytes[0]) // 2
+    loaded = load_forward(open_model(path), RuntimeOptions(vram_budget_gib=budget / GIB, device="cpu"), ctx_size=64)
+    split = loaded.forward.ffn
+    assert isinstance(split, ExpertSplit) and loaded.plan is not None
+    assert loaded.plan.gpuidx_path is not None
+    masks = read_gpuidx(loaded.plan.gpuidx_path).gpu_idx
+    assert [sorted(split.resident[i]) for i in range(2)] == [np.flatnonzero(m).tolist() for m in masks]
+    assert sum(split.resident_count(i) for i in range(2)) == 3
+    ids = hf_ids(moe[family]["model"], "Once upon a time, Lily found a red ball in the park.")[:12]
+    cache = KVCache(loaded.forward.cfg, 64, types=F32_KV)
+    with torch.inference_mode():
+        parts = [loaded.forward.forward(TokenBatch.prompt(torch.tensor(ids[:8]), 0), cache)]
+        parts += [loaded.forward.forward(TokenBatch.decode([t], [8 + j], [0]), cache) for j, t in enumerate(ids[8:])]
+    assert (torch.cat(parts) - reference_logits(moe[family]["model"], ids)).abs().max().item() < 1e-4
