@@ -2,7 +2,8 @@
 
 Scratch reserve: a fixed 256 MiB (CUDA context, cuBLAS workspace, allocator slack) plus the f32 buffers one decode
 step of one layer needs at once: per sequence the hidden state, q/k/v, the FFN activations and the attention scores
-over the rows the KV policy attends, with a factor 2 because the engine double-buffers them.
+over the rows the KV policy attends, with a factor 2 because the engine double-buffers them, and the float32
+copies of those rows' keys and values that attention makes.
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ def scratch_bytes(layout: ModelLayout, options: BudgetOptions) -> int:
     e = layout.spec.hidden
     f = layout.ffn_width
     kv = layout.spec.kv_dim
-    scores = layout.spec.heads * options.kv_policy.attended_rows(options.ctx_size)
-    per_sequence = (2 * e + 2 * kv + 2 * f + scores) * 4
-    return SCRATCH_FIXED + 2 * options.batch * per_sequence
+    rows = options.kv_policy.attended_rows(options.ctx_size)
+    per_sequence = (2 * e + 2 * kv + 2 * f + layout.spec.heads * rows) * 4
+    # Attention reads a layer's f16 keys and values as float32 copies, which a batched or graphed step copies once
+    # more with the rows a sequence must not see zeroed (runtime/kv/cache.py); made once per layer, not doubled.
+    kv_copies = 4 * kv * rows * 4
+    return SCRATCH_FIXED + options.batch * (2 * per_sequence + kv_copies)
 
 
 def account(layout: ModelLayout, options: BudgetOptions) -> VramAccount:

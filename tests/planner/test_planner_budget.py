@@ -30,8 +30,9 @@ def test_tiny_f16_gguf_matches_hand_worked_account(gguf_files: dict[str, Path]) 
     assert acct.kv_cache == (2 * 100 * 3 * 2 * 16 * 2,) * 2  # K and V x ctx x batch x kv heads x head dim x f16
     assert acct.output == 64 * 512 * 2 + 64 * 4
     assert acct.embeddings == 0
-    # 256 MiB + 2 buffers x batch x (hidden, 2 x kv, q/k/v pair, FFN pair, scores over ctx per head) x f32
-    assert acct.scratch == SCRATCH_FIXED + 2 * 3 * (2 * 64 + 2 * 32 + 2 * 256 + 4 * 100) * 4
+    # 256 MiB + batch x (2 buffers x (hidden, 2 x kv, q/k/v pair, FFN pair, scores over ctx per head) x f32, and the
+    # f32 keys and values over ctx, cast and masked: 4 x kv x ctx x f32)
+    assert acct.scratch == SCRATCH_FIXED + 3 * (2 * (2 * 64 + 2 * 32 + 2 * 256 + 4 * 100) * 4 + 4 * 32 * 100 * 4)
     assert acct.dense == 2 * 25088 + 2 * 38400 + 65792 + acct.scratch
 
 

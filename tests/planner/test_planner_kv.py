@@ -58,13 +58,15 @@ def _row(text: str, *cells: str) -> bool:
 
 @pytest.mark.parametrize("spec", [TINY_SHAPE, LLAMA_7B, LLAMA_70B], ids=["tiny", "7B", "70B"])
 @pytest.mark.parametrize(("ctx", "batch"), [(1, 1), (100, 3), (32768, 4)])
-def test_full_keeps_the_kv_and_scratch_bytes_of_before(spec: ModelSpec, ctx: int, batch: int) -> None:
+def test_full_keeps_its_kv_bytes_and_scratch_covers_the_f32_rows(spec: ModelSpec, ctx: int, batch: int) -> None:
     layout = layout_for_spec(spec, 1024)
     acct = account(layout, BudgetOptions(ctx_size=ctx, batch=batch))
     s = layout.spec
-    # The formulas as they stood before KV policies: K and V x ctx x batch x kv_dim x f16, scores over ctx per head.
+    # K and V x ctx x batch x kv_dim x f16, as before KV policies; scratch: scores over ctx per head, and the float32
+    # keys and values over ctx that attention casts and masks.
     assert acct.kv_cache == (2 * ctx * batch * s.kv_dim * 2,) * s.layers
-    assert acct.scratch == SCRATCH_FIXED + 2 * batch * (2 * s.hidden + 2 * s.kv_dim + 2 * s.ffn + s.heads * ctx) * 4
+    buffers = 2 * (2 * s.hidden + 2 * s.kv_dim + 2 * s.ffn + s.heads * ctx) * 4
+    assert acct.scratch == SCRATCH_FIXED + batch * (buffers + 4 * s.kv_dim * ctx * 4)
     assert account(layout, BudgetOptions(ctx_size=ctx, batch=batch, kv_policy=KVPolicy())) == acct
 
 
@@ -79,8 +81,8 @@ def test_window_kv_bytes_are_rows_times_slots_times_row_bytes(budget: float, ctx
     assert policy.rows(ctx) == rows
     assert acct.kv_cache == (rows * 3 * row_bytes,) * 80
     full = account(layout, BudgetOptions(ctx_size=ctx, batch=3))
-    # The scores cover the kept rows and the new token's, not the whole context.
-    assert full.scratch - acct.scratch == 2 * 3 * 64 * (ctx - (rows + 1)) * 4
+    # The scores and the float32 keys and values cover the kept rows and the new token's, not the whole context.
+    assert full.scratch - acct.scratch == 3 * (2 * 64 + 4 * 1024) * (ctx - (rows + 1)) * 4
 
 
 def test_window_attention_reads_only_the_kept_rows() -> None:
@@ -125,8 +127,9 @@ def test_window_plan_places_more_neurons_and_the_report_says_how_many(model: Pat
     assert full is not None and full.options.kv_policy == KVPolicy()
     assert full.placement.gpu_neuron_count() == make_plan(model, budget).placement.gpu_neuron_count()
     gain = plan.placement.gpu_neuron_count() - full.placement.gpu_neuron_count()
-    # The tiny model frees 2 x 30464 bytes of KV and 7648 of scratch: room for 178 more neurons of 384 bytes.
-    assert gain >= 170
+    # The tiny model frees 2 x 30464 bytes of KV and 130016 of scratch (scores and f32 rows): room for 497 more
+    # neurons of 384 bytes, less what the predictors of newly used layers and partly filled groups take.
+    assert gain >= 440
     assert plan.vram["kv cache"] == 2 * 16 * 2 * (2 * 16 * 2 + WINDOW_ROW_EXTRA_BYTES)
     assert sum(comparison.account.kv_cache) == 2 * 2 * 256 * 32 * 2
     assert plan.tokens_per_second > full.tokens_per_second
@@ -160,7 +163,7 @@ def test_dry_run_table_shows_the_bytes_the_window_frees(model: Path) -> None:
     assert full == dry_run_account(model, 1 << 30, PlanOptions())[1]
     text = _text(account_table(acct, 1 << 30, dense_on_gpu=True, full_kv=full))
     assert _row(text, "KV cache with full", "0.000061", str(2 * 2 * 256 * 32 * 2))
-    assert _row(text, "freed by the window", "0.000064", str(full.dense - acct.dense))
+    assert _row(text, "freed by the window", "0.000178", str(full.dense - acct.dense))
     assert f"room for {(full.dense - acct.dense) // 384} more FFN neurons" in text
 
 
