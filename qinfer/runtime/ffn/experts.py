@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.core.model_spec import Experts
+from qinfer.runtime.kernels.quant_rows import Weight
 from qinfer.runtime.kernels.weight_rows import linear
 
 
@@ -17,9 +18,9 @@ from qinfer.runtime.kernels.weight_rows import linear
 class SwiGLU:
     """One expert: gate and up [F, E], down [E, F] (as HF and llama.cpp store them)."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Weight
+    up: Weight
+    down: Weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
@@ -27,15 +28,15 @@ class SwiGLU:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One layer's router [N, E] and experts, stacked: gate and up [N, F, E], down [N, E, F]; the shared expert
-    and its gate [1, E] where the model has one."""
+    """One layer's router [N, E] and experts, stacked (float tensors, or quantized stacks whose index is an expert):
+    gate and up [N, F, E], down [N, E, F]; the shared expert and its gate [1, E] where the model has one."""
 
-    router: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    router: Weight
+    gate: Weight
+    up: Weight
+    down: Weight
     shared: SwiGLU | None = None
-    shared_gate: torch.Tensor | None = None
+    shared_gate: Weight | None = None
 
     def expert(self, j: int) -> SwiGLU:
         return SwiGLU(self.gate[j], self.up[j], self.down[j])
