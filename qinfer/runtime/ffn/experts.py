@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.core.model_spec import Experts
+from qinfer.runtime.kernels import row_kernels
 from qinfer.runtime.kernels.quant_rows import Weight
 from qinfer.runtime.kernels.weight_rows import linear
 
@@ -61,10 +62,14 @@ class ExpertRunner:
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
         w = self.layers[layer]
         chosen, weights = route(linear(x, w.router), self.experts.used, self.experts.norm_top_k)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for j in chosen.unique().tolist():
-            tokens, rank = torch.where(chosen == j)
-            out.index_add_(0, tokens, w.expert(j)(x[tokens]) * weights[tokens, rank, None])
+        # One token's experts in one native call: a call per matrix and expert costs more than a small expert's
+        # products. Several tokens share experts, which the loop below reads once for all of them.
+        out = row_kernels.moe_ffn(x, w.gate, w.up, w.down, chosen, weights) if x.shape[0] == 1 else None
+        if out is None:
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for j in chosen.unique().tolist():
+                tokens, rank = torch.where(chosen == j)
+                out.index_add_(0, tokens, w.expert(j)(x[tokens]) * weights[tokens, rank, None])
         if w.shared is not None and w.shared_gate is not None:
             out += torch.sigmoid(linear(x, w.shared_gate)) * w.shared(x)
         return out
