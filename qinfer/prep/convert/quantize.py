@@ -3,9 +3,12 @@
 Type rules (as PowerInfer's quantize applies them): every 2-D `*.weight` (fc1, fc2 and ffn_down_t included)
 gets the chosen type; `output.weight` always gets Q8_0, which the engine itself picks when E % 256 != 0 or for
 falcon, and which we use for every model rather than the engine's Q6_K, that gguf cannot write; 1-D tensors
-stay F32. A row whose length is not a multiple of 32 cannot be split into blocks, so that tensor stays F16
-(for example a predictor of width P not a multiple of 32) and the result lists it. The blocks are those the engine's
-own quantize writes (quant_blocks), not gguf-py's, which differ in rounding.
+stay F32. A mixture of experts' stacks [N, rows, E] get the chosen type as llama.cpp's llama-quantize writes them,
+each row of each expert in blocks along its last axis; its routers stay F32 (llama-quantize leaves
+`ffn_gate_inp` unquantized; we keep the shared expert's gate so too, a [1, E] row too small to matter).
+A row whose length is not a multiple of 32 cannot be split into blocks, so that tensor stays F16 (for example a
+predictor of width P not a multiple of 32) and the result lists it. The blocks are those the engine's own quantize
+writes (quant_blocks), not gguf-py's, which differ in rounding.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from qinfer.core.errors import UserError
 from qinfer.core.model_check import check_model, tensor_entries
-from qinfer.core.names import WEIGHT, Key, Tensor, tensor_name
+from qinfer.core.names import ROUTERS, WEIGHT, Key, Tensor, split_tensor_name, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
 from qinfer.formats.gguf_reader import metadata, open_gguf
 from qinfer.formats.gguf_writer import TensorPlan, write_gguf
@@ -55,7 +58,8 @@ class QuantizeResult:
 
 def tensor_type(name: str, shape: tuple[int, ...], target: QType) -> QType:
     """The output type of a tensor of numpy shape `shape` (rows last) under the rules above."""
-    if len(shape) == 1:
+    named = split_tensor_name(name)
+    if len(shape) == 1 or (named is not None and named[1] in ROUTERS):
         return QType.F32
     if not name.endswith(f".{WEIGHT}"):
         return QType.F16
@@ -132,7 +136,8 @@ def quantize_gguf(
     on_plan: Callable[[list[TensorPlan]], None] | None = None,
     on_tensor: Callable[[TensorPlan], None] | None = None,
 ) -> QuantizeResult:
-    """Write `infile` quantized to `target` as `outfile` (PWRI magic kept), streaming one tensor at a time."""
+    """Write `infile` quantized to `target` as `outfile` (PWRI magic kept), streaming one tensor (one layer's stack
+    of experts at most) at a time."""
     if target.upper() not in TARGETS:
         raise UserError(f"unknown quantization type {target!r}; use one of {', '.join(TARGETS)}")
     target = target.upper()
@@ -144,8 +149,6 @@ def quantize_gguf(
     meta = metadata(reader)
     spec = spec_from_metadata(meta, infile, reader.is_powerinfer)
     check_model(spec, reader.is_powerinfer, tensor_entries(reader), meta, infile)
-    if spec.experts is not None:
-        raise UserError(f"{infile} has experts, which are not quantized yet; run it as it is")
     plans, kept_f16 = _plan(infile, reader, qtype)
     if on_plan is not None:
         on_plan(plans)

@@ -41,6 +41,7 @@ class MoeShape:
     shared_ffn: int = 48  # Qwen2-MoE's shared expert
     qwen3_head_dim: int = 32  # wider than hidden / heads, as Qwen3-30B-A3B's heads (128 of 2048 / 32) are
     used: int = 2
+    experts: int | None = None  # None: the family's own small count (_EXPERTS)
     vocab: int = 640
     context: int = 256
 
@@ -48,7 +49,9 @@ class MoeShape:
 _EXPERTS = {"mixtral": 4, "qwen2moe": 4, "qwen3moe": 8}
 
 
-def _config(family: str, shape: MoeShape, vocab: int, ids: dict[str, int | None], init_std: float) -> PretrainedConfig:
+def moe_config(
+    family: str, shape: MoeShape, vocab: int, ids: dict[str, int | None], init_std: float
+) -> PretrainedConfig:
     common = dict(
         initializer_range=init_std,
         vocab_size=vocab,
@@ -64,7 +67,7 @@ def _config(family: str, shape: MoeShape, vocab: int, ids: dict[str, int | None]
         tie_word_embeddings=False,
         dtype="float32",
     )
-    experts = _EXPERTS[family]
+    experts = shape.experts or _EXPERTS[family]
     if family == "mixtral":
         return MixtralConfig(**common, intermediate_size=shape.expert_ffn, num_local_experts=experts)
     qwen = dict(common, num_experts=experts, moe_intermediate_size=shape.expert_ffn, intermediate_size=4 * shape.hidden)
@@ -73,7 +76,7 @@ def _config(family: str, shape: MoeShape, vocab: int, ids: dict[str, int | None]
     return Qwen3MoeConfig(**qwen, head_dim=shape.qwen3_head_dim, norm_topk_prob=True)
 
 
-_CLASSES: dict[str, type[PreTrainedModel]] = {
+MOE_CLASSES: dict[str, type[PreTrainedModel]] = {
     "mixtral": MixtralForCausalLM,
     "qwen2moe": Qwen2MoeForCausalLM,
     "qwen3moe": Qwen3MoeForCausalLM,
@@ -93,7 +96,7 @@ def build_moe(out: Path, family: str, shape: MoeShape = MoeShape(), seed: int = 
         tokenizer = synth_tokenizer(vocabulary, tmp, seed, shape.vocab, shape.context)
         ids = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
         vocab = max(shape.vocab, len(tokenizer))
-        model = _CLASSES[family](_config(family, shape, vocab, ids, init_std)).eval()
+        model = MOE_CLASSES[family](moe_config(family, shape, vocab, ids, init_std)).eval()
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("bias"):

@@ -12,6 +12,7 @@ import torch
 
 from qinfer.core.expert_routing import route
 from qinfer.runtime.ffn.experts import ExpertRunner, SwiGLU, mixture, shared_output
+from qinfer.runtime.kernels.quant_rows import Weight
 from qinfer.runtime.kernels.weight_rows import linear
 
 HOST = torch.device("cpu")
@@ -26,7 +27,7 @@ class ExpertSplit:
         self.experts = cpu.experts
         self.device = device
         self.routers = [w.router.to(device) for w in cpu.layers]
-        self.shared: list[tuple[SwiGLU | None, torch.Tensor | None]] = [
+        self.shared: list[tuple[SwiGLU | None, Weight | None]] = [
             (None, None)
             if w.shared is None or w.shared_gate is None
             else (w.shared.to(device), w.shared_gate.to(device))
@@ -40,12 +41,12 @@ class ExpertSplit:
         return len(self.resident[layer])
 
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
-        on_device, weights_of = self.resident[layer], self.cpu.layers[layer]
+        on_device = self.resident[layer]
         x_dev, x_host = x.to(self.device), x.to(HOST)
         chosen, weights = route(linear(x_dev, self.routers[layer]), self.experts.used, self.experts.norm_top_k)
         chosen, weights = chosen.to(HOST), weights.to(HOST)
         out = mixture(on_device.get, x_dev, chosen, weights)
-        host = mixture(lambda j: None if j in on_device else weights_of.expert(j), x_host, chosen, weights)
+        host = self.cpu.experts_output(layer, x_host, chosen, weights, skip=on_device)
         out += host.to(self.device, non_blocking=True)
         if (shared := shared_output(*self.shared[layer], x_dev)) is not None:
             out += shared

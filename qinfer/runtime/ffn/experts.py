@@ -4,7 +4,7 @@ says so), each expert a SwiGLU, and Qwen2-MoE's shared expert added under a sigm
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from qinfer.core.expert_routing import route
 from qinfer.core.model_spec import Experts
+from qinfer.runtime.kernels import row_kernels
+from qinfer.runtime.kernels.quant_rows import Weight
 from qinfer.runtime.kernels.weight_rows import linear
 
 
@@ -19,9 +21,9 @@ from qinfer.runtime.kernels.weight_rows import linear
 class SwiGLU:
     """One expert: gate and up [F, E], down [E, F] (as HF and llama.cpp store them)."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Weight
+    up: Weight
+    down: Weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
@@ -32,21 +34,21 @@ class SwiGLU:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One layer's router [N, E] and experts, stacked: gate and up [N, F, E], down [N, E, F]; the shared expert
-    and its gate [1, E] where the model has one."""
+    """One layer's router [N, E] and experts, stacked (float tensors, or quantized stacks whose index is an expert):
+    gate and up [N, F, E], down [N, E, F]; the shared expert and its gate [1, E] where the model has one."""
 
-    router: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    router: Weight
+    gate: Weight
+    up: Weight
+    down: Weight
     shared: SwiGLU | None = None
-    shared_gate: torch.Tensor | None = None
+    shared_gate: Weight | None = None
 
     def expert(self, j: int) -> SwiGLU:
         return SwiGLU(self.gate[j], self.up[j], self.down[j])
 
 
-def shared_output(shared: SwiGLU | None, gate: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+def shared_output(shared: SwiGLU | None, gate: Weight | None, x: torch.Tensor) -> torch.Tensor | None:
     """Qwen2-MoE's shared expert under its sigmoid gate; None for a model without one."""
     if shared is None or gate is None:
         return None
@@ -81,6 +83,23 @@ class ExpertRunner:
     def __call__(self, layer: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
         w = self.layers[layer]
         chosen, weights = route(linear(x, w.router), self.experts.used, self.experts.norm_top_k)
-        out = mixture(w.expert, x, chosen, weights)
+        out = self.experts_output(layer, x, chosen, weights)
         shared = shared_output(w.shared, w.shared_gate, x)
         return out if shared is None else out + shared
+
+    def experts_output(
+        self, layer: int, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, skip: Container[int] = ()
+    ) -> torch.Tensor:
+        """The weighted sum of layer `layer`'s chosen experts on CPU tokens x, leaving out those in `skip` (the ones
+        a device computes)."""
+        w = self.layers[layer]
+        if x.shape[0] == 1:
+            # One token's experts in one native call: a call per matrix and expert costs more than a small expert's
+            # products. Several tokens share experts, which `mixture` reads once for all of them.
+            keep = [i for i, j in enumerate(chosen[0].tolist()) if j not in skip]
+            if not keep:
+                return torch.zeros(x.shape, dtype=torch.float32)
+            out = row_kernels.moe_ffn(x, w.gate, w.up, w.down, chosen[:, keep], weights[:, keep])
+            if out is not None:
+                return out
+        return mixture(lambda j: None if j in skip else w.expert(j), x, chosen, weights)

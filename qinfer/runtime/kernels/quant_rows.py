@@ -53,7 +53,8 @@ def dequantize_rows(
 
 
 class QuantizedMatrix:
-    """A Q4_0/Q8_0 weight kept as its raw blocks (uint8 [R, row_bytes]); rows are expanded to `dtype` on demand.
+    """A Q4_0/Q8_0 weight kept as its raw blocks (uint8 [R, row_bytes], or [N, R, row_bytes] for a stack of experts,
+    each of which indexing gives); rows are expanded to `dtype` on demand.
 
     It answers the few tensor questions the runtime asks of a weight (shape, dtype, device, element_size)
     as the dequantized matrix would, so FFN code sizes buffers for the expanded rows it will hold. Moving it
@@ -65,7 +66,11 @@ class QuantizedMatrix:
         self.blocks = blocks
         self.qtype = qtype
         self.dtype = dtype
-        self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // type_size * block_size))
+        self.shape = torch.Size((*blocks.shape[:-1], blocks.shape[-1] // type_size * block_size))
+
+    def __getitem__(self, j: int) -> QuantizedMatrix:
+        """Matrix j of a stack (a mixture of experts' [N, rows, blocks]): a view of its blocks, not a copy."""
+        return self.like(self.blocks[j])
 
     @property
     def device(self) -> torch.device:

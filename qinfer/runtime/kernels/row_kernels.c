@@ -662,6 +662,70 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
     return 0;
 }
 
+/* A mixture of experts' FFN for a few tokens in one call: out[t] = sum over i < k of weights[t, i] * expert
+ * chosen[t, i]'s SwiGLU of x[t], down(silu(gate x) * up x). gate and up are stacks [experts, f, n] and down
+ * [experts, n, f], each a base pointer, a type, and strides in bytes (strides[0..5]: gate's expert and row, up's,
+ * down's); dims = experts, f, n. act is caller scratch [tokens * k, f]. Each (token, expert) pair reads its
+ * expert's rows once: for one token, every row of a chosen expert is read once, in one parallel region instead of
+ * a call per matrix and expert. */
+int qinfer_moe_ffn(const uint8_t *gate, int gate_type, const uint8_t *up, int up_type, const uint8_t *down,
+                   int down_type, const int64_t strides[6], const int64_t dims[3], const float *x, int64_t tokens,
+                   const int64_t *chosen, const float *weights, int64_t k, float *act, float *out, int threads) {
+    int64_t experts = dims[0], f = dims[1], n = dims[2], pairs = tokens * k;
+    /* Each expert's rows as fits() checks a matrix's; its strides span a whole expert. */
+    if (!fits(gate_type, strides[1], f, n, n, NULL, f) || !fits(up_type, strides[3], f, n, n, NULL, f) ||
+        !fits(down_type, strides[5], n, f, f, NULL, n) || strides[0] < f * strides[1] || strides[2] < f * strides[3] ||
+        strides[4] < n * strides[5])
+        return -1;
+    for (int64_t p = 0; p < pairs; p++)
+        if (chosen[p] < 0 || chosen[p] >= experts) return -1;
+    q8_act xq = {0}, aq = {0};
+    int failed = ((gate_type != F16 || up_type != F16) && q8_quantize(x, tokens, n, &xq));
+    if (!failed && down_type != F16) {
+        /* Allocated here, filled once the activations are known. */
+        aq.q = malloc((size_t)(pairs * f));
+        aq.d = malloc((size_t)(pairs * (f / QK)) * sizeof(float));
+        aq.sum = malloc((size_t)(pairs * (f / QK)) * sizeof(int32_t));
+        failed = !aq.q || !aq.d || !aq.sum;
+    }
+    if (failed) {
+        q8_free(&xq);
+        q8_free(&aq);
+        return -2;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t pr = 0; pr < pairs * f; pr++) {
+            int64_t p = pr / f, r = pr % f, t = p / k;
+            const uint8_t *g = gate + chosen[p] * strides[0] + r * strides[1];
+            const uint8_t *u = up + chosen[p] * strides[2] + r * strides[3];
+            /* While the gate's row is summed, the up row is read ahead, and the other way round the next gate row. */
+            float a = gate_act(FORM_GATED_SILU, dot_row(gate_type, g, u, x, &xq, t, n));
+            act[pr] = a * dot_row(up_type, u, r + 1 < f ? g + strides[1] : NULL, x, &xq, t, n);
+        }
+        if (down_type != F16) {
+#pragma omp single
+            q8_quantize_blocks(act, pairs * (f / QK), &aq);
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < n; c++) {
+            for (int64_t t = 0; t < tokens; t++) {
+                float sum = 0.0f;
+                for (int64_t i = 0; i < k; i++) {
+                    int64_t p = t * k + i;
+                    const uint8_t *row = down + chosen[p] * strides[4] + c * strides[5];
+                    sum += weights[p] * dot_row(down_type, row, c + 1 < n ? row + strides[5] : NULL, act, &aq, p, f);
+                }
+                out[t * n + c] = sum;
+            }
+        }
+    }
+    q8_free(&xq);
+    q8_free(&aq);
+    return 0;
+}
+
 /* out[t] = sum_j act[t, j] * rows[ids[j]] for `tokens` rows of act [tokens, k] (ids NULL: rows 0..k-1); rows whose
  * act is 0 for every token are not read. */
 int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const int64_t *ids,

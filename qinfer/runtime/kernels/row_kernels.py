@@ -208,6 +208,7 @@ def load(name: str) -> ctypes.CDLL | None:
         p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, p, i32, p, p, i32
     ]  # fmt: skip
     lib.qinfer_weighted_rows.argtypes = [p, i64, i32, s, p, i64, p, i64, i64, p, i32]
+    lib.qinfer_moe_ffn.argtypes = [p, i32, p, i32, p, i32, p, p, p, i64, p, p, i64, p, p, i32]
     lib.qinfer_matvec.argtypes = [p, i64, i32, s, p, i64, i64, p, i32]
     lib.qinfer_decode_layer.argtypes = [p, p, p, p, i64, p, p, i64, p, p, i32]
     lib.qinfer_decode_layer.restype = i64
@@ -217,7 +218,7 @@ def load(name: str) -> ctypes.CDLL | None:
     lib.qinfer_f16_blocked.restype = ctypes.c_int32
     lib.qinfer_abi.argtypes = [p]
     lib.qinfer_abi.restype = i64
-    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec):
+    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec, lib.qinfer_moe_ffn):
         entry.restype = i32
     if (problem := disagreement(lib)) is not None:
         print(f"qinfer: native row kernels not loaded (C and Python disagree on {problem}); using torch's slower path",
@@ -290,6 +291,46 @@ def sparse_ffn(
         g, gs, gt, gshape, u, us, ut, ushape, d, ds, dt, dshape, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(),
         ids64.numel(), None if keep is None else keep.data_ptr(), form_code(form), act.data_ptr(),
         out.data_ptr(), torch.get_num_threads(),
+    ))  # fmt: skip
+    return out
+
+
+def _stack(t: Weight) -> tuple[int, int, int, int] | None:
+    """(address, type code, expert stride and row stride in bytes) of a CPU stack of experts [N, rows, columns] the
+    kernels read, or None where they cannot."""
+    if isinstance(t, QuantizedMatrix):
+        b = t.blocks
+        if b.dim() != 3 or b.device.type != "cpu" or b.stride(2) != 1 or t.qtype not in TYPE_CODES:
+            return None
+        return b.data_ptr(), TYPE_CODES[t.qtype], b.stride(0), b.stride(1)
+    if t.dim() != 3 or t.device.type != "cpu" or t.dtype != torch.float16 or t.stride(2) != 1:
+        return None
+    return t.data_ptr(), F16_CODE, 2 * t.stride(0), 2 * t.stride(1)
+
+
+def moe_ffn(
+    x: torch.Tensor, gate: Weight, up: Weight, down: Weight, chosen: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor | None:
+    """sum_i weights[t, i] * SwiGLU of expert chosen[t, i] on x[t], as float32 [T, E], for CPU tokens over F16 or
+    quantized stacks (gate and up [N, F, E], down [N, E, F]); None where the kernel does not apply (off, a device,
+    float32 stacks)."""
+    if not _takes(x, TOKEN_BLOCK):
+        return None
+    stacks = [_stack(t) for t in (gate, up, down)]
+    if any(st is None for st in stacks):
+        return None
+    (g, gt, ge, gr), (u, ut, ue, ur), (d, dt, de, dr) = stacks  # type: ignore[misc]
+    experts, f, n = gate.shape
+    strides = (ctypes.c_int64 * 6)(ge, gr, ue, ur, de, dr)
+    dims = (ctypes.c_int64 * 3)(experts, f, n)
+    xf = x.float().contiguous()
+    ids = chosen.to(torch.int64).contiguous()
+    w = weights.float().contiguous()
+    act = torch.empty(ids.numel(), f)
+    out = torch.empty(x.shape[0], n)
+    check(kernel().qinfer_moe_ffn(  # type: ignore[union-attr]
+        g, gt, u, ut, d, dt, strides, dims, xf.data_ptr(), x.shape[0], ids.data_ptr(), w.data_ptr(), ids.shape[1],
+        act.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     ))  # fmt: skip
     return out
 

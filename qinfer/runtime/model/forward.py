@@ -20,6 +20,7 @@ from qinfer.runtime.ffn.experts import ExpertRunner, ExpertWeights, SwiGLU
 from qinfer.runtime.ffn.runners import DenseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
+from qinfer.runtime.kernels.quant_rows import Weight
 from qinfer.runtime.kv.batch import Step, TokenBatch, attention_mask, rows_mask
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.model_file import ModelFile
@@ -50,11 +51,8 @@ def ffn_weights(model: ModelFile, i: int) -> FFNWeights:
 def expert_weights(model: ModelFile, experts: Experts, i: int) -> ExpertWeights:
     """Layer i's router and experts (and shared expert), as mapped views."""
 
-    def t(part: Tensor) -> torch.Tensor:
-        tensor = model.tensor(tensor_name(part, i))
-        if not isinstance(tensor, torch.Tensor):
-            raise UserError(f"{model.path}: quantized experts do not run yet; use its f16 or f32 file")
-        return tensor
+    def t(part: Tensor) -> Weight:
+        return model.tensor(tensor_name(part, i))
 
     shared = None
     if experts.shared_ffn:

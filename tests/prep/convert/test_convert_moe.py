@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
+from qinfer.prep.convert.quant_blocks import quantize_q4_0
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from tests.support.cli_in_process import run_in_process
 
@@ -125,11 +126,28 @@ def test_experts_are_not_made_sparse_yet(moe: dict[str, dict[str, Path]], tmp_pa
     ]
 
 
-def test_experts_are_not_quantized_yet(moe: dict[str, dict[str, Path]], tmp_path: Path) -> None:
-    path = moe["qwen3moe"]["dense-f32"]
-    ran = run_in_process("prep", "quantize", str(path), str(tmp_path / "q4.gguf"), "Q4_0")
-    assert ran.returncode == 2, ran.stderr
-    assert ran.stderr.strip().splitlines() == [
-        f"error: {path} has experts, which are not quantized yet; run it as it is"
-    ]
-    assert not (tmp_path / "q4.gguf").exists()
+@pytest.mark.parametrize("family", ["mixtral", "qwen2moe"])
+def test_experts_quantize_row_by_row_as_llama_cpp_does(
+    moe: dict[str, dict[str, Path]], family: str, tmp_path: Path
+) -> None:
+    """Each row of each expert becomes the Q4_0 blocks the reference quantizer makes of that row alone; the routers
+    and norms stay F32, as llama.cpp's llama-quantize leaves them."""
+    path = moe[family]["dense-f32"]
+    out = tmp_path / "q4.gguf"
+    ran = run_in_process("prep", "quantize", str(path), str(out), "Q4_0")
+    assert ran.returncode == 0, ran.stderr
+    source = {t.name: t for t in GGUFReader(path).tensors}
+    quantized = {t.name: t for t in GGUFReader(out).tensors}
+    for name in ("blk.1.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"):
+        assert quantized[name].tensor_type == GGMLQuantizationType.Q4_0
+        rows, blocks = np.asarray(source[name].data), np.asarray(quantized[name].data)
+        assert blocks.shape == (*rows.shape[:2], rows.shape[2] // 32 * 18)
+        for expert, row in ((0, 0), (3, 5), (rows.shape[0] - 1, rows.shape[1] - 1)):
+            assert np.array_equal(blocks[expert, row], quantize_q4_0(rows[expert, row])), (name, expert, row)
+    kept = ["blk.0.ffn_gate_inp.weight", "blk.1.ffn_norm.weight"]
+    if family == "qwen2moe":
+        kept.append("blk.0.ffn_gate_inp_shexp.weight")
+        assert quantized["blk.0.ffn_up_shexp.weight"].tensor_type == GGMLQuantizationType.Q4_0
+    for name in kept:
+        assert quantized[name].tensor_type == GGMLQuantizationType.F32
+        assert np.array_equal(np.asarray(quantized[name].data), np.asarray(source[name].data)), name

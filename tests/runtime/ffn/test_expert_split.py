@@ -16,6 +16,8 @@ from qinfer.core.kv_policy import F32_KV
 from qinfer.formats.gpuidx import read_gpuidx
 from qinfer.planner.budget import GIB
 from qinfer.planner.make_plan import PlanOptions, dry_run_account
+from qinfer.prep.convert.convert import convert
+from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.ffn.expert_split import ExpertSplit
 from qinfer.runtime.ffn.experts import ExpertRunner, ExpertWeights, SwiGLU
@@ -113,3 +115,22 @@ def test_a_planned_run_keeps_the_plans_experts_on_the_device_side_and_equals_tra
         parts = [loaded.forward.forward(TokenBatch.prompt(torch.tensor(ids[:8]), 0), cache)]
         parts += [loaded.forward.forward(TokenBatch.decode([t], [8 + j], [0]), cache) for j, t in enumerate(ids[8:])]
     assert (torch.cat(parts) - reference_logits(moe[family]["model"], ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("outtype", ["f16", "Q4_0"])
+def test_one_token_through_the_native_expert_call_leaves_the_resident_experts_out(
+    moe: dict[str, dict[str, Path]], outtype: str, tmp_path: Path
+) -> None:
+    """A decode token's CPU half goes through the one native call over the chosen experts, which must skip the
+    resident ones: counted twice or not at all, the sum would differ from the CPU runner's by a whole expert."""
+    f16 = convert(moe["qwen3moe"]["model"], tmp_path / "f16.gguf", None, "f16").outfile
+    path = f16 if outtype == "f16" else quantize_gguf(f16, tmp_path / "q4.gguf", outtype).outfile
+    model = open_model(path)
+    assert model.config.experts is not None
+    runner = expert_runner(model, model.config.experts)
+    x = torch.randn(1, model.config.hidden, generator=torch.Generator().manual_seed(3))
+    chosen = [route(linear(x, w.router), runner.experts.used, runner.experts.norm_top_k)[0] for w in runner.layers]
+    split = ExpertSplit(runner, torch.device(DEVICES[-1]), [c[0, :1] for c in chosen])
+    for i in range(model.config.layers):
+        expected = runner(i, x, x, False)
+        assert (split(i, x, x, False) - expected).abs().max().item() < 1e-3 * expected.abs().max().item()

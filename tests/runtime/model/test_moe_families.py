@@ -11,8 +11,10 @@ import torch
 from qinfer.core.expert_routing import route
 from qinfer.core.kv_policy import F32_KV
 from qinfer.prep.convert.convert import convert
+from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.ffn.experts import ExpertRunner
+from qinfer.runtime.kernels import row_kernels
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
@@ -78,6 +80,48 @@ def test_an_f16_file_runs_close(moe: dict[str, dict[str, Path]], tmp_path: Path)
     ids = hf_ids(moe["qwen2moe"]["model"], TEXT)[:12]
     f32 = our_logits(moe["qwen2moe"]["dense-f32"], ids, "dense")
     assert (our_logits(f16, ids, "dense") - f32).abs().max().item() < 0.01 * f32.abs().max().item()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_one_native_call_computes_a_tokens_experts(
+    moe: dict[str, dict[str, Path]], family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode token's chosen experts over f16 stacks in one native call give what the loop over experts gives, and
+    so do the logits of a whole decode."""
+    f16 = convert(moe[family]["model"], tmp_path / "f16.gguf", None, "f16").outfile
+    runner = load_forward(open_model(f16), RuntimeOptions()).forward.ffn
+    assert isinstance(runner, ExpertRunner)
+    w = runner.layers[1]
+    x = torch.randn(1, w.gate.shape[2], generator=torch.Generator().manual_seed(0))
+    chosen, weights = route(linear(x, w.router), runner.experts.used, runner.experts.norm_top_k)
+    native = row_kernels.moe_ffn(x, w.gate, w.up, w.down, chosen, weights)
+    assert native is not None
+    loop = sum(weights[0, i] * w.expert(int(j))(x) for i, j in enumerate(chosen[0]))
+    assert (native - loop).abs().max().item() < 1e-5 * loop.abs().max().item()
+    ids = hf_ids(moe[family]["model"], TEXT)[:12]
+    fast = our_logits(f16, ids, "dense", split=len(ids) - DECODE_STEPS)
+    monkeypatch.setenv("QINFER_NATIVE", "0")
+    slow = our_logits(f16, ids, "dense", split=len(ids) - DECODE_STEPS)
+    assert (fast - slow).abs().max().item() < 1e-4 * slow.abs().max().item()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_q4_0_experts_decode_as_their_dequantized_weights(
+    moe: dict[str, dict[str, Path]], family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q4_0 file's experts, read per expert from the stacked blocks by the native kernels (their input rounded to
+    Q8_0 blocks, as ggml does), against the torch path over the same blocks expanded to float32."""
+    q4 = quantize_gguf(moe[family]["dense-f32"], tmp_path / "q4.gguf", "Q4_0").outfile
+    ids = hf_ids(moe[family]["model"], TEXT)[:12]
+    native = our_logits(q4, ids, "dense", split=len(ids) - DECODE_STEPS)
+    monkeypatch.setenv("QINFER_NATIVE", "0")
+    expanded = our_logits(q4, ids, "dense", split=len(ids) - DECODE_STEPS)
+    f32 = our_logits(moe[family]["dense-f32"], ids, "dense", split=len(ids) - DECODE_STEPS)
+    scale = expanded.abs().max().item()
+    diff = (native - expanded).abs()
+    assert diff.max().item() < 0.03 * scale and diff.mean().item() < 0.005 * scale
+    # Against the float32 file the quantization shows: the file's experts are Q4_0, not float carried through.
+    assert (expanded - f32).abs().max().item() > 0.05 * scale
 
 
 def test_run_command_generates(moe: dict[str, dict[str, Path]]) -> None:
