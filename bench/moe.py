@@ -1,7 +1,7 @@
 """Mixture-of-experts decode speed on the CPU: ours beside llama.cpp on the same GGUF, f16 and Q4_0.
 
     .venv/bin/python bench/moe.py [--slices mixtral-slice,qwen3moe-slice] [--rounds 3] [--threads 2]
-                                  [--tokens 32] [--prompt-tokens 128] [--keep DIR]
+                                  [--tokens 32] [--prompt-tokens 128] [--keep DIR] [--profile-tokens 20000]
 
 Each slice (qinfer/prep/synth/moe_slice.py: two full-width layers of Mixtral-8x7B's or Qwen3-30B-A3B's shape, random
 weights) is built, converted to an f16 GGUF and quantized to Q4_0, under --keep (reused when there; without it, in a
@@ -9,6 +9,10 @@ temporary directory removed at the end; the Mixtral slice is about 6 GB in f16).
 step of --tokens greedy steps after a prompt of --prompt-tokens or more, for batch 1, best of --rounds interleaved
 rounds, so that load from other processes on a shared machine skews it little. llama.cpp runs through
 llama-cpp-python (the `peers` extra); without it that column is skipped.
+
+A second table puts each slice's planned GPU/CPU split beside llama.cpp's `--n-cpu-moe` split at the same budget
+(the dense parts and half of the experts' bytes), in the planner's time model, on a routing profile measured over
+the synthetic corpus by the tiny model of the slice's family with the slice's experts (--profile-tokens tokens).
 """
 
 from __future__ import annotations
@@ -16,16 +20,24 @@ from __future__ import annotations
 import argparse
 import math
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from decode import bench_prompt, engine_decoder
 from decode_peers import LLAMA_CPP_MISSING, Speed, Timer, llama_cpp_available, llama_cpp_decoder
 from rich.console import Console
 from rich.table import Table
 
+from qinfer.formats.activation_files import count_basis, read_activations
+from qinfer.planner.budget import GIB
+from qinfer.planner.make_plan import PlanOptions, compare_expert_splits, dry_run_account
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
+from qinfer.prep.profile.activation_profile import profile_activations
+from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.prep.synth.moe import MoeShape, build_moe
 from qinfer.prep.synth.moe_slice import SLICES, build_moe_slice
 from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
@@ -54,10 +66,57 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
-def split_table(console: Console, files: dict[str, dict[str, Path]]) -> None:
-    """The second table: each slice's planned CPU/GPU split beside llama.cpp's --n-cpu-moe split, in the planner's
-    time model. The planner's MoE model (issue 34) will fill it; until then it says so."""
-    console.print(f"planned split vs --n-cpu-moe split: waits for the planner's MoE model ({', '.join(files)})")
+def routing_profile(root: Path, name: str, tokens: int) -> tuple[np.ndarray, ...]:
+    """Per layer, the chance that a token chooses each expert, measured as `make all` measures a tiny model: the
+    tiny checkpoint of the slice's family, with the slice's count of experts and of experts per token, profiled over
+    the synthetic corpus (`qinfer prep profile`). Random routers like the slice's; no trained model is at hand."""
+    family, shape = SLICES[name]
+    tiny = replace(MoeShape(), experts=shape.experts, used=shape.used)
+    model_dir = root / name / "tiny"
+    if not (model_dir / "config.json").exists():
+        build_moe(model_dir, family, tiny)
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text(synth_corpus(seed=0, n_chars=200_000), encoding="utf-8")
+    out = root / name / "activation"
+    if not (out / "summary.json").exists():
+        profile_activations(model_dir, corpus, out, tokens=tokens, seq_len=128, device="cpu")
+    used = count_basis(out).tokens
+    return tuple(counts.double().numpy() / used for counts in read_activations(out))
+
+
+def split_table(console: Console, root: Path, files: dict[str, dict[str, Path]], tokens: int) -> None:
+    """Each slice's planned CPU/GPU split beside llama.cpp's --n-cpu-moe split at a budget that holds the dense parts
+    and half of the experts' bytes, in the planner's time model (its default GPU and CPU profiles), for the measured
+    routing profile and for uniform routing."""
+    options = PlanOptions()
+    table = Table(
+        title=f"planned split vs --n-cpu-moe at dense parts + half the experts (planner's model: {options.gpu} GPU, "
+        f"{options.cpu} CPU, batch {options.batch}, ctx {options.ctx_size})"
+    )
+    columns = ("slice", "type", "routing", "budget GiB", "planned tok/s", "--n-cpu-moe", "tok/s", "planned / n-cpu-moe")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for name, paths in files.items():
+        measured = routing_profile(root, name, tokens)
+        top_half = [float(np.sort(p)[::-1][: len(p) // 2].sum() / p.sum()) for p in measured]
+        console.print(f"{name}: the most-routed half of the experts takes {', '.join(f'{s:.0%}' for s in top_half)} "
+                      "of the routings, by layer")  # fmt: skip
+        for qtype, path in paths.items():
+            layout, acct = dry_run_account(path, 1 << 50, options)
+            experts = sum(b * n for b, n in zip(acct.neuron_bytes, acct.ffn_neurons, strict=True))
+            budget = int(acct.dense + experts / 2)
+            uniform = tuple(np.full(len(p), p.sum() / len(p)) for p in measured)
+            for routing, frequencies in (("measured", measured), ("uniform", uniform)):
+                split = compare_expert_splits(layout, frequencies, budget, options)
+                n_cpu = split.n_cpu_moe
+                baseline = ("—",) * 3 if n_cpu is None else (
+                    str(n_cpu.layers), f"{n_cpu.tokens_per_second:.2f}", f"{split.ratio:.2f}x"
+                )
+                table.add_row(
+                    name, qtype, routing, f"{budget / GIB:.2f}", f"{split.planned_tokens_per_second:.2f}", *baseline
+                )  # fmt: skip
+    console.print(table)
 
 
 def _cell(tps: float) -> str:
@@ -72,6 +131,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prefill at least this many tokens first")
     parser.add_argument("--keep", type=Path, help="build the files here and reuse them on later runs")
+    parser.add_argument("--profile-tokens", type=int, default=20_000, help="tokens the routing profile counts")
     args = parser.parse_args()
     names = args.slices.split(",")
     if unknown := [n for n in names if n not in SLICES]:
@@ -116,7 +176,7 @@ def main() -> None:
                 ratio = "—" if math.isnan(theirs) else f"{ours / theirs:.2f}x"
                 table.add_row(name, qtype, _cell(ours), _cell(theirs), ratio)
         console.print(table)
-        split_table(console, files)
+        split_table(console, root, files, args.profile_tokens)
 
 
 if __name__ == "__main__":
