@@ -27,6 +27,7 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
+from qinfer.core.step_budget import DEFAULT_PREFILL_CHUNK
 from qinfer.runtime.engine.sampling import NonFiniteLogits, SamplingParams, sample_next
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.batch import TokenBatch
@@ -57,12 +58,6 @@ class StepOutput:
     finished: bool
     reason: str | None  # "stop" (EOS), "length" (max_tokens or a full context) or "error"
     error: str | None = None  # why this sequence failed; the others in the batch go on
-
-
-# Prompt tokens per step, as llama.cpp's physical batch (-ub): enough tokens that the chunk's dense matmuls read
-# each weight once for many tokens, few enough that the running streams wait for one chunk's forward at a time
-# (about as long as a few dozen decode steps on a CPU).
-DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass
