@@ -223,36 +223,36 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """One forward over the running sequences' next tokens and the prompt chunks `_chunks` picks, then the next
-        token of every sequence it gave logits, in the order of their slots; [] when no slot is busy."""
-        running = [slot for slot in self.active_slots() if self._active[slot].next_token is not None]
+        token of every sequence it gave logits (the running ones, and those whose prompt it completed), in the
+        order of their slots."""
+        seqs = self._active
+        running = {slot: seq.next_token for slot, seq in sorted(seqs.items()) if seq.next_token is not None}
         chunks = self._chunks()
         if not running and not chunks:
             return []
-        seqs = self._active
         parts = []
         if running:
-            tokens = [seqs[s].next_token for s in running]
-            parts.append(TokenBatch.decode(tokens, [seqs[s].position for s in running], running))  # type: ignore[arg-type]
-        rows, start = list(range(len(running))), len(running)
-        sampled = list(running)
+            positions = [seqs[slot].position for slot in running]
+            parts.append(TokenBatch.decode(list(running.values()), positions, list(running)))
+        sampled, rows = list(running), list(range(len(running)))
+        end = len(running)
         for slot, chunk in chunks:
             seq = seqs[slot]
             parts.append(TokenBatch.prompt(torch.tensor(chunk), seq.position, slot))
-            start += len(chunk)
+            end += len(chunk)
             if seq.position + len(chunk) == len(seq.request.prompt_ids):
                 # Only a completed prompt's last token gives logits: the head is computed for no other chunk row.
-                rows.append(start - 1)
                 sampled.append(slot)
+                rows.append(end - 1)
         with torch.inference_mode():
             logits = self.forward.forward(TokenBatch.join(parts), self.cache, rows).cpu()
         # Only a forward that returned wrote every layer's rows: one that raised leaves the sequences as they were.
-        for slot in running:
-            seq = seqs[slot]
-            seq.tokens.append(seq.next_token)  # type: ignore[arg-type]
-            seq.next_token = None
+        for slot, token in running.items():
+            seqs[slot].tokens.append(token)
+            seqs[slot].next_token = None
         for slot, chunk in chunks:
             seqs[slot].tokens += chunk
-        # logits[i] is row rows[i]'s, of the sequence in slot sampled[i].
+        # logits[i] is the sequence's in slot sampled[i].
         order = sorted(range(len(sampled)), key=sampled.__getitem__)
         return [self._sample(sampled[i], logits[i]) for i in order]
 

@@ -4,7 +4,7 @@ every layer of the call shares (`Step`: positions on the device, rope's tables, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -82,7 +82,7 @@ class Step:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     fixed: bool = False
-    parts: tuple[Step, ...] = field(default=())
+    parts: tuple[Step, ...] = ()
 
 
 def batch_step(
