@@ -130,7 +130,9 @@ def run_cmd(
     first = results[0]
     tokens = sum(len(r.tokens) for r in results)
     steps = sum(len(r.tokens) if r.stopped_at_eos else max(len(r.tokens) - 1, 0) for r in results)
-    decode_tps = steps / first.decode_seconds if first.decode_seconds > 0 else 0.0
+    # Sequences decode together, the first to start over the longest time.
+    decode_seconds = max(r.decode_seconds for r in results)
+    decode_tps = steps / decode_seconds if decode_seconds > 0 else 0.0
     err.print(
         f"prompt: {first.prompt_tokens} tokens, {first.prompt_tps:.1f} tokens/s | "
         f"decode: {tokens} tokens, {decode_tps:.1f} tokens/s"

@@ -23,6 +23,7 @@ from qinfer.cli.options import (
     use_threads,
 )
 from qinfer.core.errors import needs_extra
+from qinfer.core.step_budget import DEFAULT_PREFILL_CHUNK
 
 API_KEY_VARIABLE = "QINFER_API_KEY"
 
@@ -42,6 +43,14 @@ def serve_cmd(
     ),
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8080,
     slots: Annotated[int, typer.Option(min=1, help="Requests decoded together; more wait for a free slot.")] = 4,
+    prefill_chunk: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Prompt tokens one step computes beside the running requests' next tokens: a longer prompt goes in "
+            "chunks, and running streams wait one chunk at a time rather than for its whole prompt.",
+        ),
+    ] = DEFAULT_PREFILL_CHUNK,
     ctx_size: Annotated[int | None, typer.Option("-c", "--ctx-size", min=0, help=f"Per slot: {CTX_HELP}")] = None,
     kv_policy_kind: KvPolicyOption = "full",
     kv_budget: KvBudgetOption = None,
@@ -140,6 +149,7 @@ def serve_cmd(
             kv_policy=policy,
             kv_types=types,
             reuse_prompts=prompt_cache,
+            prefill_chunk=prefill_chunk,
         )
     for note in engine.runtime.notes if engine.runtime is not None else []:
         err.print(f"note: {note}")

@@ -1,6 +1,6 @@
 """The loop that keeps the engine's slots busy, shared by `qinfer run` (generate.py) and the server (worker.py):
-waiting sequences join free slots between steps, each step advances every running sequence by one token, and each
-token is turned into the text it adds."""
+waiting sequences join free slots between steps, each step advances every running sequence by one token and the
+prompts in the slots by a chunk (engine.py), and each token is turned into the text it adds."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ class Sequence:
     request: Request
     output: TokenText
     cancelled: bool = False
-    prompt_seconds: float = 0.0  # the time its prompt took to enter the cache
-    decode_started: float = 0.0  # time.perf_counter() once it did
+    admitted: float = 0.0  # time.perf_counter() when it took a slot
+    prompt_seconds: float = 0.0  # from then until its prompt was in the cache (beside other sequences' tokens)
+    decode_started: float = 0.0  # time.perf_counter() once it was, and its first token sampled
+    decode_seconds: float = 0.0  # from then until it finished
     cached_tokens: int = 0  # of its prompt, the tokens whose rows a slot held already (not computed again)
 
 
@@ -47,7 +49,6 @@ class Admission(Generic[S]):
         self.engine = engine
         self.waiting: deque[S] = deque()
         self.running: dict[int, S] = {}  # slot -> sequence
-        self.step_seconds = 0.0  # time spent in the engine's decode steps
 
     def add(self, sequence: S) -> None:
         self.waiting.append(sequence)
@@ -57,7 +58,7 @@ class Admission(Generic[S]):
         return bool(self.waiting or self.running)
 
     def step(self) -> list[Delivery[S]]:
-        """Free the slots of cancelled sequences, admit waiting ones into free slots, then one decode step for all
+        """Free the slots of cancelled sequences, admit waiting ones into free slots, then one engine step for all
         running ones. A request the engine refuses fails alone, and is returned at once, before any step that could
         fail and lose it; the next call steps. An exception from the step itself propagates, the sequences still
         running (see `fail_running`)."""
@@ -70,25 +71,26 @@ class Admission(Generic[S]):
             sequence = self.waiting.popleft()
             if sequence.cancelled:
                 continue
-            started = time.perf_counter()
             try:
                 slot = self.engine.submit(sequence.request)
             except Exception as exc:  # noqa: BLE001 - a request the engine refuses must fail only itself
                 done.append(Delivery(sequence, "", None, exc))
                 continue
-            sequence.decode_started = time.perf_counter()
-            sequence.prompt_seconds = sequence.decode_started - started
+            sequence.admitted = time.perf_counter()
             sequence.cached_tokens = self.engine.reused_tokens(slot)
             self.running[slot] = sequence
         if done or not self.running:
             return done
-        started = time.perf_counter()
         outputs = self.engine.step()
-        self.step_seconds += time.perf_counter() - started
+        now = time.perf_counter()
         for out in outputs:
             sequence = self.running[out.slot]
+            if not sequence.decode_started:  # its first output: this step completed its prompt
+                sequence.decode_started = now
+                sequence.prompt_seconds = now - sequence.admitted
             piece = sequence.output.add(out.token, out.finished)
             if out.finished:
+                sequence.decode_seconds = now - sequence.decode_started
                 del self.running[out.slot]
             done.append(Delivery(sequence, piece, out))
         return done

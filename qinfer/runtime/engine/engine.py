@@ -1,7 +1,10 @@
 """The serving engine: fixed slots, each one sequence with its own KV-cache rows, decoded together step by step.
 
-`submit` runs a prompt (dense prefill) into a free slot; `step` samples the next token of every active
-sequence and, for those that go on, runs one batched decode forward over all of them at their own positions.
+`submit` takes a request into a free slot without computing anything. Each `step` is one forward call carrying
+every running sequence's next token and chunks of the prompts not yet computed, oldest first, up to `prefill_chunk`
+prompt tokens (vLLM's chunked prefill, llama.cpp's unified batch), each token at its own slot and position; then
+it samples the next token of every sequence it gave logits: the running ones, and those whose prompt it completed.
+So a long prompt stalls the running streams for one chunk's forward at a time rather than for its whole prefill.
 
 A slot keeps the tokens whose keys and values it holds after its sequence ends, and a prompt goes to the free slot
 whose tokens share the longest prefix with it: those rows are reused and only the rest is prefilled, so a chat's
@@ -15,6 +18,7 @@ nothing is reused; nor with `reuse_prompts` off, where whoever learns how much o
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +27,7 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
+from qinfer.core.step_budget import DEFAULT_PREFILL_CHUNK
 from qinfer.runtime.engine.sampling import NonFiniteLogits, SamplingParams, sample_next
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.batch import TokenBatch
@@ -58,12 +63,21 @@ class StepOutput:
 @dataclass
 class _Sequence:
     request: Request
-    position: int  # tokens already in the KV cache
-    generated: int
-    logits: torch.Tensor  # for the next token, on the CPU
+    order: int  # when it took its slot: the oldest prompt is computed first
     generator: torch.Generator
     tokens: list[int]  # the tokens in the KV cache, position by position
     reused: int  # of the prompt's, those whose rows were already in the slot
+    generated: int = 0
+    next_token: int | None = None  # sampled, not yet in the KV cache: the next step computes it
+
+    @property
+    def position(self) -> int:
+        """Tokens already in the KV cache."""
+        return len(self.tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.position < len(self.request.prompt_ids)
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -86,9 +100,12 @@ class Engine:
         kv_policy: KVPolicy | None = None,
         kv_types: KVTypes = DEFAULT_KV_TYPES,
         reuse_prompts: bool = True,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ):
         if slots < 1 or ctx_size < 2:
             raise UserError("an engine needs at least one slot and a context of at least 2 tokens")
+        if prefill_chunk < 1:
+            raise UserError("a step must take at least one prompt token; raise --prefill-chunk")
         self.forward = forward
         self.tokenizer = tokenizer
         self.slots = slots
@@ -100,6 +117,8 @@ class Engine:
         self.reuse_prompts = reuse_prompts and self.cache.rows_by_position
         # Per slot, when its last sequence ended (a count of ended sequences): the oldest kept tokens go first.
         self._ended = [0] * slots
+        self.prefill_chunk = prefill_chunk  # the most prompt tokens one step computes
+        self._order = itertools.count()
         self.runtime: LoadedRuntime | None = None  # how `open` set the model up (FFN mode, plan, schedule)
 
     @classmethod
@@ -118,6 +137,7 @@ class Engine:
         kv_policy: KVPolicy | None = None,
         kv_types: KVTypes = DEFAULT_KV_TYPES,
         reuse_prompts: bool = True,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> Engine:
         """Load a GGUF and set up its runtime (see loader.RuntimeOptions for the FFN, GPU and KV settings); the
         context as loader.fit_context gives it (None: 512 or the model's own where shorter, 0: the model's own)."""
@@ -136,7 +156,9 @@ class Engine:
         loaded = load_forward(model, options, slots=slots, ctx_size=ctx)
         tokenizer = GGUFTokenizer(model.metadata)
         device = loaded.forward.device
-        engine = cls(loaded.forward, tokenizer, slots, ctx, device, options.kv_policy, kv_types, reuse_prompts)
+        engine = cls(
+            loaded.forward, tokenizer, slots, ctx, device, options.kv_policy, kv_types, reuse_prompts, prefill_chunk
+        )
         engine.runtime = loaded
         if clamped is not None:
             loaded.notes.insert(0, clamped)
@@ -157,6 +179,7 @@ class Engine:
         return sorted(self._active)
 
     def submit(self, request: Request) -> int:
+        """Take `request` into a free slot, its prompt to be computed by the steps that follow; the slot."""
         if not request.prompt_ids:
             raise UserError("the prompt is empty")
         if len(request.prompt_ids) >= self.ctx_size:
@@ -175,11 +198,8 @@ class Engine:
         # At least the prompt's last token is computed again: its logits give the first new token.
         reused = min(shared[slot], len(prompt) - 1)
         self._kept[slot] = []  # its rows are rewritten from `reused` on
-        with torch.inference_mode():
-            suffix = torch.tensor(prompt[reused:])
-            logits = self.forward.forward(TokenBatch.prompt(suffix, reused, slot), self.cache, last_only=True)
         generator = torch.Generator().manual_seed(request.seed)
-        self._active[slot] = _Sequence(request, len(prompt), 0, logits[-1].cpu(), generator, list(prompt), reused)
+        self._active[slot] = _Sequence(request, next(self._order), generator, prompt[:reused], reused)
         return slot
 
     def reused_tokens(self, slot: int) -> int:
@@ -202,52 +222,80 @@ class Engine:
             self._ended[slot] = max(self._ended) + 1
 
     def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        tokens: list[int] = []
-        positions: list[int] = []
-        going: list[int] = []
-        for slot in self.active_slots():
+        """One forward over the running sequences' next tokens and the prompt chunks `_chunks` picks, then the next
+        token of every sequence it gave logits (the running ones, and those whose prompt it completed), in the
+        order of their slots."""
+        seqs = self._active
+        running = {slot: seq.next_token for slot, seq in sorted(seqs.items()) if seq.next_token is not None}
+        chunks = self._chunks()
+        if not running and not chunks:
+            return []
+        parts = []
+        if running:
+            positions = [seqs[slot].position for slot in running]
+            parts.append(TokenBatch.decode(list(running.values()), positions, list(running)))
+        sampled, rows = list(running), list(range(len(running)))
+        end = len(running)
+        for slot, chunk in chunks:
+            seq = seqs[slot]
+            parts.append(TokenBatch.prompt(torch.tensor(chunk), seq.position, slot))
+            end += len(chunk)
+            if seq.position + len(chunk) == len(seq.request.prompt_ids):
+                # Only a completed prompt's last token gives logits: the head is computed for no other chunk row.
+                sampled.append(slot)
+                rows.append(end - 1)
+        with torch.inference_mode():
+            logits = self.forward.forward(TokenBatch.join(parts), self.cache, rows).cpu()
+        # Only a forward that returned wrote every layer's rows: one that raised leaves the sequences as they were.
+        for slot, token in running.items():
+            seqs[slot].tokens.append(token)
+            seqs[slot].next_token = None
+        for slot, chunk in chunks:
+            seqs[slot].tokens += chunk
+        # logits[i] is the sequence's in slot sampled[i].
+        order = sorted(range(len(sampled)), key=sampled.__getitem__)
+        return [self._sample(sampled[i], logits[i]) for i in order]
+
+    def _chunks(self) -> list[tuple[int, list[int]]]:
+        """The prompt tokens this step computes, by slot: of the prompts not yet in the cache, oldest first, as many
+        as `prefill_chunk` allows beside the running sequences' tokens (which always go: no stream waits)."""
+        budget = self.prefill_chunk
+        chunks = []
+        waiting = [slot for slot, seq in self._active.items() if seq.prefilling]
+        for slot in sorted(waiting, key=lambda s: self._active[s].order):
             seq = self._active[slot]
-            constraint = seq.request.constraint
-            try:
-                logits = seq.logits if constraint is None else constraint.mask(seq.logits)
-                token = sample_next(logits, seq.request.sampling, seq.generator)
-                ends = token in self.tokenizer.end_ids and not seq.request.ignore_eos
-                if constraint is not None and not ends:
-                    constraint.advance(token)
-            except Exception as exc:  # noqa: BLE001 - one sequence's bad logits or settings must not end the batch
-                broken = isinstance(exc, NonFiniteLogits)
-                cause = f": {non_finite_cause(self.cache, slot, seq.position)}" if broken else ""
-                outputs.append(StepOutput(slot, None, True, "error", f"sampling failed: {exc}{cause}"))
-                self._end(slot)
-                continue
-            if ends:
-                outputs.append(StepOutput(slot, None, True, "stop"))
-                self._end(slot)
-                continue
-            seq.generated += 1
-            if constraint is not None and constraint.complete:
-                outputs.append(StepOutput(slot, token, True, "stop"))
-                self._end(slot)
-                continue
-            if seq.generated >= seq.request.max_tokens or seq.position >= self.ctx_size:
-                outputs.append(StepOutput(slot, token, True, "length"))
-                self._end(slot)
-                continue
-            outputs.append(StepOutput(slot, token, False, None))
-            tokens.append(token)
-            positions.append(seq.position)
-            going.append(slot)
-            seq.tokens.append(token)
-            seq.position += 1
-        if going:
-            try:
-                with torch.inference_mode():
-                    logits = self.forward.forward(TokenBatch.decode(tokens, positions, going), self.cache).cpu()
-            except BaseException:
-                for slot in going:  # their rows for this step's tokens may not have been written
-                    self._active[slot].tokens.pop()
-                raise
-            for row, slot in enumerate(going):
-                self._active[slot].logits = logits[row]
-        return outputs
+            chunk = seq.request.prompt_ids[seq.position : seq.position + budget]
+            chunks.append((slot, chunk))
+            budget -= len(chunk)
+            if budget == 0:
+                break
+        return chunks
+
+    def _sample(self, slot: int, logits: torch.Tensor) -> StepOutput:
+        """The next token of the sequence in `slot` from its logits; the sequence ends where it should."""
+        seq = self._active[slot]
+        constraint = seq.request.constraint
+        try:
+            if constraint is not None:
+                logits = constraint.mask(logits)
+            token = sample_next(logits, seq.request.sampling, seq.generator)
+            ends = token in self.tokenizer.end_ids and not seq.request.ignore_eos
+            if constraint is not None and not ends:
+                constraint.advance(token)
+        except Exception as exc:  # noqa: BLE001 - one sequence's bad logits or settings must not end the batch
+            broken = isinstance(exc, NonFiniteLogits)
+            cause = f": {non_finite_cause(self.cache, slot, seq.position)}" if broken else ""
+            self._end(slot)
+            return StepOutput(slot, None, True, "error", f"sampling failed: {exc}{cause}")
+        if ends:
+            self._end(slot)
+            return StepOutput(slot, None, True, "stop")
+        seq.generated += 1
+        if constraint is not None and constraint.complete:
+            self._end(slot)
+            return StepOutput(slot, token, True, "stop")
+        if seq.generated >= seq.request.max_tokens or seq.position >= self.ctx_size:
+            self._end(slot)
+            return StepOutput(slot, token, True, "length")
+        seq.next_token = token
+        return StepOutput(slot, token, False, None)

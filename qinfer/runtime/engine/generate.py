@@ -70,13 +70,12 @@ def generate_many(
                 on_text(done.sequence.index, done.piece)
             if done.out.finished:
                 done.sequence.stopped = done.out.reason == "stop"
-    # Sequences decode together, so each one's decode time is the run's.
-    return [_result(p, admission.step_seconds) for p in prompted]
+    return [_result(p) for p in prompted]
 
 
-def _result(p: _Prompt, decode_seconds: float) -> GenerationResult:
+def _result(p: _Prompt) -> GenerationResult:
     out = p.output
-    return GenerationResult(out.tokens, out.text(), len(out.prompt_ids), p.prompt_seconds, decode_seconds, p.stopped)
+    return GenerationResult(out.tokens, out.text(), len(out.prompt_ids), p.prompt_seconds, p.decode_seconds, p.stopped)
 
 
 def generate(

@@ -3,6 +3,7 @@ every layer of the call shares (`Step`: positions on the device, rope's tables, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,8 +11,9 @@ import torch
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """tokens, positions and KV-cache slots, one entry per token; either all of one slot (a prompt at
-    consecutive positions) or one token per distinct slot (a decode step)."""
+    """tokens, positions and KV-cache slots, one entry per token. Each slot's tokens are one run at consecutive
+    positions: all of one slot (a prompt or a chunk of one), one token per distinct slot (a decode step), or both
+    in one call (a mixed step: the running sequences' tokens, then chunks of prompts)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -26,9 +28,40 @@ class TokenBatch:
     def decode(cls, tokens: list[int], positions: list[int], slots: list[int]) -> TokenBatch:
         return cls(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
 
+    @classmethod
+    def join(cls, batches: list[TokenBatch]) -> TokenBatch:
+        return cls(*(torch.cat([getattr(b, name) for b in batches]) for name in ("tokens", "positions", "slots")))
+
+    def __getitem__(self, rows: slice) -> TokenBatch:
+        return TokenBatch(self.tokens[rows], self.positions[rows], self.slots[rows])
+
     @property
     def single_sequence(self) -> bool:
         return bool((self.slots == self.slots[0]).all())
+
+    @property
+    def one_per_slot(self) -> bool:
+        """Every token in a slot of its own, as in a decode step: no query needs another's keys of this call."""
+        return self.slots.unique().numel() == self.slots.numel()
+
+    def parts(self) -> list[tuple[int, int]]:
+        """The ranges of tokens attention takes in one go: each run of several tokens of one slot (a prompt's chunk,
+        which reads its slot's rows under a causal mask) alone, and the single tokens between them together (one
+        sequence's rows each). A chunk's tokens gathered row by row would copy its slot's rows once per token."""
+        slots = self.slots.tolist()
+        parts: list[tuple[int, int]] = []
+        singles = False  # whether the last part gathers single tokens
+        start = 0
+        for end in range(1, len(slots) + 1):
+            if end < len(slots) and slots[end] == slots[start]:
+                continue
+            single = end - start == 1
+            if single and singles:
+                parts[-1] = (parts[-1][0], end)
+            else:
+                parts.append((start, end))
+            singles, start = single, end
+        return parts
 
 
 @dataclass(frozen=True)
@@ -38,7 +71,10 @@ class Step:
     every query may see every cached position, as a single decode token does).
 
     A `fixed` step is one whose shapes and work do not depend on the values in it, as a step replayed from a CUDA
-    graph must be: its batch lives on the device, and attention reads every row of the cache under `mask`."""
+    graph must be: its batch lives on the device, and attention reads every row of the cache under `mask`.
+
+    A step whose batch has several `TokenBatch.parts` has no mask of its own: attention runs part by part
+    (`attend_by_part`), each part's step with its own mask."""
 
     batch: TokenBatch
     positions: torch.Tensor
@@ -46,6 +82,38 @@ class Step:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     fixed: bool = False
+    parts: tuple[Step, ...] = ()
+
+
+def batch_step(
+    batch: TokenBatch,
+    positions: torch.Tensor,
+    window: int | None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> Step:
+    """The eager `Step` of `batch` (its positions already on the compute device), split into parts where it has
+    several."""
+    ranges = batch.parts()
+    if len(ranges) == 1:
+        return Step(batch, positions, attention_mask(batch, positions.device, window), cos, sin)
+    parts = tuple(batch_step(batch[a:b], positions[a:b], window) for a, b in ranges)
+    return Step(batch, positions, None, cos, sin, parts=parts)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Step], torch.Tensor]
+
+
+def attend_by_part(
+    attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step
+) -> torch.Tensor:
+    """A cache's `attend` over each of the step's parts in turn; the outputs in the batch's order."""
+    outs, start = [], 0
+    for part in step.parts:
+        end = start + part.batch.tokens.shape[0]
+        outs.append(attend(q[start:end], k[start:end], v[start:end], layer, part))
+        start = end
+    return torch.cat(outs)
 
 
 def attention_mask(batch: TokenBatch, device: torch.device, window: int | None = None) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
 from qinfer.core.model_spec import ModelSpec
-from qinfer.runtime.kv.batch import Step
+from qinfer.runtime.kv.batch import Step, attend_by_part
 from qinfer.runtime.kv.window import WindowKVCache
 
 # The torch type of each cache element type (qinfer.core.kv_policy.CACHE_TYPES).
@@ -51,6 +51,8 @@ class KVCache:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
         """Store k, v [T, kv_heads, d] at the batch's slots and positions, attend q [T, heads, d]; returns
         [T, heads*d]."""
+        if step.parts:
+            return attend_by_part(self.attend, q, k, v, layer, step)
         n, batch = q.shape[0], step.batch
         if not step.fixed and batch.single_sequence:
             slot, start = int(batch.slots[0]), int(batch.positions[0])

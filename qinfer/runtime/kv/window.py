@@ -14,15 +14,12 @@ predecessors kept.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from qinfer.core.kv_policy import KVPolicy
 from qinfer.core.model_spec import ModelSpec
-
-if TYPE_CHECKING:
-    from qinfer.runtime.kv.batch import Step
+from qinfer.runtime.kv.batch import Step, attend_by_part
 
 CHUNK = 256
 EMPTY = -1
@@ -52,7 +49,9 @@ class WindowKVCache:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
         """q [T, heads, d], k and v [T, kv_heads, d] at the batch's positions in its slots (a prompt in one slot, or
-        one token per slot); returns [T, heads * d] and keeps the chosen rows."""
+        one token per slot, or parts of both); returns [T, heads * d] and keeps the chosen rows."""
+        if step.parts:
+            return attend_by_part(self.attend, q, k, v, layer, step)
         positions, slots = step.batch.positions, step.batch.slots
         if not step.batch.single_sequence:
             return self._attend(q[:, None], k[:, None], v[:, None], layer, positions[:, None], slots).flatten(1)

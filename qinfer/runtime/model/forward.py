@@ -21,7 +21,7 @@ from qinfer.runtime.ffn.runners import DenseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
 from qinfer.runtime.kernels.quant_rows import Weight
-from qinfer.runtime.kv.batch import Step, TokenBatch, attention_mask, rows_mask
+from qinfer.runtime.kv.batch import Step, TokenBatch, batch_step, rows_mask
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.rope import inv_freq, rope_tables
@@ -106,7 +106,7 @@ class ModelForward(Protocol):
     cfg: ModelSpec
     device: torch.device
 
-    def forward(self, batch: TokenBatch, cache: Cache, last_only: bool = False) -> torch.Tensor: ...
+    def forward(self, batch: TokenBatch, cache: Cache, rows: list[int] | None = None) -> torch.Tensor: ...
 
 
 class TransformerForward:
@@ -166,7 +166,7 @@ class TransformerForward:
     def step(self, batch: TokenBatch) -> Step:
         positions = batch.positions.to(self.device)
         cos, sin = rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
-        return Step(batch, positions, attention_mask(batch, self.device, self.cfg.sliding_window), cos, sin)
+        return batch_step(batch, positions, self.cfg.sliding_window, cos, sin)
 
     def fixed_step(self, batch: TokenBatch, rows: int) -> Step:
         """The `Step` of a decode batch already on the device, over all `rows` of the cache (kv/batch.Step.fixed):
@@ -175,19 +175,20 @@ class TransformerForward:
         cos, sin = rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
         return Step(batch, positions, rows_mask(positions, rows, self.cfg.sliding_window), cos, sin, fixed=True)
 
-    def forward(self, batch: TokenBatch, cache: Cache, last_only: bool = False) -> torch.Tensor:
-        """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`; with `last_only`, [1, V]
-        for the last token alone (a prompt needs no more, and the output head of a large vocabulary over every
-        prompt token costs as much as a layer or more)."""
+    def forward(self, batch: TokenBatch, cache: Cache, rows: list[int] | None = None) -> torch.Tensor:
+        """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`; with `rows`, [len(rows),
+        V] for those tokens alone (a prompt needs its last token's, and the output head of a large vocabulary over
+        every prompt token costs as much as a layer or more)."""
         if int(batch.positions.max()) >= cache.ctx:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
         if self.graphs is not None and self.graphs.takes(batch, cache):
             logits = self.graphs.run(batch, cache)
             if logits is not None:
-                return logits[-1:] if last_only else logits
+                return logits if rows is None else logits[rows]
         h = self.embed_tokens(batch)
         step = self.step(batch)
-        prefill = batch.tokens.shape[0] > 1 and batch.single_sequence
+        # Several tokens of one sequence (a prompt's chunk, perhaps beside decode tokens): dense matmuls pay off.
+        prefill = not batch.one_per_slot
         if self.native is not None and self.native.takes(h, step, cache, self.ffn):
             call = self.native.begin(step, cache)
             for i in range(self.cfg.layers):
@@ -195,7 +196,7 @@ class TransformerForward:
         else:
             for i in range(self.cfg.layers):
                 h = self.block(i, h, step, cache, prefill)
-        return self.head(h[-1:] if last_only else h)
+        return self.head(h if rows is None else h[rows])
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: Cache, slot: int = 0) -> torch.Tensor:
         return self.forward(TokenBatch.prompt(tokens, start, slot), cache)

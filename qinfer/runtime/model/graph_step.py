@@ -283,9 +283,8 @@ class GraphSteps:
 
     def takes(self, batch: TokenBatch, cache: Cache) -> bool:
         """A decode batch (one token per sequence) over a full cache on the device, with the static split's kernels."""
-        one_each = batch.tokens.shape[0] == 1 or not batch.single_sequence
         on_device = isinstance(cache, KVCache) and cache.k.device == _resolved(self.forward.device)
-        return one_each and on_device and self.runner.in_kernel and self.failed is None
+        return batch.one_per_slot and on_device and self.runner.in_kernel and self.failed is None
 
     def run(self, batch: TokenBatch, cache: Cache) -> torch.Tensor | None:
         """The step's logits on the host; None where its graphs could not be recorded (said once, on stderr), after

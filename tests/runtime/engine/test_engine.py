@@ -1,4 +1,5 @@
-"""The engine: batched decode over slots at different positions equals decoding each prompt alone."""
+"""The engine: batched decode over slots at different positions equals decoding each prompt alone (mixed steps,
+with prompts in chunks: test_mixed_step.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from qinfer.runtime.engine.engine import Engine, Request, StepOutput
 from qinfer.runtime.engine.generate import generate, generate_many
 from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.kv.batch import TokenBatch
+from tests.support.logits_hook import LogitsHook
 
 PROMPTS = ["Once upon a time", "The dog ran fast, and the cat slept.", "Tom said", "One day a little girl named Lily"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -29,24 +31,6 @@ def test_batched_decode_equals_each_prompt_alone(gguf_files: dict[str, Path], ff
     results = generate_many(together, PROMPTS, 20, GREEDY, ignore_eos=True)
     assert [r.tokens for r in results] == expected
     assert len({len(e) for e in expected}) == 1 and len(expected[0]) == 20
-
-
-def test_batched_logits_match_single_sequence_logits(gguf_files: dict[str, Path]) -> None:
-    engine = Engine.open(gguf_files["pi-f32"], slots=2, ctx_size=64, ffn="dense")
-    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
-    slots = [engine.submit(Request(i, 5, GREEDY)) for i in ids]
-    engine.step()  # one batched decode forward at two different positions
-    single = Engine.open(gguf_files["pi-f32"], ctx_size=64, ffn="dense")
-    for slot, prompt_ids in zip(slots, ids, strict=True):
-        token = int(engine._active[slot].logits.argmax())  # noqa: SLF001 - what the next step would sample
-        single.submit(Request(prompt_ids, 5, GREEDY))
-        first = single.step()[0].token
-        assert first is not None
-        with torch.inference_mode():
-            alone = single.forward(torch.tensor([first]), len(prompt_ids), single.cache)[0]
-        assert torch.allclose(engine._active[slot].logits, alone, atol=1e-4)  # noqa: SLF001
-        assert token == int(alone.argmax())
-        single.cancel(0)
 
 
 def test_slots_fill_free_and_finish(gguf_files: dict[str, Path]) -> None:
@@ -78,10 +62,10 @@ def test_eos_stops_a_sequence_unless_ignored(gguf_files: dict[str, Path]) -> Non
     engine = Engine.open(gguf_files["pi-f32"], ctx_size=64)
     eos = engine.tokenizer.eos_id
     assert eos is not None
+    eos_first = LogitsHook(lambda logits: logits.index_fill(0, torch.tensor([eos]), 1e9))
     for ignore, expected in ((False, StepOutput(0, None, True, "stop")), (True, StepOutput(0, eos, False, None))):
-        slot = engine.submit(Request(engine.tokenizer.encode(PROMPTS[0]), 10, GREEDY, ignore_eos=ignore))
-        seq = engine._active[slot]  # noqa: SLF001 - make EOS the greedy choice
-        seq.logits = seq.logits.clone().index_fill_(0, torch.tensor([eos]), 1e9)
+        request = Request(engine.tokenizer.encode(PROMPTS[0]), 10, GREEDY, ignore_eos=ignore, constraint=eos_first)  # type: ignore[arg-type]
+        slot = engine.submit(request)
         assert engine.step() == [expected]
         engine.cancel(slot)
 
@@ -93,6 +77,6 @@ def test_a_prompt_computes_the_head_for_its_last_token_alone(gguf_files: dict[st
     ids = torch.tensor(engine.tokenizer.encode(PROMPTS[1]))
     with torch.inference_mode():
         full = engine.forward.forward(TokenBatch.prompt(ids, 0), engine.cache)
-        last = engine.forward.forward(TokenBatch.prompt(ids, 0), engine.cache, last_only=True)
+        last = engine.forward.forward(TokenBatch.prompt(ids, 0), engine.cache, [len(ids) - 1])
     assert last.shape == (1, full.shape[1])
     assert (last[0] - full[-1]).abs().max() <= 1e-5 * full[-1].abs().max()

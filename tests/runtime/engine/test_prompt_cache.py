@@ -16,18 +16,20 @@ from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.engine.worker import EngineWorker
 from qinfer.runtime.server.app import create_app
 from qinfer.runtime.server.thread import serve_in_thread
+from tests.support.logits_hook import LogitsHook
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
 
 
 def run(engine: Engine, ids: list[int], n: int) -> tuple[int, int, list[int], torch.Tensor]:
     """The slot taken, the prompt tokens reused there, the n greedy tokens, and the first step's logits."""
-    slot = engine.submit(Request(ids, n, GREEDY, ignore_eos=True))
-    reused, first = engine.reused_tokens(slot), engine._active[slot].logits.clone()
+    seen = LogitsHook()
+    slot = engine.submit(Request(ids, n, GREEDY, ignore_eos=True, constraint=seen))  # type: ignore[arg-type]
+    reused = engine.reused_tokens(slot)
     tokens: list[int] = []
     while slot in engine.active_slots():
         tokens += [out.token for out in engine.step() if out.slot == slot and out.token is not None]
-    return slot, reused, tokens, first
+    return slot, reused, tokens, seen.seen[0]
 
 
 @pytest.mark.parametrize("ffn", ["dense", "sparse"])

@@ -34,6 +34,7 @@ from qinfer.runtime.engine.worker import EngineWorker
 from qinfer.runtime.server.app import DEFAULT_OPTIONS, ServerOptions, create_app
 from qinfer.runtime.server.thread import serve_in_thread
 from tests.runtime.server.test_server import CTX, GREEDY, PROMPTS, _expected, _wait_for
+from tests.support.logits_hook import LogitsHook
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -340,9 +341,9 @@ def test_a_sampling_failure_fails_its_own_request_alone(
 def test_nan_logits_end_only_their_own_sequence(model: Path, reference: Engine) -> None:
     engine = Engine.open(model, slots=2, ctx_size=CTX)
     engine.submit(Request(engine.tokenizer.encode(PROMPTS[0]), 8, GREEDY, ignore_eos=True))
-    bad = engine.submit(Request(engine.tokenizer.encode(PROMPTS[1]), 8, SamplingParams(1.0, 0, 1.0), ignore_eos=True))
-    seq = engine._active[bad]  # noqa: SLF001 - what a numerically broken forward would leave
-    seq.logits = torch.full_like(seq.logits, float("nan"))
+    broken = LogitsHook(lambda logits: torch.full_like(logits, float("nan")))  # what a broken forward would give
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    bad = engine.submit(Request(ids, 8, SamplingParams(1.0, 0, 1.0), ignore_eos=True, constraint=broken))  # type: ignore[arg-type]
     tokens: list[int] = []
     failed = []
     while engine.active_slots():

@@ -1,0 +1,159 @@
+"""Mixed steps: one forward carries running sequences' decode tokens and chunks of a prompt, each token at its
+own slot and position, with the logits of each sequence run alone; the engine's steps keep every running stream
+going while a long prompt is computed a budget's worth at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qinfer.core.kv_policy import F32_KV, KVPolicy
+from qinfer.runtime.engine.engine import Engine, Request
+from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.kv.batch import TokenBatch
+
+GREEDY = SamplingParams(temperature=0.0)
+RUNNING = ["Once upon a time", "The dog ran fast, and the cat slept."]
+LONG = "One day a little girl named Lily found a red ball in the park. She wanted to play with it, so she ran home."
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return bool((got - expected).abs().max() <= 1e-5 * expected.abs().max())
+
+
+def open_engine(path: Path, slots: int, policy: KVPolicy | None = None, ffn: str = "dense") -> Engine:
+    return Engine.open(path, slots=slots, ctx_size=128, ffn=ffn, kv_types=F32_KV, kv_policy=policy)
+
+
+def mixed_equals_alone(path: Path, policy: KVPolicy | None = None, ffn: str = "dense") -> None:
+    """Two sequences decode three tokens while a third's prompt goes in three chunks beside them: every decode
+    token's logits, and the prompt's last token's, equal those of each sequence computed alone."""
+    engine = open_engine(path, 3, policy, ffn)
+    forward, encode = engine.forward.forward, engine.tokenizer.encode
+    running = [encode(p) for p in RUNNING]
+    long = encode(LONG)
+    cuts = [0, len(long) // 3, 2 * len(long) // 3, len(long)]
+    decoded: list[list[torch.Tensor]] = [[], []]
+    with torch.inference_mode():
+        fed = []
+        for slot, ids in enumerate(running):
+            last = forward(TokenBatch.prompt(torch.tensor(ids), 0, slot), engine.cache, [len(ids) - 1])
+            fed.append([int(last.argmax())])
+        for j in range(3):
+            decode = TokenBatch.decode([f[-1] for f in fed], [len(ids) + j for ids in running], [0, 1])
+            chunk = TokenBatch.prompt(torch.tensor(long[cuts[j] : cuts[j + 1]]), cuts[j], 2)
+            rows = [0, 1] + ([1 + cuts[3] - cuts[2]] if j == 2 else [])
+            logits = forward(TokenBatch.join([decode, chunk]), engine.cache, rows)
+            assert logits.shape[0] == len(rows)
+            for s in range(2):
+                decoded[s].append(logits[s])
+                fed[s].append(int(logits[s].argmax()))
+        prompt_last = logits[2]
+
+        alone = open_engine(path, 1, policy, ffn)
+        for s, ids in enumerate(running):
+            alone.forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), alone.cache)
+            for j in range(3):
+                step = alone.forward.forward(TokenBatch.decode([fed[s][j]], [len(ids) + j], [0]), alone.cache)[0]
+                assert close(decoded[s][j], step), (s, j)
+        whole = alone.forward.forward(TokenBatch.prompt(torch.tensor(long), 0), alone.cache, [len(long) - 1])[0]
+    assert close(prompt_last, whole)
+
+
+def test_a_mixed_step_gives_each_sequence_its_own_logits(gguf_files: dict[str, Path]) -> None:
+    mixed_equals_alone(gguf_files["pi-f32"])
+
+
+def test_a_mixed_step_through_the_window_cache(gguf_files: dict[str, Path]) -> None:
+    # Rows enough for every token: what the window keeps depends on no chunking, only on when it evicts.
+    mixed_equals_alone(gguf_files["pi-f32"], KVPolicy("window", 1.0))
+
+
+def test_a_mixed_step_of_a_mixture_of_experts(moe: dict[str, dict[str, Path]]) -> None:
+    mixed_equals_alone(next(iter(moe.values()))["dense-f32"], ffn="auto")
+
+
+def test_a_batch_splits_into_chunks_and_runs_of_single_tokens() -> None:
+    batch = TokenBatch.join(
+        [
+            TokenBatch.decode([1, 2], [5, 9], [0, 3]),
+            TokenBatch.prompt(torch.tensor([4, 5, 6]), 0, 1),
+            TokenBatch.prompt(torch.tensor([7]), 2, 2),
+            TokenBatch.prompt(torch.tensor([8, 9]), 4, 4),
+        ]
+    )
+    assert batch.parts() == [(0, 2), (2, 5), (5, 6), (6, 8)]
+    assert TokenBatch.decode([1, 2], [5, 9], [0, 3]).parts() == [(0, 2)]
+    assert not batch.one_per_slot and TokenBatch.decode([1, 2], [5, 9], [0, 3]).one_per_slot
+
+
+def record_batches(engine: Engine) -> list[TokenBatch]:
+    batches: list[TokenBatch] = []
+    forward = engine.forward.forward
+
+    def recording(batch: TokenBatch, cache, rows=None):  # type: ignore[no-untyped-def]
+        batches.append(batch)
+        return forward(batch, cache, rows)
+
+    engine.forward.forward = recording  # type: ignore[method-assign]
+    return batches
+
+
+def greedy(engine: Engine, ids: list[int], n: int) -> list[int]:
+    slot = engine.submit(Request(ids, n, GREEDY, ignore_eos=True))
+    tokens = []
+    while slot in engine.active_slots():
+        tokens += [out.token for out in engine.step() if out.token is not None]
+    return tokens
+
+
+def test_running_streams_flow_while_a_long_prompt_goes_in_chunks(gguf_files: dict[str, Path]) -> None:
+    budget = 8
+    engine = open_engine(gguf_files["pi-f32"], 3)
+    engine.prefill_chunk = budget
+    encode = engine.tokenizer.encode
+    batches = record_batches(engine)
+    slots = [engine.submit(Request(encode(p), 40, GREEDY, ignore_eos=True)) for p in RUNNING]
+    tokens: dict[int, list[int]] = {}
+
+    def step() -> set[int]:
+        outs = engine.step()
+        for out in outs:
+            tokens.setdefault(out.slot, []).append(out.token)  # type: ignore[arg-type]
+        return {out.slot for out in outs}
+
+    while not all(s in tokens for s in slots):
+        step()
+    long = encode(LONG)
+    c = engine.submit(Request(long, 5, GREEDY, ignore_eos=True))
+    first, prefill_steps = len(batches), 0
+    while c not in tokens:
+        assert step() >= set(slots)  # every running stream got its token
+        prefill_steps += 1
+    assert prefill_steps == -(-len(long) // budget)
+    chunks = [int((b.slots == c).sum()) for b in batches[first:]]
+    assert chunks == [min(budget, len(long) - j * budget) for j in range(prefill_steps)]
+    # Each step: the running sequences' tokens, one each, and at most `budget` prompt tokens beside them.
+    assert all(b.tokens.numel() <= budget + len(slots) for b in batches)
+    while engine.active_slots():
+        step()
+    alone = open_engine(gguf_files["pi-f32"], 1)  # each prompt whole, in one step
+    assert tokens[slots[0]] == greedy(alone, encode(RUNNING[0]), 40)
+    assert tokens[slots[1]] == greedy(alone, encode(RUNNING[1]), 40)
+    assert tokens[c] == greedy(alone, long, 5)
+
+
+def test_a_prompt_cancelled_mid_prefill_frees_its_slot_and_keeps_its_rows(gguf_files: dict[str, Path]) -> None:
+    engine = open_engine(gguf_files["pi-f32"], 1)
+    engine.prefill_chunk = 8
+    long = engine.tokenizer.encode(LONG)
+    slot = engine.submit(Request(long, 4, GREEDY, ignore_eos=True))
+    assert engine.step() == [] and engine.step() == []  # two chunks in, no token yet
+    engine.cancel(slot)
+    assert engine.free_slots() == 1 and engine.step() == []
+    # The chunks computed before the cancel are the next prompt's reused rows.
+    again = engine.submit(Request(long, 4, GREEDY, ignore_eos=True))
+    assert engine.reused_tokens(again) == 16
+    engine.cancel(again)
+    assert greedy(engine, long, 4) == greedy(open_engine(gguf_files["pi-f32"], 1), long, 4)
