@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/throughput.py [--model 7b-slice] [--quant Q4_0] [--batches 1,4,16,32]
                                          [--positions 128,2048,8192] [--steps 8] [--rounds 3] [-t N]
+                                         [--cache-type f16,q8_0]
                                          [--llama-batched-bench PATH] [--powerinfer-batched-bench PATH]
 
 Two sweeps, on the f16 (and with --quant, the quantized) dense and PowerInfer files of bench/decode.py's models:
@@ -9,14 +10,16 @@ B sequences decoding together at a KV position of the first --positions entry, f
 sequence at each KV position of --positions. Tokens/s is B * steps / the seconds of `steps` decode steps (llama.cpp's
 S_TG), best of --rounds interleaved rounds.
 
-- ours: the runtime's decode forward over B slots of an f16 KV cache (one native call per layer for the batch),
-  --ffn dense on the dense file and --ffn auto (the predictor with the adaptive schedule) on the PowerInfer file.
+- ours: the runtime's decode forward over B slots of a KV cache of each --cache-type (keys and values alike; f16 by
+  default, a comma-separated list for several in the same interleaved rounds), one native call per layer for the
+  batch, --ffn dense on the dense file and --ffn auto (the predictor with the adaptive schedule) on the PowerInfer
+  file.
   The cache rows before the position are filled with random keys and values rather than prefilled: what a step
   costs does not depend on them. Sampling is left out, as the peers leave it out.
 - llama.cpp: `llama-batched-bench` (-ctk f16 -ctv f16, a shared prompt of the position's length) on the dense
-  files; it applies SiLU to a `llama` file, so the speed compares, not the tokens.
+  files, beside our f16 cases; it applies SiLU to a `llama` file, so the speed compares, not the tokens.
 - PowerInfer: the engine's `batched-bench` (built from its source; it runs on every physical core) on the dense and
-  the PowerInfer files.
+  the PowerInfer files, beside our f16 cases.
 - limit: B / (the bytes a step must read: every weight once, dense, plus each sequence's KV rows) * the read
   bandwidth measured at the start. Past a few sequences the products' arithmetic binds instead, which this limit
   leaves out.
@@ -42,15 +45,16 @@ from decode_peers import read_bandwidth
 from rich.console import Console
 from rich.table import Table
 
-from qinfer.core.kv_policy import KVTypes
+from qinfer.core.kv_policy import CACHE_TYPES, Q8_0, KVTypes
 from qinfer.planner.model_layout import ModelLayout, read_model_layout
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache, make_kv_cache
+from qinfer.runtime.kv.q8_rows import quantize_rows
 from qinfer.runtime.model.forward import ModelForward
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 
-F16_CACHE = KVTypes("f16", "f16")  # llama.cpp's default, which the peers get with -ctk/-ctv f16
+PEER_CACHE = "f16"  # llama.cpp's default, which the peers get with -ctk/-ctv f16
 # The engine computes only these weight types (as bench/decode.py finds).
 ENGINE_TYPES = ("F16", "Q4_0")
 
@@ -62,6 +66,7 @@ class Case:
     qtype: str  # the file's weight type
     batch: int
     position: int
+    cache: str = PEER_CACHE  # the KV cache's element type, of keys and values alike
 
 
 Timer = Callable[[], dict[Case, float]]
@@ -73,10 +78,11 @@ def ours(forward: ModelForward, cases: list[Case], steps: int) -> Timer:
     def run() -> dict[Case, float]:
         speeds = {}
         for case in cases:
-            cache = make_kv_cache(forward.cfg, case.position + steps, case.batch, types=F16_CACHE)
+            types = KVTypes(case.cache, case.cache)
+            cache = make_kv_cache(forward.cfg, case.position + steps, case.batch, types=types)
             assert isinstance(cache, KVCache)
-            cache.k.normal_(0.0, 0.5)
-            cache.v.normal_(0.0, 0.5)
+            fill(cache.k, case.cache, forward.cfg.head_dim)
+            fill(cache.v, case.cache, forward.cfg.head_dim)
             tokens = torch.randint(1, forward.cfg.vocab_size, (steps, case.batch)).tolist()
             slots = list(range(case.batch))
             with torch.inference_mode():
@@ -93,6 +99,12 @@ def ours(forward: ModelForward, cases: list[Case], steps: int) -> Timer:
         return speeds
 
     return run
+
+
+def fill(rows: torch.Tensor, name: str, head_dim: int) -> None:
+    """A cache's rows of element type `name` filled with random keys or values, N(0, 0.5)."""
+    values = torch.empty(*rows.shape[:-1], head_dim).normal_(0.0, 0.5)
+    rows.copy_(quantize_rows(values) if name == Q8_0 else values)
 
 
 # A result row of (llama.cpp's and the engine's) batched-bench: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s |
@@ -177,7 +189,8 @@ def step_limit(powerinfer: Path, case: Case, steps: int, bandwidth: float) -> fl
         layer.attention_bytes + layer.ffn_neurons * layer.neuron_bytes for layer in layout.layers
     )
     spec = layout.spec
-    kv = 2 * 2 * spec.layers * spec.kv_heads * spec.head_dim * (case.position + steps / 2) * case.batch
+    row = sum(KVTypes(case.cache, case.cache).row_bytes(spec.head_dim))
+    kv = row * spec.layers * spec.kv_heads * (case.position + steps / 2) * case.batch
     return case.batch * bandwidth / (weights + kv)
 
 
@@ -191,6 +204,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", type=Path, default=Path("work/bench"))
     parser.add_argument("-t", "--threads", type=int, default=0)
+    parser.add_argument("--cache-type", default=PEER_CACHE, help=f"ours' KV cache types, of {', '.join(CACHE_TYPES)}")
     parser.add_argument("--llama-batched-bench", type=Path, help="llama.cpp's llama-batched-bench: adds its column")
     parser.add_argument("--powerinfer-batched-bench", type=Path, help="the engine's batched-bench: adds its column")
     args = parser.parse_args()
@@ -202,6 +216,9 @@ def main() -> None:
     threads = torch.get_num_threads()
     batches = [int(b) for b in args.batches.split(",")]
     positions = [int(p) for p in args.positions.split(",")]
+    caches = args.cache_type.split(",")
+    if any(name not in CACHE_TYPES for name in caches):
+        parser.error(f"--cache-type: use {', '.join(CACHE_TYPES)}")
     console = Console(width=max(Console().width, 170))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")  # fmt: skip
@@ -214,17 +231,18 @@ def main() -> None:
     powerinfer = {qtype: variant.powerinfer for variant, qtype in variants}
     for variant, qtype in variants:
         for kind, path in (("dense", variant.dense), ("sparse", variant.powerinfer)):
-            mine = [Case(path, kind, qtype, b, positions[0]) for b in batches]
-            mine += [Case(path, kind, qtype, 1, p) for p in positions[1:]]
+            shapes = [(b, positions[0]) for b in batches] + [(1, p) for p in positions[1:]]
+            mine = [Case(path, kind, qtype, b, p, cache) for b, p in shapes for cache in caches]
+            theirs = [Case(path, kind, qtype, b, p) for b, p in shapes]
             cases += mine
             forward = load_forward(open_model(path), RuntimeOptions(ffn="dense" if kind == "dense" else "auto"))
             timers[f"ours {path.name}"] = ours(forward.forward, mine, args.steps)
             if args.llama_batched_bench is not None and kind == "dense":
                 command = llama_command(args.llama_batched_bench, path, threads, args.steps)
-                timers[f"llama.cpp {path.name}"] = peer(command, mine, args.steps)
+                timers[f"llama.cpp {path.name}"] = peer(command, theirs, args.steps)
             if args.powerinfer_batched_bench is not None and qtype in ENGINE_TYPES:
                 command = engine_command(args.powerinfer_batched_bench, path, args.steps)
-                timers[f"engine {path.name}"] = peer(command, mine, args.steps)
+                timers[f"engine {path.name}"] = peer(command, theirs, args.steps)
     best: dict[tuple[str, Case], float] = {}
     # Interleaved rounds, best of each: load from other processes on a shared machine only ever slows a run. The table
     # so far is printed after every round, so that a long run gives figures before it ends.
@@ -243,9 +261,9 @@ def results(
     threads: int, rounds: int,
 ) -> Table:  # fmt: skip
     table = Table(
-        title=f"aggregate decode tokens/s ({threads} threads, {steps} steps, f16 KV cache, best of {rounds} rounds)"
+        title=f"aggregate decode tokens/s ({threads} threads, {steps} steps, best of {rounds} rounds)"
     )
-    for column in ("file", "B", "KV pos", "ours", "llama.cpp", "PowerInfer", "limit", "ours/llama.cpp",
+    for column in ("file", "B", "KV pos", "KV type", "ours", "llama.cpp", "PowerInfer", "limit", "ours/llama.cpp",
                    "ours/PowerInfer", "ours/limit", "sparse/dense"):  # fmt: skip
         table.add_column(column, justify="right" if column != "file" else "left", no_wrap=True)
     for case in cases:
@@ -253,11 +271,12 @@ def results(
         llama = best.get(("llama.cpp", case), math.nan)
         engine = best.get(("engine", case), math.nan)
         limit = step_limit(powerinfer[case.qtype], case, steps, bandwidth)
-        dense = next((c for c in cases if c.kind == "dense" and (c.qtype, c.batch, c.position) ==
-                      (case.qtype, case.batch, case.position)), None)  # fmt: skip
+        dense = next((c for c in cases if c.kind == "dense" and (c.qtype, c.batch, c.position, c.cache) ==
+                      (case.qtype, case.batch, case.position, case.cache)), None)  # fmt: skip
         versus_dense = mine / best.get(("ours", dense), math.nan) if case.kind == "sparse" and dense else math.nan
         table.add_row(
-            case.file.name, str(case.batch), str(case.position), *(_cell(v) for v in (mine, llama, engine, limit)),
+            case.file.name, str(case.batch), str(case.position), case.cache,
+            *(_cell(v) for v in (mine, llama, engine, limit)),
             *(_ratio(mine, other) for other in (llama, engine, limit)), _ratio(versus_dense, 1.0),
         )  # fmt: skip
     return table

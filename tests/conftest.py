@@ -22,6 +22,9 @@ from qinfer.runtime.kernels import row_kernels
 
 TINY = SynthShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=512, context=256, predictor_rank=32)
 TINY_STEPS = 60
+# The tiny model with two heads of 32 over one kv head: a q8_0 KV cache needs heads of whole 32-value blocks, and the
+# tiny model's are 16.
+WIDE_HEADS = SynthShape(layers=2, hidden=64, ffn=256, heads=2, kv_heads=1, vocab=512, context=256, predictor_rank=32)
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +43,14 @@ def gguf_files(tiny: SynthReport, tmp_path_factory: pytest.TempPathFactory) -> d
         ).outfile
         files[f"dense-{outtype}"] = convert(tiny.model_dir, out / f"tiny-{outtype}.gguf", None, outtype).outfile
     return files
+
+
+@pytest.fixture(scope="session")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """WIDE_HEADS as an f16 PowerInfer GGUF."""
+    out = tmp_path_factory.mktemp("wide_heads")
+    model = build_synth(out / "synth", WIDE_HEADS, seed=0, train_steps=TINY_STEPS)
+    return convert(model.model_dir, out / "wide.powerinfer.gguf", model.predictor_dir, "f16").outfile
 
 
 @pytest.fixture(scope="session")

@@ -93,13 +93,19 @@ def kv_policy(kind: str, budget: float | None) -> KVPolicy:
 CacheTypeK = Annotated[
     str,
     typer.Option(
-        "-ctk", "--cache-type-k", help="Element type of the KV cache's keys on the CPU: f16 (half the bytes) or f32."
+        "-ctk",
+        "--cache-type-k",
+        help="Element type of the KV cache's keys on the CPU: f16, f32 or q8_0 (34 bytes per 32; head_dim a multiple "
+        "of 32). A GPU's cache is f16.",
     ),
 ]
 CacheTypeV = Annotated[
     str,
     typer.Option(
-        "-ctv", "--cache-type-v", help="Element type of the KV cache's values on the CPU: f16 (half the bytes) or f32."
+        "-ctv",
+        "--cache-type-v",
+        help="Element type of the KV cache's values on the CPU: f16, f32 or q8_0 (34 bytes per 32; head_dim a "
+        "multiple of 32). A GPU's cache is f16.",
     ),
 ]
 
@@ -108,7 +114,7 @@ def kv_types(k: str, v: str) -> KVTypes:
     """The cache types --cache-type-k and --cache-type-v name."""
     for name, hint in ((k, "--cache-type-k"), (v, "--cache-type-v")):
         if name not in CACHE_TYPES:
-            raise typer.BadParameter(f"use {' or '.join(CACHE_TYPES)}", param_hint=hint)
+            raise typer.BadParameter(f"use {', '.join(CACHE_TYPES)}", param_hint=hint)
     return KVTypes(k, v)
 
 

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from qinfer.core.errors import UserError
 from qinfer.core.model_spec import ModelSpec
 
@@ -113,18 +115,41 @@ def parse_kv_budget(text: str) -> float:
     return number
 
 
-# The element types a CPU KV cache may hold, by llama.cpp's names (--cache-type-k/-v).
-CACHE_TYPES = ("f16", "f32")
+# The element types a CPU KV cache may hold, by llama.cpp's names (--cache-type-k/-v), each as (values per block,
+# bytes per block). q8_0 is llama.cpp's Q8_0 (gguf's table): blocks of 32 values, each an f16 scale d = max|x| / 127
+# and 32 int8 q = round(x / d), so a row of head_dim values is head_dim / 32 blocks.
+CACHE_TYPES: dict[str, tuple[int, int]] = {
+    "f16": (1, 2),
+    "f32": (1, 4),
+    "q8_0": GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0],
+}
+Q8_0 = "q8_0"
 
 
 @dataclass(frozen=True)
 class KVTypes:
     """The element types of a CPU cache's keys and values: f16 by default, as llama.cpp's, which halves what
-    attention reads at a long context; f32 keeps them exactly. A GPU cache is always f16."""
+    attention reads at a long context; f32 keeps them exactly; q8_0 takes 34 bytes per 32 values, about half of
+    f16's, at a rounding of max|x| / 254 per block. A GPU cache is always f16."""
 
     k: str = "f16"
     v: str = "f16"
 
+    def row_bytes(self, head_dim: int) -> tuple[int, int]:
+        """Bytes of one position's key row and value row in one kv head; refused in one line where head_dim is not
+        a whole number of a type's blocks."""
+        sizes = []
+        for name, option in ((self.k, "-ctk"), (self.v, "-ctv")):
+            block, size = CACHE_TYPES[name]
+            if head_dim % block:
+                raise UserError(
+                    f"{option} {name} stores blocks of {block} values, and this model's heads have {head_dim}; "
+                    f"use {option} f16"
+                )
+            sizes.append(head_dim // block * size)
+        return sizes[0], sizes[1]
+
 
 DEFAULT_KV_TYPES = KVTypes()
 F32_KV = KVTypes("f32", "f32")  # exact keys and values: what a comparison with a float32 reference needs
+GPU_KV_TYPES = KVTypes("f16", "f16")  # a GPU cache's, whatever -ctk and -ctv say

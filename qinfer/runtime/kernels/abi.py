@@ -28,6 +28,9 @@ FORMS = {
     "FORM_GATED_SILU": (True, False, "silu"),
 }
 FORM_CODES = {form: code for code, form in enumerate(FORMS.values())}
+# KV-cache element types (qinfer.core.kv_policy.CACHE_TYPES) as the layer step numbers them (C: CACHE_F32, ...).
+CACHE_CODES = {"f32": 0, "f16": 1, "q8_0": 2}
+EMPTY_ROW = -1  # the position of a window cache's row that holds none
 
 
 def form_code(form: FfnForm) -> int:
@@ -62,11 +65,16 @@ class Layer(ctypes.Structure):
         ("down_bias", ptr),
         ("k_cache", ptr),
         ("v_cache", ptr),
+        ("pos_cache", ptr),
+        ("mass_cache", ptr),
         ("gate_threshold", f32),
     ]
 
 
-DIMS = ("hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest", "window", "tokens")
+DIMS = (
+    "hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest", "window", "tokens", "kept", "sinks",
+    "recent",
+)  # fmt: skip
 
 
 class Dims(ctypes.Structure):
@@ -74,12 +82,13 @@ class Dims(ctypes.Structure):
         *((name, i64) for name in DIMS),
         ("eps", f32),
         ("threshold", f32),
+        ("decay", f32),
         ("form", i32),
         ("sparse", i32),
         ("down_rows", i32),
         ("rope_neox", i32),
-        ("k_half", i32),
-        ("v_half", i32),
+        ("k_type", i32),
+        ("v_type", i32),
         ("layer_norm", i32),
         ("parallel", i32),
     ]
@@ -108,7 +117,8 @@ class Fact(ctypes.Structure):
 
 def expected() -> dict[str, int]:
     """Every shared fact under its C name (C's structures are the mirrors' names in lower case)."""
-    facts = {"F16": F16_CODE, "TOKEN_BLOCK": TOKEN_BLOCK}
+    facts = {"F16": F16_CODE, "TOKEN_BLOCK": TOKEN_BLOCK, "EMPTY_ROW": EMPTY_ROW}
+    facts |= {f"CACHE_{name.upper()}": code for name, code in CACHE_CODES.items()}
     for qtype, code in TYPE_CODES.items():
         block, size = GGML_QUANT_SIZES[qtype]
         facts |= {qtype.name: code, "QK": block, f"{qtype.name}_BYTES": size}

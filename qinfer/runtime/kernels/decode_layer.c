@@ -1,7 +1,8 @@
 /* One decode step of one layer (llama, bamboo, qwen2, falcon, opt) for a batch of tokens, one per sequence, in one
  * native call: attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and their biases), rope
- * (where the family has it), the KV-cache write (float or f16), attention of each token over its own sequence's
- * cached positions (the last `window` of them where the model slides one), the output product (and its bias) and
+ * (where the family has it), the KV-cache write (float, f16 or Q8_0 rows), attention of each token over its own
+ * sequence's cached positions (the last `window` of them where the model slides one) or over the rows a window cache
+ * keeps (updating their attention mass and replacing the weakest), the output product (and its bias) and
  * residual, the FFN norm, the predictor (fc1, relu, fc2, threshold), the sparse or dense FFN over the union of the
  * neurons the tokens select (with up's and down's biases where there are), and its residual; or, for a parallel
  * block (falcon), attention and FFN both from the layer's input and added to it together.
@@ -19,10 +20,23 @@
  *
  * The caller (qinfer/runtime/kernels/decode_layer.py) checks every shape against the tensors once, when it builds the
  * layer descriptions; qinfer_decode_layer checks again that the matrices fit the dimensions before reading.
+ *
+ * A Q8_0 cache row (llama.cpp's block_q8_0: an f16 scale d, then 32 int8 q, per 32 values) is written with
+ * quantize_row_q8_0_ref's rounding, the bytes the torch path (qinfer/runtime/kv/q8_rows.py) writes, and read in
+ * place, each block's q widened to float against the float query or the value's weight: attention then computes
+ * what the torch path computes over the dequantized rows, to float rounding. (An integer dot with the query
+ * quantized to Q8_0, as llama.cpp takes, would add the query's own rounding for a gain only once the keys no longer
+ * come from memory.)
  */
 #include <stddef.h>
 
 #include "row_kernels.c"
+
+/* KV-cache element types (qinfer/core/kv_policy.py's names f32, f16, q8_0). */
+#define CACHE_F32 0
+#define CACHE_F16 1
+#define CACHE_Q8_0 2
+#define EMPTY_ROW -1 /* a window cache's row that holds no position */
 
 typedef struct {
     const uint8_t *data;
@@ -37,7 +51,9 @@ typedef struct {
     const float *attn_norm_bias, *ffn_norm_bias; /* a LayerNorm's biases */
     const float *q_bias, *k_bias, *v_bias;       /* NULL where the family has none */
     const float *o_bias, *up_bias, *down_bias;   /* opt's */
-    void *k_cache, *v_cache;               /* this layer's [slots, kv_heads, ctx, head_dim], float or half */
+    void *k_cache, *v_cache; /* this layer's [slots, kv_heads, rows, row]: rows of head_dim in the cache's types */
+    int32_t *pos_cache;      /* a window cache's [slots, kv_heads, kept]: each row's position; NULL: the full cache */
+    float *mass_cache;       /* a window cache's [slots, kv_heads, kept]: each row's decayed attention mass */
     float gate_threshold;                  /* without a predictor: a neuron fires where |act(gate)| exceeds it */
 } layer;
 
@@ -47,13 +63,17 @@ typedef struct {
     int64_t widest;    /* floats the quantized-input scratch holds per token: max(E, F, predictor) */
     int64_t window;    /* a token attends to its last `window` positions; 0: to all of them */
     int64_t tokens;    /* the most tokens one call takes (the scratch holds that many) */
+    int64_t kept;      /* a window cache's rows per slot and kv head (ctx's rows for the full cache: 0) */
+    int64_t sinks;     /* positions below it are a window's sinks, always kept */
+    int64_t recent;    /* a window's last `recent` positions are always kept */
     float eps, threshold;
+    float decay; /* a window row's attention mass is multiplied by it each decode step */
     int32_t form;       /* FORM_GATED, FORM_GATED_RELU_UP, FORM_GATED_SILU or FORM_UP */
     int32_t sparse;     /* 1: the neurons the predictor selects; 0: every neuron whose gate passes its threshold */
     int32_t down_rows;  /* 1: down holds neuron rows [F, E] (PowerInfer); 0: a matrix [E, F] (dense GGUF) */
     int32_t rope_neox;  /* 1: rope rotates x[i] against x[i + d/2]; 0: adjacent pairs */
-    int32_t k_half;     /* 1: the cache holds f16 keys; 0: float */
-    int32_t v_half;     /* 1: the cache holds f16 values; 0: float */
+    int32_t k_type;     /* the cache's keys: CACHE_F32, CACHE_F16 or CACHE_Q8_0 */
+    int32_t v_type;     /* the cache's values, likewise */
     int32_t layer_norm; /* 1: LayerNorm with a bias (falcon); 0: RMSNorm */
     int32_t parallel;   /* 1: attention and FFN both read the layer's input (falcon); 0: the FFN follows attention */
 } dims;
@@ -64,7 +84,7 @@ typedef struct {
     float *q;      /* [heads * head_dim] */
     float *k, *v;  /* [kv_heads * head_dim] */
     float *att;    /* [heads * head_dim] */
-    float *scores; /* [heads * ctx] */
+    float *scores; /* [heads * (ctx + 1)] */
     float *pred;   /* [predictor] */
     float *g;      /* [F] */
     float *out;    /* [E] */
@@ -182,47 +202,163 @@ static uint16_t float_to_half(float f) {
 #endif
 }
 
-/* Row `row` of a cache (half or float) written from floats. */
-static void cache_store(int half, int64_t hd, void *cache, int64_t row, const float *x) {
-    if (half) {
-        uint16_t *out = (uint16_t *)cache + row * hd;
-        for (int64_t i = 0; i < hd; i++) out[i] = float_to_half(x[i]);
+static int64_t cache_row_bytes(int type, int64_t hd) {
+    return type == CACHE_Q8_0 ? hd / QK * Q8_0_BYTES : hd * (type == CACHE_F16 ? 2 : 4);
+}
+
+/* A cache row of head_dim values written from floats x; Q8_0 as quantize_row_q8_0_ref: d = max|x| / 127, then each
+ * x times 1 / d rounded to nearest, halves away from zero (roundf). */
+static void cache_store(int type, int64_t hd, uint8_t *row, const float *x) {
+    if (type == CACHE_Q8_0) {
+        for (int64_t b = 0; b < hd / QK; b++, row += Q8_0_BYTES, x += QK) {
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            uint16_t half = float_to_half(d);
+            row[0] = (uint8_t)(half & 0xff);
+            row[1] = (uint8_t)(half >> 8);
+            for (int i = 0; i < QK; i++) ((int8_t *)row)[2 + i] = (int8_t)roundf(x[i] * id);
+        }
+    } else if (type == CACHE_F16) {
+        for (int64_t i = 0; i < hd; i++) ((uint16_t *)row)[i] = float_to_half(x[i]);
     } else {
-        memcpy((float *)cache + row * hd, x, (size_t)hd * sizeof(float));
+        memcpy(row, x, (size_t)hd * sizeof(float));
     }
+}
+
+/* x . a Q8_0 row: per block, the q widened to float against x, times d. */
+static float dot_q8_row(const uint8_t *row, const float *x, int64_t hd) {
+#if LANES > 1
+    vec acc = vzero();
+    for (int64_t b = 0; b < hd / QK; b++, row += Q8_0_BYTES, x += QK) {
+        const int8_t *q = (const int8_t *)(row + 2);
+        vec part = vzero();
+        for (int i = 0; i < QK; i += LANES) part = vfma(vload(x + i), vload_i8(q + i), part);
+        acc = vfma(vset(block_scale(row)), part, acc);
+    }
+    return vsum(acc);
+#else
+    float s = 0.0f;
+    for (int64_t b = 0; b < hd / QK; b++, row += Q8_0_BYTES, x += QK) {
+        const int8_t *q = (const int8_t *)(row + 2);
+        float part = 0.0f;
+        for (int i = 0; i < QK; i++) part += x[i] * (float)q[i];
+        s += block_scale(row) * part;
+    }
+    return s;
+#endif
+}
+
+/* out += a * a Q8_0 row: per block, (a * d) times the q widened to float. */
+static void axpy_q8_row(float *out, float a, const uint8_t *row, int64_t hd) {
+    for (int64_t b = 0; b < hd / QK; b++, row += Q8_0_BYTES, out += QK) {
+        const int8_t *q = (const int8_t *)(row + 2);
+        float ad = a * block_scale(row);
+        int i = 0;
+#if LANES > 1
+        vec va = vset(ad);
+        for (; i < QK; i += LANES) vstore(out + i, vfma(va, vload_i8(q + i), vload(out + i)));
+#endif
+        for (; i < QK; i++) out[i] += ad * (float)q[i];
+    }
+}
+
+static float cache_dot(int type, const uint8_t *row, const float *q, int64_t hd) {
+    if (type == CACHE_Q8_0) return dot_q8_row(row, q, hd);
+    return type == CACHE_F16 ? dot_f16((const uint16_t *)row, NULL, q, hd) : dot_f32(q, (const float *)row, hd);
+}
+
+static void cache_axpy(int type, float *out, float a, const uint8_t *row, int64_t hd) {
+    if (type == CACHE_Q8_0)
+        axpy_q8_row(out, a, row, hd);
+    else if (type == CACHE_F16)
+        axpy_half(out, a, (const uint16_t *)row, hd);
+    else
+        axpy_f32(out, a, (const float *)row, hd);
 }
 
 /* Query head h of token t attends its kv head's positions up to its own (the last `window` of them); the (token,
  * head) pairs are shared among the threads, dynamically, since tokens at later positions cost more. */
 static void attend(const dims *d, const layer *w, const scratch *s, int64_t tokens, const int64_t *pos,
                    const int64_t *slot) {
-    int64_t hd = d->head_dim, group = d->heads / d->kv_heads, block = d->ctx * hd;
-    size_t k_size = d->k_half ? 2 : 4, v_size = d->v_half ? 2 : 4;
+    int64_t hd = d->head_dim, group = d->heads / d->kv_heads;
+    int64_t k_bytes = cache_row_bytes(d->k_type, hd), v_bytes = cache_row_bytes(d->v_type, hd);
     float scale = 1.0f / sqrtf((float)hd);
 #pragma omp for schedule(dynamic)
     for (int64_t th = 0; th < tokens * d->heads; th++) {
         int64_t t = th / d->heads, h = th % d->heads, last = pos[t];
         int64_t first = d->window > 0 && last - d->window + 1 > 0 ? last - d->window + 1 : 0;
-        int64_t at = (slot[t] * d->kv_heads + h / group) * block;
-        const uint8_t *kc = (const uint8_t *)w->k_cache + at * k_size, *vc = (const uint8_t *)w->v_cache + at * v_size;
+        int64_t at = (slot[t] * d->kv_heads + h / group) * d->ctx;
+        const uint8_t *kc = (const uint8_t *)w->k_cache + at * k_bytes, *vc = (const uint8_t *)w->v_cache + at * v_bytes;
         const float *q = s->q + th * hd;
-        float *sc = s->scores + th * d->ctx, *o = s->att + th * hd, top = -INFINITY, total = 0.0f;
+        float *sc = s->scores + th * (d->ctx + 1), *o = s->att + th * hd, top = -INFINITY, total = 0.0f;
         for (int64_t p = first; p <= last; p++) {
-            const uint8_t *kp = kc + p * hd * k_size;
             /* A slot's rows are consecutive: the stream needs no read-ahead of its own. */
-            float dot = d->k_half ? dot_f16((const uint16_t *)kp, NULL, q, hd) : dot_f32(q, (const float *)kp, hd);
-            sc[p] = dot * scale;
+            sc[p] = cache_dot(d->k_type, kc + p * k_bytes, q, hd) * scale;
             top = fmaxf(top, sc[p]);
         }
         for (int64_t p = first; p <= last; p++) total += sc[p] = expf(sc[p] - top);
         memset(o, 0, (size_t)hd * sizeof(float));
-        for (int64_t p = first; p <= last; p++) {
-            const uint8_t *vp = vc + p * hd * v_size;
-            if (d->v_half)
-                axpy_half(o, sc[p] / total, (const uint16_t *)vp, hd);
-            else
-                axpy_f32(o, sc[p] / total, (const float *)vp, hd);
+        for (int64_t p = first; p <= last; p++) cache_axpy(d->v_type, o, sc[p] / total, vc + p * v_bytes, hd);
+    }
+}
+
+/* A window cache's decode step, as WindowKVCache._attend and _keep compute it for one new token per slot
+ * (qinfer/runtime/kv/window.py): each query head of kv head j attends the rows kept for j whose positions it may see
+ * and the token's own row (not yet stored); every row's mass decays once and gains the probability the group's
+ * heads gave it; then the new row replaces the first of the lowest priority among the kept ones (an empty row,
+ * else the least mass outside the sinks and the recent window). The (token, kv head) pairs are shared among the
+ * threads: each owns its slot's rows of that head, which no other pair reads. A token at position 0 starts a new
+ * sequence: the slot's rows are forgotten first. */
+static void attend_window(const dims *d, const layer *w, const scratch *s, int64_t tokens, const int64_t *pos,
+                          const int64_t *slot) {
+    int64_t hd = d->head_dim, group = d->heads / d->kv_heads, rows = d->kept, kv = d->kv_heads * hd;
+    int64_t k_bytes = cache_row_bytes(d->k_type, hd), v_bytes = cache_row_bytes(d->v_type, hd);
+    float scale = 1.0f / sqrtf((float)hd);
+#pragma omp for schedule(dynamic)
+    for (int64_t tj = 0; tj < tokens * d->kv_heads; tj++) {
+        int64_t t = tj / d->kv_heads, j = tj % d->kv_heads, last = pos[t], at = slot[t] * d->kv_heads + j;
+        uint8_t *kc = (uint8_t *)w->k_cache + at * rows * k_bytes, *vc = (uint8_t *)w->v_cache + at * rows * v_bytes;
+        int32_t *rp = w->pos_cache + at * rows;
+        float *mass = w->mass_cache + at * rows, *scores = s->scores + (t * d->heads + j * group) * (d->ctx + 1);
+        const float *new_k = s->k + t * kv + j * hd, *new_v = s->v + t * kv + j * hd;
+        if (last == 0)
+            for (int64_t r = 0; r < rows; r++) rp[r] = EMPTY_ROW, mass[r] = 0.0f;
+        /* Each head of the group: its probabilities over rows 0..rows-1 and the new row (at `rows`), and its output. */
+        for (int64_t g = 0; g < group; g++) {
+            int64_t th = t * d->heads + j * group + g;
+            const float *q = s->q + th * hd;
+            float *sc = scores + g * (d->ctx + 1), *o = s->att + th * hd, total = 0.0f;
+            float top = sc[rows] = dot_f32(q, new_k, hd) * scale;
+            for (int64_t r = 0; r < rows; r++) {
+                int visible = rp[r] >= 0 && rp[r] <= last;
+                sc[r] = visible ? cache_dot(d->k_type, kc + r * k_bytes, q, hd) * scale : -INFINITY;
+                top = fmaxf(top, sc[r]);
+            }
+            for (int64_t r = 0; r <= rows; r++) total += sc[r] = expf(sc[r] - top);
+            memset(o, 0, (size_t)hd * sizeof(float));
+            for (int64_t r = 0; r < rows; r++) {
+                sc[r] /= total;
+                if (sc[r] != 0.0f) cache_axpy(d->v_type, o, sc[r], vc + r * v_bytes, hd);
+            }
+            sc[rows] /= total;
+            axpy_f32(o, sc[rows], new_v, hd);
         }
+        /* The group's probabilities are summed before they join the decayed mass, in the torch path's order. */
+        float low = INFINITY, new_mass = 0.0f;
+        int64_t victim = 0;
+        for (int64_t g = 0; g < group; g++) new_mass += scores[g * (d->ctx + 1) + rows];
+        for (int64_t r = 0; r < rows; r++) {
+            float received = 0.0f;
+            for (int64_t g = 0; g < group; g++) received += scores[g * (d->ctx + 1) + r];
+            mass[r] = mass[r] * d->decay + received;
+            float priority = rp[r] < 0 ? -INFINITY : rp[r] < d->sinks || rp[r] > last - d->recent ? INFINITY : mass[r];
+            if (r == 0 || priority < low) low = priority, victim = r;
+        }
+        cache_store(d->k_type, hd, kc + victim * k_bytes, new_k);
+        cache_store(d->v_type, hd, vc + victim * v_bytes, new_v);
+        rp[victim] = (int32_t)last;
+        mass[victim] = new_mass;
     }
 }
 
@@ -300,12 +436,18 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
                       !matrix_fits(&w->fc2, f, rank)))
         return -1;
     if (e > d->widest || f > d->widest || heads > d->widest || (d->sparse && rank > d->widest)) return -1;
+    for (int i = 0; i < 2; i++) {
+        int type = i ? d->v_type : d->k_type;
+        if ((type != CACHE_F32 && type != CACHE_F16 && type != CACHE_Q8_0) || (type == CACHE_Q8_0 && hd % QK))
+            return -1;
+    }
+    if (w->pos_cache && (!w->mass_cache || d->kept < 1 || d->kept > d->ctx)) return -1;
     for (int64_t t = 0; t < tokens; t++) {
         if (pos[t] < 0 || pos[t] >= d->ctx || slot[t] < 0 || slot[t] >= slots) return -3;
         for (int64_t u = 0; u < t; u++)
             if (slot[u] == slot[t]) return -3;
     }
-    int64_t count = f, block = d->ctx * hd;
+    int64_t count = f;
     /* One quantized input serves every quantized matrix that reads it; F16 rows read the float input. */
     int qkv_type = quantized(w->q.type) ? w->q.type : quantized(w->k.type) ? w->k.type : w->v.type;
     /* A gated form's first product is the gate's, relu(up)'s is up's: a neuron fires where it passes. */
@@ -331,13 +473,17 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
                 rope(q, d->heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
                 rope(k, d->kv_heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
             }
-            for (int64_t j = 0; j < d->kv_heads; j++) {
-                int64_t row = (slot[t] * d->kv_heads + j) * block / hd + pos[t];
-                cache_store(d->k_half, hd, w->k_cache, row, k + j * hd);
-                cache_store(d->v_half, hd, w->v_cache, row, v + j * hd);
+            /* A window cache stores the row where attention leaves room for it (attend_window). */
+            for (int64_t j = 0; j < (w->pos_cache ? 0 : d->kv_heads); j++) {
+                int64_t row = (slot[t] * d->kv_heads + j) * d->ctx + pos[t];
+                cache_store(d->k_type, hd, (uint8_t *)w->k_cache + row * cache_row_bytes(d->k_type, hd), k + j * hd);
+                cache_store(d->v_type, hd, (uint8_t *)w->v_cache + row * cache_row_bytes(d->v_type, hd), v + j * hd);
             }
         }
-        attend(d, w, s, tokens, pos, slot);
+        if (w->pos_cache)
+            attend_window(d, w, s, tokens, pos, slot);
+        else
+            attend(d, w, s, tokens, pos, slot);
         quantize_input(w->o.type, s->att, tokens, heads, s, &a);
         product(&w->o, s->att, &a, tokens, s->out);
 #pragma omp for schedule(static)
@@ -445,7 +591,7 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
 void qinfer_scratch_sizes(const dims *d, int64_t out[14]) {
     int64_t heads = d->heads * d->head_dim, kv = d->kv_heads * d->head_dim, blocks = d->widest / QK + 1;
     int64_t b = d->tokens, rank = d->predictor > 0 ? d->predictor : 1;
-    int64_t sizes[14] = {b * d->hidden, b * heads, b * kv, b * kv, b * heads, b * d->heads * d->ctx, b * rank,
+    int64_t sizes[14] = {b * d->hidden, b * heads, b * kv, b * kv, b * heads, b * d->heads * (d->ctx + 1), b * rank,
                          b * d->ffn, b * d->hidden, b * d->hidden, d->ffn, b * d->widest, b * blocks, b * blocks};
     memcpy(out, sizes, sizeof sizes);
 }
@@ -466,18 +612,20 @@ typedef struct {
 static const abi_fact abi_facts[] = {
     FACT(F16), FACT(Q4_0), FACT(Q8_0), FACT(QK), FACT(Q4_0_BYTES), FACT(Q8_0_BYTES),
     FACT(FORM_GATED), FACT(FORM_GATED_RELU_UP), FACT(FORM_UP), FACT(FORM_GATED_SILU), FACT(TOKEN_BLOCK),
+    FACT(CACHE_F32), FACT(CACHE_F16), FACT(CACHE_Q8_0), FACT(EMPTY_ROW),
     SIZE(matrix), FIELD(matrix, data), FIELD(matrix, stride), FIELD(matrix, type), FIELD(matrix, rows),
     FIELD(matrix, cols),
     SIZE(layer), FIELD(layer, q), FIELD(layer, k), FIELD(layer, v), FIELD(layer, o), FIELD(layer, gate),
     FIELD(layer, up), FIELD(layer, down), FIELD(layer, fc1), FIELD(layer, fc2), FIELD(layer, attn_norm),
     FIELD(layer, ffn_norm), FIELD(layer, attn_norm_bias), FIELD(layer, ffn_norm_bias), FIELD(layer, q_bias),
     FIELD(layer, k_bias), FIELD(layer, v_bias), FIELD(layer, o_bias), FIELD(layer, up_bias), FIELD(layer, down_bias),
-    FIELD(layer, k_cache), FIELD(layer, v_cache), FIELD(layer, gate_threshold),
+    FIELD(layer, k_cache), FIELD(layer, v_cache), FIELD(layer, pos_cache), FIELD(layer, mass_cache),
+    FIELD(layer, gate_threshold),
     SIZE(dims), FIELD(dims, hidden), FIELD(dims, heads), FIELD(dims, kv_heads), FIELD(dims, head_dim),
     FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, window),
-    FIELD(dims, tokens),
-    FIELD(dims, eps), FIELD(dims, threshold), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
-    FIELD(dims, rope_neox), FIELD(dims, k_half), FIELD(dims, v_half), FIELD(dims, layer_norm), FIELD(dims, parallel),
+    FIELD(dims, tokens), FIELD(dims, kept), FIELD(dims, sinks), FIELD(dims, recent),
+    FIELD(dims, eps), FIELD(dims, threshold), FIELD(dims, decay), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
+    FIELD(dims, rope_neox), FIELD(dims, k_type), FIELD(dims, v_type), FIELD(dims, layer_norm), FIELD(dims, parallel),
     SIZE(scratch), FIELD(scratch, x), FIELD(scratch, q), FIELD(scratch, k), FIELD(scratch, v),
     FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out),
     FIELD(scratch, held),

@@ -4,9 +4,10 @@ sequences, each in its own slot of the KV cache.
 `DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
 rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
 made in between. It applies to llama, bamboo, qwen2, falcon and opt files whose matrices are F16, Q4_0 or Q8_0 rows,
-with a dense FFN, the predictor's sparse one or a calibrated gate's, and a full KV cache on the CPU in float32 or
-f16; everything else (prompts, the window cache, the GPU split, the oracle) keeps the torch path, which computes
-the same layer.
+with a dense FFN, the predictor's sparse one or a calibrated gate's, and a KV cache on the CPU: the full one in
+float32, f16 or q8_0 (each of K and V), or the window cache, whose kept rows the kernel attends, weighs and replaces
+as kv/window.py does; everything else (prompts, the GPU split, the oracle) keeps the torch path, which computes the
+same layer.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
 from qinfer.core.architectures import FfnForm, architecture
 from qinfer.core.errors import UserError
+from qinfer.core.kv_policy import KVSplit, KVTypes
 from qinfer.core.model_spec import ModelSpec
 from qinfer.runtime.kernels import row_kernels
-from qinfer.runtime.kernels.abi import SCRATCH, Dims, Layer, Matrix, Scratch, form_code
+from qinfer.runtime.kernels.abi import CACHE_CODES, SCRATCH, Dims, Layer, Matrix, Scratch, form_code
 from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
 
 
@@ -104,18 +106,26 @@ class StepRows(Protocol):
     def sin(self) -> torch.Tensor | None: ...
 
 
-# The cache types the kernel reads and writes (decode_layer.c's k_half and v_half).
-KV_TYPES = (torch.float32, torch.float16)
-
-
 class CacheRows(Protocol):
-    """A KV cache (kv/cache.py): K and V as [layers, slots, kv_heads, rows, head_dim]; `rows_by_position` where row
-    p of a slot holds position p, the layout the kernel writes and reads."""
+    """A KV cache (kv/cache.py): K and V as [layers, slots, kv_heads, rows, row] in the element types `types`;
+    `rows_by_position` where row p of a slot holds position p (the full cache), else a window cache (WindowRows)."""
 
     k: torch.Tensor
     v: torch.Tensor
     ctx: int
     rows_by_position: bool
+    types: KVTypes
+
+
+class WindowRows(CacheRows, Protocol):
+    """A window cache (kv/window.py): `rows` rows per layer, slot and kv head, each row's position and attention
+    mass [layers, slots, kv_heads, rows], which a decode step multiplies by `decay`."""
+
+    pos: torch.Tensor
+    mass: torch.Tensor
+    rows: int
+    split: KVSplit
+    decay: float
 
 
 def _matrix(weight: object) -> Matrix | None:
@@ -224,10 +234,9 @@ class DecodeLayers:
             and h.device.type == "cpu"
             and h.dtype == torch.float32
             and h.is_contiguous()
-            and cache.rows_by_position
             and cache.k.device.type == "cpu"
-            and cache.k.dtype in KV_TYPES
-            and cache.v.dtype in KV_TYPES
+            and cache.types.k in CACHE_CODES
+            and cache.types.v in CACHE_CODES
             and (step.cos is not None) == (self.cfg.rope_dim > 0)
             and bool(((slots >= 0) & (slots < cache.k.shape[1])).all())
             and (h.shape[0] == 1 or slots.unique().numel() == h.shape[0])
@@ -253,7 +262,12 @@ class DecodeLayers:
         n = step.batch.slots.shape[0]
         if cache.ctx != self.dims.ctx or n > self.dims.tokens:
             self._scratch_for(cache.ctx, max(n, self.dims.tokens))
-        self.dims.k_half, self.dims.v_half = int(cache.k.dtype == torch.float16), int(cache.v.dtype == torch.float16)
+        self.dims.k_type, self.dims.v_type = CACHE_CODES[cache.types.k], CACHE_CODES[cache.types.v]
+        window = None if cache.rows_by_position else cast(WindowRows, cache)
+        self.dims.kept = 0 if window is None else window.rows
+        self.dims.sinks = 0 if window is None else window.split.sinks
+        self.dims.recent = 0 if window is None else window.split.recent
+        self.dims.decay = 1.0 if window is None else window.decay
         return NativeStep(
             step.batch.slots.to(torch.int64).contiguous(),
             step.batch.positions.to(torch.int64).contiguous(),
@@ -270,9 +284,12 @@ class DecodeLayers:
             self.dims.threshold = selected[1]
             self.dims.sparse = int(self.schedule is None or self.schedule.sparse(i, tokens))
         layer = self.layers[i]
-        # The cache is [layers, slots, kv_heads, ctx, head_dim]: this layer's block.
+        # The cache is [layers, slots, kv_heads, rows, row]: this layer's block.
         layer.k_cache = cache.k[i].data_ptr()
         layer.v_cache = cache.v[i].data_ptr()
+        window = None if cache.rows_by_position else cast(WindowRows, cache)
+        layer.pos_cache = None if window is None else window.pos[i].data_ptr()
+        layer.mass_cache = None if window is None else window.mass[i].data_ptr()
         status = row_kernels.kernel().qinfer_decode_layer(  # type: ignore[union-attr]
             ctypes.addressof(layer), ctypes.addressof(self.dims), ctypes.addressof(self._scratch), h.data_ptr(),
             tokens, call.positions.data_ptr(), call.slots.data_ptr(), cache.k.shape[1],

@@ -9,24 +9,26 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
+from qinfer.core.kv_policy import DEFAULT_KV_TYPES, F32_KV, GPU_KV_TYPES, Q8_0, KVPolicy, KVTypes
 from qinfer.core.model_spec import ModelSpec
 from qinfer.runtime.kv.batch import Step, attend_by_part
+from qinfer.runtime.kv.q8_rows import dequantize_rows, quantize_rows
 from qinfer.runtime.kv.window import WindowKVCache
 
-# The torch type of each cache element type (qinfer.core.kv_policy.CACHE_TYPES).
-DTYPES = {"f16": torch.float16, "f32": torch.float32}
+# The torch type each cache element type (qinfer.core.kv_policy.CACHE_TYPES) is held in: a q8_0 row is its blocks'
+# bytes (q8_rows.py).
+DTYPES = {"f16": torch.float16, "f32": torch.float32, Q8_0: torch.uint8}
 
 
-def cache_dtypes(types: KVTypes, device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
-    """K's and V's torch types: the ones `types` names on the CPU; f16 on a GPU (what the planner budgets for)."""
-    if torch.device(device).type != "cpu":
-        return torch.float16, torch.float16
-    return DTYPES[types.k], DTYPES[types.v]
+def cache_types(types: KVTypes, device: torch.device | str) -> KVTypes:
+    """The types a cache on `device` holds: the ones `types` names on the CPU; f16 on a GPU (what the planner
+    budgets for), whatever -ctk and -ctv say."""
+    return types if torch.device(device).type == "cpu" else GPU_KV_TYPES
 
 
 class KVCache:
-    """K and V per layer and slot: [layers, slots, kv_heads, ctx, head_dim], in the types `types` gives."""
+    """K and V per layer and slot: [layers, slots, kv_heads, ctx, row], a row being head_dim elements of f16 or f32,
+    or the bytes of head_dim / 32 Q8_0 blocks, as `types` gives."""
 
     rows_by_position = True  # row p of a slot holds position p (the window cache's rows hold any position)
 
@@ -38,10 +40,12 @@ class KVCache:
         device: torch.device | str = "cpu",
         types: KVTypes = DEFAULT_KV_TYPES,
     ):
-        shape = (cfg.layers, slots, cfg.kv_heads, ctx, cfg.head_dim)
-        k_type, v_type = cache_dtypes(types, device)
-        self.k = torch.zeros(shape, device=device, dtype=k_type)
-        self.v = torch.zeros(shape, device=device, dtype=v_type)
+        self.types = cache_types(types, device)
+        shape = (cfg.layers, slots, cfg.kv_heads, ctx)
+        k_bytes, v_bytes = self.types.row_bytes(cfg.head_dim)
+        k_type, v_type = DTYPES[self.types.k], DTYPES[self.types.v]
+        self.k = torch.zeros((*shape, k_bytes // k_type.itemsize), device=device, dtype=k_type)
+        self.v = torch.zeros((*shape, v_bytes // v_type.itemsize), device=device, dtype=v_type)
         self.ctx = ctx
 
     @property
@@ -58,31 +62,41 @@ class KVCache:
             slot, start = int(batch.slots[0]), int(batch.positions[0])
             end = start + n
             # A slice write: no index tensors to build or move for the one sequence's consecutive positions.
-            self.k[layer, slot, :, start:end] = k.transpose(0, 1)
-            self.v[layer, slot, :, start:end] = v.transpose(0, 1)
+            self.k[layer, slot, :, start:end] = _stored(self.types.k, k.transpose(0, 1), self.k.dtype)
+            self.v[layer, slot, :, start:end] = _stored(self.types.v, v.transpose(0, 1), self.v.dtype)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1),
-                self.k[layer, slot, :, :end].to(q.dtype),
-                self.v[layer, slot, :, :end].to(q.dtype),
+                _read(self.types.k, self.k[layer, slot, :, :end], q.dtype),
+                _read(self.types.v, self.v[layer, slot, :, :end], q.dtype),
                 attn_mask=step.mask,
                 enable_gqa=True,
             ).transpose(0, 1)
         else:
             slots = batch.slots.to(self.k.device)
-            self.k[layer, slots, :, step.positions] = k.to(self.k.dtype)
-            self.v[layer, slots, :, step.positions] = v.to(self.v.dtype)
+            self.k[layer, slots, :, step.positions] = _stored(self.types.k, k, self.k.dtype)
+            self.v[layer, slots, :, step.positions] = _stored(self.types.v, v, self.v.dtype)
             # A fixed step reads every row (its mask hides the ones past each position): no value reaches the host.
             end = self.ctx if step.fixed else int(batch.positions.max()) + 1
             assert step.mask is not None
             # Rows past a sequence's position may hold an earlier sequence's values, an f16 overflow's inf among
             # them, which the mask's -inf alone would turn into NaN: zeroed where the mask hides them.
             seen = step.mask.transpose(-1, -2)
-            keys = self.k[layer, slots, :, :end].to(q.dtype).where(seen, 0.0)
-            values = self.v[layer, slots, :, :end].to(q.dtype).where(seen, 0.0)
+            keys = _read(self.types.k, self.k[layer, slots, :, :end], q.dtype).where(seen, 0.0)
+            values = _read(self.types.v, self.v[layer, slots, :, :end], q.dtype).where(seen, 0.0)
             out = F.scaled_dot_product_attention(
                 q[:, :, None], keys, values, attn_mask=step.mask, enable_gqa=True
             )[:, :, 0]
         return out.reshape(n, -1)
+
+
+def _stored(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows x [..., head_dim] as a cache of element type `name` holds them."""
+    return quantize_rows(x) if name == Q8_0 else x.to(dtype)
+
+
+def _read(name: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A cache's rows of element type `name` as `dtype` [..., head_dim]."""
+    return (dequantize_rows(rows) if name == Q8_0 else rows).to(dtype)
 
 
 Cache = KVCache | WindowKVCache
@@ -97,7 +111,7 @@ def non_finite_cause(cache: Cache, slot: int, positions: int) -> str:
     if not any(t.dtype == torch.float16 and bool(torch.isinf(t).any()) for t in rows):
         return "the model's weights are damaged; re-convert it"
     if cache.k.device.type != "cpu":
-        # cache_dtypes: the GPU's cache is f16 whatever -ctk and -ctv say.
+        # cache_types: the GPU's cache is f16 whatever -ctk and -ctv say.
         return (
             "keys or values beyond f16's range overflowed the GPU's KV cache, which is always f16; run without "
             "--vram-budget and with -ctk f32 -ctv f32"
@@ -126,9 +140,8 @@ def make_kv_cache(
     lower = "lower the sequences (--parallel, --slots) or --ctx-size"
     if torch.device(device).type == "cpu":
         # A window's positions and masses are a few bytes a row more.
-        k_type, v_type = (torch.float32, torch.float32) if window is not None else cache_dtypes(types, device)
-        element = k_type.itemsize + v_type.itemsize
-        needed, free = cfg.layers * slots * cfg.kv_heads * rows * cfg.head_dim * element, _host_memory()
+        row = sum((F32_KV if window is not None else types).row_bytes(cfg.head_dim))
+        needed, free = cfg.layers * slots * cfg.kv_heads * rows * row, _host_memory()
         if needed > free:
             raise UserError(
                 f"the KV cache for {slots} sequences of {ctx} tokens needs {needed / 2**30:.1f} GiB, more than the "

@@ -17,17 +17,18 @@ import math
 
 import torch
 
-from qinfer.core.kv_policy import KVPolicy
+from qinfer.core.kv_policy import F32_KV, GPU_KV_TYPES, KVPolicy
 from qinfer.core.model_spec import ModelSpec
+from qinfer.runtime.kernels.abi import EMPTY_ROW
 from qinfer.runtime.kv.batch import Step, attend_by_part
 
 CHUNK = 256
-EMPTY = -1
 
 
 class WindowKVCache:
-    """k, v: [layers, slots, kv_heads, rows, head_dim]; pos (the token position, EMPTY for none) and mass (the
-    decayed attention mass the row received): [layers, slots, kv_heads, rows]."""
+    """k, v: [layers, slots, kv_heads, rows, head_dim]; pos (the token position, EMPTY_ROW for none) and mass (the
+    decayed attention mass the row received): [layers, slots, kv_heads, rows]. The native decode step
+    (kernels/decode_layer.c) computes a decode step's `_attend` and `_keep` over these same tensors."""
 
     rows_by_position = False
 
@@ -36,10 +37,12 @@ class WindowKVCache:
         self.ctx = ctx
         self.rows = self.split.rows
         shape = (cfg.layers, slots, cfg.kv_heads, self.rows)
-        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
+        on_cpu = torch.device(device).type == "cpu"
+        self.types = F32_KV if on_cpu else GPU_KV_TYPES
+        dtype = torch.float32 if on_cpu else torch.float16
         self.k = torch.zeros((*shape, cfg.head_dim), device=device, dtype=dtype)
         self.v = torch.zeros((*shape, cfg.head_dim), device=device, dtype=dtype)
-        self.pos = torch.full(shape, EMPTY, device=device, dtype=torch.int32)
+        self.pos = torch.full(shape, EMPTY_ROW, device=device, dtype=torch.int32)
         self.mass = torch.zeros(shape, device=device, dtype=torch.float32)
         self.decay = 0.5 ** (1.0 / self.split.half_life)
 
@@ -81,7 +84,7 @@ class WindowKVCache:
         slots, qpos = slots.to(device), qpos.to(device)
         # A sequence that starts at position 0 is a new one: the slot's rows from an earlier sequence are forgotten.
         fresh = (qpos[:, 0] == 0)[:, None, None]
-        old_pos = torch.where(fresh, EMPTY, self.pos[layer, slots])
+        old_pos = torch.where(fresh, EMPTY_ROW, self.pos[layer, slots])
         old_mass = torch.where(fresh, 0.0, self.mass[layer, slots])
         new_pos = qpos.to(torch.int32)[:, None, :].expand(b, kv_heads, t)
         keys = torch.cat((self.k[layer, slots].to(q.dtype), k.transpose(1, 2).to(q.dtype)), dim=2)

@@ -36,7 +36,7 @@ def test_a_mirror_changed_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(abi, "Dims", type("Dims", (ctypes.Structure,), {"_fields_": swapped}))
     monkeypatch.setattr(abi, "STRUCTS", (abi.Matrix, abi.Layer, abi.Dims, abi.Scratch))
     # Swapping two floats keeps the size and the other offsets; the offsets by name reveal it.
-    assert abi.disagreement(_lib()) == "dims.eps: the library says 80, Python expects 84"
+    assert abi.disagreement(_lib()) == "dims.eps: the library says 104, Python expects 108"
     monkeypatch.setattr(abi, "STRUCTS", (abi.Matrix, abi.Layer, abi.Scratch))
     assert abi.disagreement(_lib()) == "dims.ctx: the library says 40, Python does not mirror it"
     monkeypatch.undo()
@@ -59,4 +59,4 @@ def test_a_c_side_changed_alone_is_refused(tmp_path: Path, capsys: pytest.Captur
     lib = ctypes.CDLL(str(built))
     lib.qinfer_abi.argtypes = [ctypes.c_void_p]
     lib.qinfer_abi.restype = ctypes.c_int64
-    assert abi.disagreement(lib) == "dims.eps: the library says 84, Python expects 80"
+    assert abi.disagreement(lib) == "dims.eps: the library says 108, Python expects 104"

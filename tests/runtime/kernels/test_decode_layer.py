@@ -1,6 +1,7 @@
 """The native decode step of a whole layer (decode_layer.c): the logits it gives equal the torch path's, which the
 runtime's other tests hold against transformers, for one sequence and for a batch of sequences at their own
-positions, whose every sequence gets what it gets alone; the f16 cache holds what torch's conversion gives; it runs
+positions, whose every sequence gets what it gets alone; the f16 cache holds what torch's conversion gives, the q8_0
+cache the torch path's Q8_0 blocks; the window cache's rows, positions and masses evolve as the torch path's; it runs
 exactly where it applies and steps aside elsewhere; a sparse step with every neuron selected is the dense step; a
 description that does not fit is refused."""
 
@@ -26,6 +27,8 @@ from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
 from qinfer.runtime.kernels.decode_layer import DecodeLayers
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache, make_kv_cache
+from qinfer.runtime.kv.q8_rows import dequantize_rows
+from qinfer.runtime.kv.window import WindowKVCache
 from qinfer.runtime.model.forward import TransformerForward
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
@@ -219,6 +222,76 @@ def test_an_f16_cache_holds_what_torch_writes(gguf_files: dict[str, Path], types
     assert 0 < (native[0] - exact[0]).abs().max() <= 2e-2 * exact[0].abs().max()
 
 
+@pytest.mark.parametrize(
+    ("types", "ffn"),
+    [(KVTypes("q8_0", "q8_0"), "sparse"), (KVTypes("q8_0", "q8_0"), "dense"), (KVTypes("q8_0", "f32"), "dense"),
+     (KVTypes("f16", "q8_0"), "dense")],
+)  # fmt: skip
+def test_a_q8_cache_holds_the_torch_paths_blocks(
+    wide_heads: Path, monkeypatch: pytest.MonkeyPatch, types: KVTypes, ffn: str
+) -> None:
+    """q8_0 keys or values (heads of 32, one block): every decode step runs natively; the kernel writes the Q8_0
+    blocks the torch path writes (a value whose product rounds otherwise may land one step away) and reads them in
+    place, so the logits are the torch path's over the dequantized rows to float rounding; both stay within 2% of
+    the f32 cache's logits."""
+    forward = forward_for(wide_heads, ffn)
+    calls = counting_runs(monkeypatch)
+    native, native_k = decode_together(forward, True, 3, together=True, types=types)
+    assert calls == list(range(forward.cfg.layers)) * STEPS
+    reference, reference_k = decode_together(forward, False, 3, together=True, types=types)
+    if types.k == "q8_0":
+        assert native_k.dtype == torch.uint8 and (native_k == reference_k).float().mean() > 0.99
+        step = reference_k.view(*reference_k.shape[:-1], -1, 34)[..., :2].contiguous().view(torch.float16).float()
+        apart = (dequantize_rows(native_k) - dequantize_rows(reference_k)).abs()
+        assert (apart.view(*step.shape[:-1], 32) <= 1.01 * step + 1e-6).all()
+    exact, _ = decode_together(forward, True, 3, together=True)
+    for mine, theirs, f32 in zip(native, reference, exact, strict=True):
+        assert (mine - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+        assert (mine - f32).abs().max() <= 0.02 * f32.abs().max()
+
+
+def decode_window(
+    forward: TransformerForward, native: bool, rows: int, steps: int
+) -> tuple[torch.Tensor, WindowKVCache]:
+    """Three prompts of 3 to 5 tokens in slots of a window cache of `rows` rows, then `steps` decode steps of the
+    three together: the logits of every step, and the cache."""
+    kept = forward.native  # type: ignore[attr-defined]
+    forward.native = kept if native else None  # type: ignore[attr-defined]
+    cache = make_kv_cache(forward.cfg, CTX, 3, policy=KVPolicy("window", rows))
+    assert isinstance(cache, WindowKVCache)
+    ids = torch.randint(3, 500, (steps + 8,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits = []
+    try:
+        with torch.inference_mode():
+            for slot in range(3):
+                forward.forward(TokenBatch.prompt(torch.tensor(ids[: 3 + slot]), 0, slot), cache)
+            for j in range(steps):
+                step = TokenBatch.decode(ids[5 + j : 8 + j], [3 + j, 4 + j, 5 + j], [0, 1, 2])
+                logits.append(forward.forward(step, cache))
+    finally:
+        forward.native = kept  # type: ignore[attr-defined]
+    return torch.stack(logits), cache
+
+
+@pytest.mark.parametrize(("file", "ffn"), [("pi-f16", "sparse"), ("dense-f16", "dense")])
+def test_the_window_cache_decodes_natively(
+    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, file: str, ffn: str
+) -> None:
+    """Three sequences over windows of 8 rows (2 sinks, 1 recent, 5 heavy hitters) for 24 steps, well past the
+    window: one native call per layer and step, whose logits are the torch path's, and after which every slot keeps
+    the same positions in the same rows, with the same masses, keys and values."""
+    forward = forward_for(gguf_files[file], ffn)
+    calls = counting_runs(monkeypatch)
+    native, mine = decode_window(forward, True, 8, 24)
+    assert calls == list(range(forward.cfg.layers)) * 24
+    reference, theirs = decode_window(forward, False, 8, 24)
+    assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
+    assert torch.equal(mine.pos, theirs.pos) and int(mine.pos.min()) >= 0 and int(mine.pos.max()) == 5 + 23
+    assert ((mine.mass - theirs.mass).abs() <= 1e-5 * theirs.mass.abs().max()).all()
+    for rows, reference_rows in ((mine.k, theirs.k), (mine.v, theirs.v)):
+        assert (rows - reference_rows).abs().max() <= 1e-4 * reference_rows.abs().max()
+
+
 @pytest.mark.parametrize(("file", "ffn"), [("pi", "sparse"), ("dense", "dense")])
 def test_q8_layers_stay_within_input_rounding_of_the_torch_path(q8: dict[str, Path], file: str, ffn: str) -> None:
     """Q8_0 rows (with the dense file's down as a quantized [E, F] matrix, whose input is the activations): both
@@ -246,8 +319,8 @@ def test_every_neuron_selected_gives_the_dense_perplexity(gguf_files: dict[str, 
 
 
 def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts, the window cache, QINFER_NATIVE=0, a runner swapped in after the layers were described, the oracle
-    and float32 weights take the torch path."""
+    """Prompts (of a window cache too), QINFER_NATIVE=0, a runner swapped in after the layers were described, the
+    oracle and float32 weights take the torch path."""
     forward = forward_for(gguf_files["pi-f16"], "sparse")
     calls = counting_runs(monkeypatch)
     cache = make_kv_cache(forward.cfg, CTX, slots=2)
@@ -256,7 +329,6 @@ def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatc
         forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0, 1), cache)
         window = make_kv_cache(forward.cfg, CTX, policy=KVPolicy("window", 8))
         forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0), window)
-        forward.forward(TokenBatch.decode([1], [4], [0]), window)
         monkeypatch.setenv("QINFER_NATIVE", "0")
         forward.forward(TokenBatch.decode([1], [5], [0]), cache)
         forward.ffn = DenseRunner(forward.ffn.layers)  # type: ignore[attr-defined]
