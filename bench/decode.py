@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 5] [--quant Q4_0]
                                      [--work work/bench] [-t N] [-c 256] [--prompt-tokens 128]
-                                     [--powerinfer-main PATH]
+                                     [--powerinfer-main PATH] [--prefill-only]
 
 (a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
 (b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
@@ -18,6 +18,9 @@ llama.cpp through llama-cpp-python (the `peers` extra) on the dense files, the P
 --powerinfer-main on the dense and the PowerInfer files, and the limit, the bytes a step must read over the read
 bandwidth measured at the start of the run; with the prompt (prefill) tokens/s of ours and the peers over the
 bench's prompt, a sentence repeated to at least --prompt-tokens tokens.
+
+--prefill-only times just the prompt, ours (b) and llama.cpp's on the dense files, in the same interleaved rounds,
+and prints that table alone: the quick comparison of prompt speed (a 512-token prompt needs -c 520 or more).
 """
 
 from __future__ import annotations
@@ -207,7 +210,13 @@ def main() -> None:
     parser.add_argument(
         "--powerinfer-main", type=Path, help="the `main` of a PowerInfer engine CPU build: adds its column"
     )
+    parser.add_argument(
+        "--prefill-only", action="store_true", help="time only the prompt, ours and llama.cpp's, on the dense files"
+    )
     args = parser.parse_args()
+    if args.prefill_only:
+        prefill_only(args)
+        return
     if args.powerinfer_main is not None and (problem := engine_main_problem(args.powerinfer_main)):
         print(problem, file=sys.stderr)
         raise SystemExit(2)
@@ -321,6 +330,41 @@ def main() -> None:
                 )
     console.print(table)
     console.print(peers)
+
+
+def prefill_only(args: argparse.Namespace) -> None:
+    """Prompt tokens/s of ours (dense) and llama.cpp on each model's dense files, best of --rounds interleaved."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    console = Console(width=max(Console().width, 120))
+    if not llama_cpp_available():
+        console.print(LLAMA_CPP_MISSING, markup=False)
+    table = Table(title=f"prompt (prefill) tokens/s on the CPU ({threads} threads, -c {args.ctx})")
+    for col in ("file", "prompt tokens", "ours", "llama.cpp", "ours/llama.cpp"):
+        table.add_column(col, justify="right")
+    for name in args.models.split(","):
+        model = bench_model(args.work, name)
+        tokenizer = GGUFTokenizer(open_model(model.dense).metadata)
+        prompt_ids = tokenizer.encode(bench_prompt(tokenizer, args.prompt_tokens))
+        if len(prompt_ids) + args.tokens + 2 > args.ctx:
+            raise SystemExit(f"a {len(prompt_ids)}-token prompt and {args.tokens} tokens do not fit -c {args.ctx}")
+        files = [model.dense, *([quantized(model, args.quant).dense] if args.quant else [])]
+        decoders: dict[tuple[Path, str], Timer] = {}
+        for path in files:
+            decoders[path, "ours"] = runtime_decoder(path, "dense", prompt_ids, args.tokens, args.ctx)
+            if llama_cpp_available():
+                decoders[path, "llama.cpp"] = llama_cpp_decoder(path, prompt_ids, args.tokens, threads, args.ctx)
+        best: dict[tuple[Path, str], float] = {}
+        for _ in range(args.rounds):
+            for key, run in decoders.items():
+                prompt = run().prompt
+                assert prompt is not None
+                best[key] = max(best.get(key, 0.0), prompt)
+        for path in files:
+            ours, llama = best[path, "ours"], best.get((path, "llama.cpp"), math.nan)
+            table.add_row(path.name, str(len(prompt_ids)), _cell(ours), _cell(llama), _ratio(ours, llama))
+    console.print(table)
 
 
 if __name__ == "__main__":

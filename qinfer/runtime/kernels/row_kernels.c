@@ -822,25 +822,27 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
  * token block passes by it, and the token block's quantized inputs stay in the second-level cache while every row
  * tile passes by them; the rows are read from memory once per token block. Each kernel below computes the same
  * sums: per block, the integer dot of the 32 weights with the 32 quantized inputs, times both scales. */
-#define QG_CHUNK 4096           /* columns unpacked at once: 20 KiB of a 5-row tile */
-#define QG_CACHED (1024 * 1024)  /* bytes of quantized inputs a token block keeps in the second-level cache */
+#define QG_CACHED (1024 * 1024) /* bytes of quantized inputs a token block keeps in the second-level cache */
 #if INT_AVX512
-#define QG_ROWS 5   /* 20 sums, 5 scales, an input, its offset and its scales: 28 of AVX-512's 32 registers */
-#define QG_TOKENS 4
+#define QG_ROWS 16 /* a vector's lanes */
+#define QG_TOKENS 8 /* 8 integer and 8 float sums, a weight vector, an input and the scales: 19 of 32 registers */
+#define QG_CHUNK 1024 /* 16 KiB of a 16-row tile */
 /* The weights are stored plus 128: VNNI multiplies unsigned bytes by signed ones. */
 #define QG_OFFSET 128
 #elif INT_AVX2
 #define QG_ROWS 2   /* 8 sums, 2 weights and 2 scales, an input and its scale: 14 of AVX2's 16 registers */
 #define QG_TOKENS 4
+#define QG_CHUNK 4096 /* 8 KiB of a 2-row tile */
 #define QG_OFFSET 0
 #else
 #define QG_ROWS 2
 #define QG_TOKENS 2
+#define QG_CHUNK 4096
 #define QG_OFFSET 0
 #endif
-/* From 8 tokens the tile beats the row-pair path (one Zen 4 thread, 4096 x 4096: Q4_0 187 against 137 GOP/s, Q8_0
- * 152 against 73), at 2 it loses (77 against 112): unpacking a chunk pays only across enough tokens. */
-#define QG_MIN_TOKENS 8
+/* Unpacking a chunk pays only across enough tokens: past one block of TOKEN_BLOCK the tile wins (one Zen 4 thread,
+ * 4096 rows of 11008, 16 tokens: Q4_0 101 against 64 GOP/s), at 8 tokens the row-pair path does (67 against 47). */
+#define QG_MIN_TOKENS (TOKEN_BLOCK + 1)
 
 /* Block `blk` as 32 bytes, weight + QG_OFFSET in column order. */
 static inline void qg_unpack_block(int type, const uint8_t *blk, uint8_t *o) {
@@ -866,9 +868,53 @@ static inline void qg_unpack_block(int type, const uint8_t *blk, uint8_t *o) {
 #endif
 }
 
+#if INT_AVX512
+/* Blocks b0..b1-1 of a row tile's rows unpacked with the rows interleaved: block b's bytes 4g..4g+3 of row r at
+ * w + ((b - b0) * 8 + g) * 64 + 4 * r, so that one vector holds a group of four bytes of all 16 rows; its scales as
+ * floats at s + (b - b0) * 16 + r. The unpacking is paid once per token block, so it must be cheap next to the
+ * tile's products: a few instructions a block. */
+static void qg_unpack(int type, const uint8_t *const rows[QG_ROWS], int64_t b0, int64_t b1, uint8_t *w, float *s) {
+    int64_t bb = block_bytes(type);
+    for (int r = 0; r < QG_ROWS; r++) {
+        for (int64_t b = b0; b < b1; b++) {
+            uint8_t block[QK];
+            qg_unpack_block(type, rows[r] + b * bb, block);
+            for (int g = 0; g < QK / 4; g++) memcpy(w + ((b - b0) * (QK / 4) + g) * 64 + 4 * r, block + 4 * g, 4);
+            s[(b - b0) * QG_ROWS + r] = block_scale(rows[r] + b * bb);
+        }
+    }
+}
+
+/* sums[t][r] = row r of the unpacked tile . token t's quantized input, over `blocks` blocks. A lane is a row: each
+ * token's four input bytes of a group are broadcast to all 16 rows, so a block's integer sums come out whole, one
+ * per lane, and take a single scaling for 16 products. The weights' offset comes off through the sums' start:
+ * -128 times the input's block sum (qs). */
+static inline __attribute__((always_inline)) void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS],
+                                                         const float *const d[QG_TOKENS],
+                                                         const int32_t *const qs[QG_TOKENS], int64_t blocks,
+                                                         float sums[QG_TOKENS][QG_ROWS]) {
+    __m512 acc[QG_TOKENS];
+    for (int t = 0; t < QG_TOKENS; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i p[QG_TOKENS];
+        for (int t = 0; t < QG_TOKENS; t++) p[t] = _mm512_set1_epi32(-QG_OFFSET * qs[t][b]);
+        for (int g = 0; g < QK / 4; g++) {
+            __m512i wv = _mm512_loadu_si512(w + (b * (QK / 4) + g) * 64);
+            for (int t = 0; t < QG_TOKENS; t++) {
+                int32_t x;
+                memcpy(&x, q[t] + b * QK + 4 * g, 4);
+                p[t] = _mm512_dpbusd_epi32(p[t], wv, _mm512_set1_epi32(x));
+            }
+        }
+        __m512 dw = _mm512_loadu_ps(s + b * QG_ROWS);
+        for (int t = 0; t < QG_TOKENS; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[t]), _mm512_mul_ps(dw, _mm512_set1_ps(d[t][b])), acc[t]);
+    }
+    for (int t = 0; t < QG_TOKENS; t++) _mm512_storeu_ps(sums[t], acc[t]);
+}
+#else
 /* Blocks b0..b1-1 of a row tile's rows unpacked (row r at w + r * QG_CHUNK), with their scales as floats (row r at
- * s + r * QG_CHUNK / QK). The unpacking is paid once per token block, so it must be cheap next to the tile's
- * products: a few instructions a block. */
+ * s + r * QG_CHUNK / QK). */
 static void qg_unpack(int type, const uint8_t *const rows[QG_ROWS], int64_t b0, int64_t b1, uint8_t *w, float *s) {
     int64_t bb = block_bytes(type);
     for (int r = 0; r < QG_ROWS; r++) {
@@ -878,51 +924,16 @@ static void qg_unpack(int type, const uint8_t *const rows[QG_ROWS], int64_t b0, 
         }
     }
 }
+#endif
 
-#if INT_AVX512
-/* Two blocks of the tile (one where `tail`, the chunk's odd last block: the loads are masked to it). A vector holds
- * two blocks, lanes 0-7 the first, so a block's scale is spread over its eight lanes. The weights' offset comes off
- * through the accumulator each product starts from: -128 times the input's sum over each lane's four bytes. */
-static inline __attribute__((always_inline)) void qg_step(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS],
-                                                         const float *const d[QG_TOKENS], int64_t b, int tail,
-                                                         __m512 acc[QG_ROWS][QG_TOKENS]) {
-    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8((char)QG_OFFSET);
-    const __mmask64 bytes = tail ? 0xffffffffULL : ~0ULL;
-    const __mmask16 pair = tail ? 1 : 3;
-    __m512 dw[QG_ROWS];
-    for (int r = 0; r < QG_ROWS; r++)
-        dw[r] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(pair, s + r * (QG_CHUNK / QK) + b));
-    for (int t = 0; t < QG_TOKENS; t++) {
-        __m512i x = _mm512_maskz_loadu_epi8(bytes, q[t] + b * QK);
-        __m512i base = _mm512_dpbusd_epi32(zero, offset, _mm512_sub_epi8(zero, x));
-        __m512 dx = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(pair, d[t] + b));
-        for (int r = 0; r < QG_ROWS; r++) {
-            __m512i p = _mm512_dpbusd_epi32(base, _mm512_maskz_loadu_epi8(bytes, w + r * QG_CHUNK + b * QK), x);
-            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[r], dx), acc[r][t]);
-        }
-    }
-}
-
-/* sums[r][t] = row r of the unpacked tile . token t's quantized input, over `blocks` blocks. */
-static inline __attribute__((always_inline)) void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS],
-                                                         const float *const d[QG_TOKENS], int64_t blocks,
-                                                         float sums[QG_ROWS][QG_TOKENS]) {
-    __m512 acc[QG_ROWS][QG_TOKENS];
-    for (int r = 0; r < QG_ROWS; r++)
-        for (int t = 0; t < QG_TOKENS; t++) acc[r][t] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) qg_step(w, s, q, d, b, 0, acc);
-    if (b < blocks) qg_step(w, s, q, d, b, 1, acc);
-    for (int r = 0; r < QG_ROWS; r++)
-        for (int t = 0; t < QG_TOKENS; t++) sums[r][t] = _mm512_reduce_add_ps(acc[r][t]);
-}
-#elif INT_AVX2
+#if INT_AVX2 && !INT_AVX512
 /* One block per vector; the signed weights' products go through unsigned_dot32 as in dot_q8_q8 (|w| times x with
- * w's sign). */
+ * w's sign). The input's block sums (qs) are for AVX-512's offset. */
 static inline __attribute__((always_inline)) void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS],
-                                                         const float *const d[QG_TOKENS], int64_t blocks,
-                                                         float sums[QG_ROWS][QG_TOKENS]) {
+                                                         const float *const d[QG_TOKENS],
+                                                         const int32_t *const qs[QG_TOKENS], int64_t blocks,
+                                                         float sums[QG_TOKENS][QG_ROWS]) {
+    (void)qs;
     __m256 acc[QG_ROWS][QG_TOKENS];
     for (int r = 0; r < QG_ROWS; r++)
         for (int t = 0; t < QG_TOKENS; t++) acc[r][t] = _mm256_setzero_ps();
@@ -944,12 +955,13 @@ static inline __attribute__((always_inline)) void qg_tile(const uint8_t *w, cons
         }
     }
     for (int r = 0; r < QG_ROWS; r++)
-        for (int t = 0; t < QG_TOKENS; t++) sums[r][t] = hsum256(acc[r][t]);
+        for (int t = 0; t < QG_TOKENS; t++) sums[t][r] = hsum256(acc[r][t]);
 }
-#else
+#elif !INT_AVX512
 /* The scalar reference of the SIMD tiles: the same integer block sums, the same float scaling. */
 static void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS], const float *const d[QG_TOKENS],
-                    int64_t blocks, float sums[QG_ROWS][QG_TOKENS]) {
+                    const int32_t *const qs[QG_TOKENS], int64_t blocks, float sums[QG_TOKENS][QG_ROWS]) {
+    (void)qs;
     for (int r = 0; r < QG_ROWS; r++) {
         for (int t = 0; t < QG_TOKENS; t++) {
             float acc = 0.0f;
@@ -959,7 +971,7 @@ static void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_T
                 for (int i = 0; i < QK; i++) sum += wb[i] * xb[i];
                 acc += s[r * (QG_CHUNK / QK) + b] * d[t][b] * (float)sum;
             }
-            sums[r][t] = acc;
+            sums[t][r] = acc;
         }
     }
 }
@@ -988,18 +1000,18 @@ static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, con
                 for (int64_t t0 = tb0; t0 < tb1; t0 += QG_TOKENS) {
                     const int8_t *q[QG_TOKENS];
                     const float *d[QG_TOKENS];
+                    const int32_t *qs[QG_TOKENS];
                     for (int t = 0; t < QG_TOKENS; t++) {
                         int64_t tt = t0 + t < tb1 ? t0 + t : tb1 - 1;
                         q[t] = xq->q + tt * n + c0 * QK;
                         d[t] = xq->d + tt * nb + c0;
+                        qs[t] = xq->sum + tt * nb + c0;
                     }
-                    float sums[QG_ROWS][QG_TOKENS];
-                    qg_tile(wbuf, sbuf, q, d, c1 - c0, sums);
-                    for (int r = 0; r < QG_ROWS && r0 + r < rows; r++) {
-                        for (int t = 0; t < QG_TOKENS && t0 + t < tb1; t++) {
-                            float *o = out + (t0 + t) * rows + r0 + r;
-                            *o = c0 == 0 ? sums[r][t] : *o + sums[r][t];
-                        }
+                    _Alignas(64) float sums[QG_TOKENS][QG_ROWS];
+                    qg_tile(wbuf, sbuf, q, d, qs, c1 - c0, sums);
+                    for (int t = 0; t < QG_TOKENS && t0 + t < tb1; t++) {
+                        float *o = out + (t0 + t) * rows + r0;
+                        for (int r = 0; r < QG_ROWS && r0 + r < rows; r++) o[r] = c0 == 0 ? sums[t][r] : o[r] + sums[t][r];
                     }
                 }
             }

@@ -229,11 +229,11 @@ def test_linear_on_quantized_rows_expands_only_without_the_kernel(monkeypatch: p
 
 @needs_compiler
 @pytest.mark.parametrize("qtype", [None, Q4, Q8])
-@pytest.mark.parametrize("tokens", [7, 15, 40])
+@pytest.mark.parametrize("tokens", [15, 40])
 def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: object, tokens: int) -> None:
     """Prompts: tokens go in blocks of 16, each row unpacked once per tile of them (F16 in tiles of 8, 4, 2 and 1,
-    or the blocked product; Q4_0 below 8 tokens in tiles of 4, 2 and 1 over groups of eight blocks, here 320
-    columns: one group and a tail of two blocks; quantized rows from 8 tokens in the blocked product)."""
+    or the blocked product; Q4_0 in tiles of 4, 2 and 1 over groups of eight blocks, here 320 columns: one group and
+    a tail of two blocks; quantized rows past 16 tokens in the blocked integer product)."""
     cols = 320
     w = _half_rows(33, cols, cols, 21) if qtype is None else _quantized(33, cols, qtype, 21)  # type: ignore[arg-type]
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(22))
@@ -248,17 +248,17 @@ def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: objec
 
 @needs_compiler
 @pytest.mark.parametrize("qtype", [Q4, Q8])
-@pytest.mark.parametrize(("tokens", "cols"), [(8, 96), (27, 96), (9, 8224), (130, 8224)])
+@pytest.mark.parametrize(("tokens", "cols"), [(17, 96), (27, 96), (17, 8224), (130, 8224)])
 def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype: GGMLQuantizationType, tokens: int,
                                                        cols: int) -> None:  # fmt: skip
-    """Quantized rows against 8 or more tokens go through the blocked integer product, exact to float32 sums of the
-    same integer block products: 13 rows (off every row tile), token counts off every token tile, an odd number of
-    blocks (3, and 257: two chunks of 128 blocks and one more, which AVX-512's two-block step takes alone), and at
-    8224 columns 130 tokens, more than one token block (124 of them keep 1 MiB of inputs in cache)."""
-    w = _quantized(13, cols, qtype, 25)
+    """Quantized rows against more than 16 tokens go through the blocked integer product, exact to float32 sums of
+    the same integer block products: 37 rows (off every row tile), token counts off every token tile, 3 blocks and
+    257 (past several chunks of columns, by one block), and at 8224 columns 130 tokens, more than one token block
+    (those whose inputs fill 1 MiB)."""
+    w = _quantized(37, cols, qtype, 25)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(26))
     out = row_kernels.matvec(x, w)
-    assert out is not None and out.shape == (tokens, 13)
+    assert out is not None and out.shape == (tokens, 37)
     ref = q8_input(x) @ w.dense().double().T
     assert (out.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
 
