@@ -63,8 +63,9 @@ from qinfer.runtime.model.model_file import open_model
 
 SHAPES = {
     "synth": SynthShape(),
-    # Four 7B-shaped layers, constructed (not trained) to ~90% FFN sparsity with exact predictors.
-    "7b-slice": SynthShape(layers=4, hidden=4096, ffn=11008, heads=32, kv_heads=32),
+    # Four 7B-shaped layers, constructed (not trained) to ~90% FFN sparsity with exact predictors; a context long
+    # enough for a 512-token prompt (a slice built before it held 256: rebuild it under a new --work).
+    "7b-slice": SynthShape(layers=4, hidden=4096, ffn=11008, heads=32, kv_heads=32, context=1024),
     # The same layer count at a quarter of the width: a quick stand-in for the 7B slice.
     "small-slice": SynthShape(layers=4, hidden=1024, ffn=2752, heads=8, kv_heads=8),
 }

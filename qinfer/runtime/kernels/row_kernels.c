@@ -28,8 +28,8 @@
 #else
 #define INT_AVX2 0
 #endif
-/* The blocked quantized product's widest kernel multiplies 64 bytes at once with VNNI, which has no int16 step to
- * saturate (AVX-512 without VNNI takes the AVX2 kernel). */
+/* The blocked quantized product's widest kernel sums 16 rows at once with VNNI, whose products of unsigned and
+ * signed bytes have no int16 step to saturate (AVX-512 without VNNI takes the AVX2 kernel). */
 #if INT_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define INT_AVX512 1
 #else
