@@ -204,8 +204,32 @@ typedef struct {
     int32_t *sum;  /* [tokens, n / 32]: sum of each block's q */
 } q8_act;
 
-/* The first `blocks` blocks of 32 of x into a's buffers. */
+/* The first `blocks` blocks of 32 of x into a's buffers. A prompt's input is millions of values, whose quantizing
+ * one value at a time took a third of a 4096 x 4096 product of 512 tokens; the vector form rounds as roundf does
+ * (half away from zero: the truncation, plus the sign where the dropped fraction is at least a half), so both
+ * give the same bytes. */
 static void q8_quantize_blocks(const float *x, int64_t blocks, const q8_act *a) {
+#if defined(__AVX512F__)
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512 v[2] = {_mm512_loadu_ps(x + b * QK), _mm512_loadu_ps(x + b * QK + 16)};
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        a->d[b] = d;
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512 scaled = _mm512_mul_ps(v[h], _mm512_set1_ps(inv));
+            __m512 whole = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(scaled, whole)), half, _CMP_GE_OQ);
+            __m512 sign = _mm512_castsi512_ps(_mm512_or_si512(
+                _mm512_and_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32(INT32_MIN)), _mm512_castps_si512(one)));
+            __m512i q = _mm512_cvttps_epi32(_mm512_mask_add_ps(whole, up, whole, sign));
+            _mm_storeu_si128((__m128i *)(a->q + b * QK + 16 * h), _mm512_cvtepi32_epi8(q));
+            sum = _mm512_add_epi32(sum, q);
+        }
+        a->sum[b] = _mm512_reduce_add_epi32(sum);
+    }
+#else
     for (int64_t b = 0; b < blocks; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
@@ -216,14 +240,20 @@ static void q8_quantize_blocks(const float *x, int64_t blocks, const q8_act *a) 
         for (int i = 0; i < QK; i++) sum += a->q[b * QK + i] = (int8_t)roundf(xb[i] * inv);
         a->sum[b] = sum;
     }
+#endif
 }
 
-/* x [tokens, n] quantized into buffers allocated here (q8_free releases them); -1 where memory runs out. */
-static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
+/* Buffers for `tokens` inputs of n quantized (q8_free releases them); -1 where memory runs out. */
+static int q8_alloc(int64_t tokens, int64_t n, q8_act *a) {
     a->q = malloc((size_t)(tokens * n));
     a->d = malloc((size_t)(tokens * (n / QK)) * sizeof(float));
     a->sum = malloc((size_t)(tokens * (n / QK)) * sizeof(int32_t));
-    if (!a->q || !a->d || !a->sum) return -1;
+    return a->q && a->d && a->sum ? 0 : -1;
+}
+
+/* x [tokens, n] quantized into buffers allocated here; -1 where memory runs out. */
+static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
+    if (q8_alloc(tokens, n, a)) return -1;
     q8_quantize_blocks(x, tokens * (n / QK), a);
     return 0;
 }
@@ -1073,12 +1103,23 @@ int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shap
     int64_t rows = shape[0];
     if (!fits(type, stride, rows, shape[1], n, NULL, rows)) return -1;
     q8_act xq = {0};
-    if (type != F16 && q8_quantize(x, tokens, n, &xq)) {
+    if (type != F16 && q8_alloc(tokens, n, &xq)) {
         q8_free(&xq);
         return -2;
     }
+    int64_t nb = n / QK;
 #pragma omp parallel num_threads(threads)
-    matvec_rows(type, w, stride, rows, x, &xq, n, tokens, out);
+    {
+        /* A prompt's tokens are quantized by all the threads; the loop's barrier publishes them. */
+        if (type != F16) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tokens; t++) {
+                q8_act token = {xq.q + t * n, xq.d + t * nb, xq.sum + t * nb};
+                q8_quantize_blocks(x + t * n, nb, &token);
+            }
+        }
+        matvec_rows(type, w, stride, rows, x, &xq, n, tokens, out);
+    }
     q8_free(&xq);
     return 0;
 }

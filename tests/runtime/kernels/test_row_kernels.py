@@ -264,6 +264,23 @@ def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype:
 
 
 @needs_compiler
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_inputs_quantize_as_roundf(tokens: int) -> None:
+    """The input's Q8_0 bytes are roundf's, halves away from zero, in the vector quantizer too: against rows that
+    each pick one column (Q8_0, scale 1), an input block whose largest value is 127 (scale 1) comes back as its
+    rounded values, for one token (the row path) and for a prompt (the blocked product)."""
+    values = torch.tensor([127, 2.5, -2.5, 3.5, -0.5, 0.5, 1.4999999, -126.5, 0.49999997, 7, -7.5, 0] + [0.25] * 20)
+    identity = torch.zeros(32, 34, dtype=torch.uint8)
+    identity[:, :2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # f16 1.0, little-endian
+    identity[torch.arange(32), 2 + torch.arange(32)] = 1
+    x = values.repeat(tokens, 1)
+    out = row_kernels.matvec(x, QuantizedMatrix(identity, Q8))
+    assert out is not None
+    exact = values.double()  # 0.49999997 + 0.5 is 1 in float32
+    assert torch.equal(out, (exact.sign() * (exact.abs() + 0.5).floor()).float().repeat(tokens, 1))
+
+
+@needs_compiler
 @pytest.mark.parametrize("cols", [100, 4100])
 @pytest.mark.parametrize("tokens", [4, 7, 40])
 def test_the_blocked_f16_product_matches_float64(kernel_build: str, tokens: int, cols: int) -> None:
