@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 5] [--quant Q4_0]
                                      [--work work/bench] [-t N] [-c 256] [--prompt-tokens 128]
-                                     [--powerinfer-main PATH] [--prefill-only]
+                                     [--powerinfer-main PATH] [--prefill-only [--before-kernels DIR]]
 
 (a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
 (b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
