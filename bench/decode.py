@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/decode.py [--models synth,7b-slice] [--tokens 32] [--rounds 5] [--quant Q4_0]
                                      [--work work/bench] [-t N] [-c 256] [--prompt-tokens 128]
-                                     [--powerinfer-main PATH]
+                                     [--powerinfer-main PATH] [--prefill-only [--before-kernels DIR]]
 
 (a) transformers `generate`, greedy, dense, in f16 and f32 (the faster one is the ratio's baseline);
 (b) our runtime, dense FFN, on the plain f16 GGUF; (c) our runtime, predictor-sparse FFN, on the f16 PowerInfer
@@ -18,16 +18,23 @@ llama.cpp through llama-cpp-python (the `peers` extra) on the dense files, the P
 --powerinfer-main on the dense and the PowerInfer files, and the limit, the bytes a step must read over the read
 bandwidth measured at the start of the run; with the prompt (prefill) tokens/s of ours and the peers over the
 bench's prompt, a sentence repeated to at least --prompt-tokens tokens.
+
+--prefill-only times just the prompt, ours (b) and llama.cpp's on the dense files, in the same interleaved rounds,
+and prints that table alone: the quick comparison of prompt speed (a 512-token prompt needs -c 520 or more). With
+--before-kernels DIR it also times ours on the native kernels built from DIR's decode_layer.c and row_kernels.c (a
+checkout of them before a change), swapped in for each of its runs, so that before and after share every round.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,12 +63,14 @@ from qinfer.prep.synth.build import SynthShape, build_synth
 from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.kernels import row_kernels
 from qinfer.runtime.model.model_file import open_model
 
 SHAPES = {
     "synth": SynthShape(),
-    # Four 7B-shaped layers, constructed (not trained) to ~90% FFN sparsity with exact predictors.
-    "7b-slice": SynthShape(layers=4, hidden=4096, ffn=11008, heads=32, kv_heads=32),
+    # Four 7B-shaped layers, constructed (not trained) to ~90% FFN sparsity with exact predictors; a context long
+    # enough for a 512-token prompt (a slice built before it held 256: rebuild it under a new --work).
+    "7b-slice": SynthShape(layers=4, hidden=4096, ffn=11008, heads=32, kv_heads=32, context=1024),
     # The same layer count at a quarter of the width: a quick stand-in for the 7B slice.
     "small-slice": SynthShape(layers=4, hidden=1024, ffn=2752, heads=8, kv_heads=8),
 }
@@ -209,7 +218,16 @@ def main() -> None:
     parser.add_argument(
         "--powerinfer-main", type=Path, help="the `main` of a PowerInfer engine CPU build: adds its column"
     )
+    parser.add_argument(
+        "--prefill-only", action="store_true", help="time only the prompt, ours and llama.cpp's, on the dense files"
+    )
+    parser.add_argument(
+        "--before-kernels", type=Path, help="with --prefill-only: also ours on the kernels built from this directory"
+    )
     args = parser.parse_args()
+    if args.prefill_only:
+        prefill_only(args)
+        return
     if args.powerinfer_main is not None and (problem := engine_main_problem(args.powerinfer_main)):
         print(problem, file=sys.stderr)
         raise SystemExit(2)
@@ -323,6 +341,85 @@ def main() -> None:
                 )
     console.print(table)
     console.print(peers)
+
+
+def kernels_from(directory: Path) -> ctypes.CDLL:
+    """The native kernels built from `directory`'s C sources, in a cache directory of their own (a build removes
+    other builds of its instruction set from its cache)."""
+    saved = row_kernels.SOURCE, row_kernels.SOURCES, os.environ.get("XDG_CACHE_HOME")
+    row_kernels.SOURCE = directory / "decode_layer.c"
+    row_kernels.SOURCES = (row_kernels.SOURCE, directory / "row_kernels.c")
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="qinfer-before-")
+    row_kernels.load.cache_clear()
+    try:
+        lib = row_kernels.load(row_kernels.target())
+    finally:
+        row_kernels.SOURCE, row_kernels.SOURCES, cache = saved
+        os.environ.pop("XDG_CACHE_HOME")
+        if cache is not None:
+            os.environ["XDG_CACHE_HOME"] = cache
+        row_kernels.load.cache_clear()
+    if lib is None:
+        raise SystemExit(f"the kernels in {directory} do not build")
+    return lib
+
+
+def on_kernels(lib: ctypes.CDLL, timer: Timer) -> Timer:
+    """`timer` with every product of its run on `lib`."""
+
+    def run() -> Speed:
+        ours = row_kernels.kernel
+        row_kernels.kernel = lambda: lib
+        try:
+            return timer()
+        finally:
+            row_kernels.kernel = ours
+
+    return run
+
+
+def prefill_only(args: argparse.Namespace) -> None:
+    """Prompt tokens/s of ours (dense) and llama.cpp on each model's dense files, best of --rounds interleaved."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    console = Console(width=max(Console().width, 170))
+    if not llama_cpp_available():
+        console.print(LLAMA_CPP_MISSING, markup=False)
+    table = Table(title=f"prompt (prefill) tokens/s on the CPU ({threads} threads, -c {args.ctx})")
+    before = None if args.before_kernels is None else kernels_from(args.before_kernels)
+    columns = ("ours before", "ours", "llama.cpp", "before/llama.cpp", "ours/llama.cpp", "ours/before")
+    for col in ("file", "prompt tokens", *(columns if before else columns[1:3] + columns[4:5])):
+        table.add_column(col, justify="right")
+    for name in args.models.split(","):
+        model = bench_model(args.work, name)
+        tokenizer = GGUFTokenizer(open_model(model.dense).metadata)
+        prompt_ids = tokenizer.encode(bench_prompt(tokenizer, args.prompt_tokens))
+        if len(prompt_ids) + args.tokens + 2 > args.ctx:
+            raise SystemExit(f"a {len(prompt_ids)}-token prompt and {args.tokens} tokens do not fit -c {args.ctx}")
+        files = [model.dense, *([quantized(model, args.quant).dense] if args.quant else [])]
+        decoders: dict[tuple[Path, str], Timer] = {}
+        for path in files:
+            decoders[path, "ours"] = runtime_decoder(path, "dense", prompt_ids, args.tokens, args.ctx)
+            if before is not None:
+                timer = runtime_decoder(path, "dense", prompt_ids, args.tokens, args.ctx)
+                decoders[path, "before"] = on_kernels(before, timer)
+            if llama_cpp_available():
+                decoders[path, "llama.cpp"] = llama_cpp_decoder(path, prompt_ids, args.tokens, threads, args.ctx)
+        best: dict[tuple[Path, str], float] = {}
+        for _ in range(args.rounds):
+            for key, run in decoders.items():
+                prompt = run().prompt
+                assert prompt is not None
+                best[key] = max(best.get(key, 0.0), prompt)
+        for path in files:
+            ours, llama = best[path, "ours"], best.get((path, "llama.cpp"), math.nan)
+            cells = [_cell(ours), _cell(llama), _ratio(ours, llama)]
+            if before is not None:
+                was = best[path, "before"]
+                cells = [_cell(was), *cells[:2], _ratio(was, llama), cells[2], _ratio(ours, was)]
+            table.add_row(path.name, str(len(prompt_ids)), *cells)
+    console.print(table)
 
 
 if __name__ == "__main__":

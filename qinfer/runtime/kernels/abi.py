@@ -36,8 +36,8 @@ EMPTY_ROW = -1  # the position of a window cache's row that holds none
 def form_code(form: FfnForm) -> int:
     return FORM_CODES[form.gated, form.relu_up, form.act]
 # The kernels take tokens a block at a time (each row read once per block). The sparse FFN and the weighted row sum
-# take at most one block per call; products take any number of tokens (F16 ones many at a time, as a blocked matrix
-# product).
+# take at most one block per call; products take any number of tokens (many at a time as a blocked matrix product:
+# F16 rows in floats, Q4_0 and Q8_0 rows in integers against the input quantized once).
 TOKEN_BLOCK = 16
 
 i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p

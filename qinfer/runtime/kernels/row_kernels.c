@@ -28,6 +28,13 @@
 #else
 #define INT_AVX2 0
 #endif
+/* The blocked quantized product's widest kernel sums 16 rows at once with VNNI, whose products of unsigned and
+ * signed bytes have no int16 step to saturate (AVX-512 without VNNI takes the AVX2 kernel). */
+#if INT_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT_AVX512 1
+#else
+#define INT_AVX512 0
+#endif
 
 enum { F16 = 0, Q4_0 = 1, Q8_0 = 2 };
 /* relu(gate) * up, relu(gate) * relu(up), relu(up), silu(gate) * up (SwiGLU) */
@@ -197,8 +204,32 @@ typedef struct {
     int32_t *sum;  /* [tokens, n / 32]: sum of each block's q */
 } q8_act;
 
-/* The first `blocks` blocks of 32 of x into a's buffers. */
+/* The first `blocks` blocks of 32 of x into a's buffers. A prompt's input is millions of values, whose quantizing
+ * one value at a time took a third of a 4096 x 4096 product of 512 tokens; the vector form rounds as roundf does
+ * (half away from zero: the truncation, plus the sign where the dropped fraction is at least a half), so both
+ * give the same bytes. */
 static void q8_quantize_blocks(const float *x, int64_t blocks, const q8_act *a) {
+#if defined(__AVX512F__)
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512 v[2] = {_mm512_loadu_ps(x + b * QK), _mm512_loadu_ps(x + b * QK + 16)};
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        a->d[b] = d;
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512 scaled = _mm512_mul_ps(v[h], _mm512_set1_ps(inv));
+            __m512 whole = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(scaled, whole)), half, _CMP_GE_OQ);
+            __m512 sign = _mm512_castsi512_ps(_mm512_or_si512(
+                _mm512_and_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32(INT32_MIN)), _mm512_castps_si512(one)));
+            __m512i q = _mm512_cvttps_epi32(_mm512_mask_add_ps(whole, up, whole, sign));
+            _mm_storeu_si128((__m128i *)(a->q + b * QK + 16 * h), _mm512_cvtepi32_epi8(q));
+            sum = _mm512_add_epi32(sum, q);
+        }
+        a->sum[b] = _mm512_reduce_add_epi32(sum);
+    }
+#else
     for (int64_t b = 0; b < blocks; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
@@ -209,14 +240,20 @@ static void q8_quantize_blocks(const float *x, int64_t blocks, const q8_act *a) 
         for (int i = 0; i < QK; i++) sum += a->q[b * QK + i] = (int8_t)roundf(xb[i] * inv);
         a->sum[b] = sum;
     }
+#endif
 }
 
-/* x [tokens, n] quantized into buffers allocated here (q8_free releases them); -1 where memory runs out. */
-static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
+/* Buffers for `tokens` inputs of n quantized (q8_free releases them); -1 where memory runs out. */
+static int q8_alloc(int64_t tokens, int64_t n, q8_act *a) {
     a->q = malloc((size_t)(tokens * n));
     a->d = malloc((size_t)(tokens * (n / QK)) * sizeof(float));
     a->sum = malloc((size_t)(tokens * (n / QK)) * sizeof(int32_t));
-    if (!a->q || !a->d || !a->sum) return -1;
+    return a->q && a->d && a->sum ? 0 : -1;
+}
+
+/* x [tokens, n] quantized into buffers allocated here; -1 where memory runs out. */
+static int q8_quantize(const float *x, int64_t tokens, int64_t n, q8_act *a) {
+    if (q8_alloc(tokens, n, a)) return -1;
     q8_quantize_blocks(x, tokens * (n / QK), a);
     return 0;
 }
@@ -807,6 +844,211 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
 }
 #endif
 
+/* The quantized product of many tokens (a prompt) as a blocked integer matrix product, the Q4_0 and Q8_0
+ * counterpart of f16_gemm and what ggml does for a prompt: the input is quantized to Q8_0 once, and a tile of
+ * QG_ROWS rows by QG_TOKENS tokens keeps its sums in registers, so each weight block unpacked and each input block
+ * loaded serves several integer dot products. A row tile's blocks are unpacked (nibbles to bytes, f16 scales to
+ * float) QG_CHUNK columns at a time into a buffer that stays in the first-level cache while every token tile of a
+ * token block passes by it, and the token block's quantized inputs stay in the second-level cache while every row
+ * tile passes by them; the rows are read from memory once per token block. Each kernel below computes the same
+ * sums: per block, the integer dot of the 32 weights with the 32 quantized inputs, times both scales. */
+#define QG_CACHED (1024 * 1024) /* bytes of quantized inputs a token block keeps in the second-level cache */
+#if INT_AVX512
+#define QG_ROWS 16 /* a vector's lanes */
+#define QG_TOKENS 8 /* 8 integer and 8 float sums, a weight vector, an input and the scales: 19 of 32 registers */
+#define QG_CHUNK 1024 /* 16 KiB of a 16-row tile */
+/* The weights are stored plus 128: VNNI multiplies unsigned bytes by signed ones. */
+#define QG_OFFSET 128
+#elif INT_AVX2
+#define QG_ROWS 2   /* 8 sums, 2 weights and 2 scales, an input and its scale: 14 of AVX2's 16 registers */
+#define QG_TOKENS 4
+#define QG_CHUNK 4096 /* 8 KiB of a 2-row tile */
+#define QG_OFFSET 0
+#else
+#define QG_ROWS 2
+#define QG_TOKENS 2
+#define QG_CHUNK 4096
+#define QG_OFFSET 0
+#endif
+/* Unpacking a chunk pays only across enough tokens: past one block of TOKEN_BLOCK the tile wins (one Zen 4 thread,
+ * 4096 rows of 11008, 16 tokens: Q4_0 101 against 64 GOP/s), at 8 tokens the row-pair path does (67 against 47). */
+#define QG_MIN_TOKENS (TOKEN_BLOCK + 1)
+
+/* Block `blk` as 32 bytes, weight + QG_OFFSET in column order. */
+static inline void qg_unpack_block(int type, const uint8_t *blk, uint8_t *o) {
+#if INT_AVX2
+    if (type == Q4_0) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(blk + 2)), low = _mm_set1_epi8(15);
+        __m128i offset = _mm_set1_epi8((char)(QG_OFFSET - 8));
+        _mm_storeu_si128((__m128i *)o, _mm_add_epi8(_mm_and_si128(v, low), offset));
+        _mm_storeu_si128((__m128i *)(o + QK / 2), _mm_add_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), low), offset));
+    } else {
+        _mm256_storeu_si256((__m256i *)o, _mm256_add_epi8(q8_weights(blk), _mm256_set1_epi8((char)QG_OFFSET)));
+    }
+#else
+    for (int i = 0; i < QK / 2; i++) {
+        if (type == Q4_0) {
+            o[i] = (uint8_t)((blk[2 + i] & 15) - 8 + QG_OFFSET);
+            o[i + QK / 2] = (uint8_t)((blk[2 + i] >> 4) - 8 + QG_OFFSET);
+        } else {
+            o[i] = (uint8_t)((int8_t)blk[2 + i] + QG_OFFSET);
+            o[i + QK / 2] = (uint8_t)((int8_t)blk[2 + QK / 2 + i] + QG_OFFSET);
+        }
+    }
+#endif
+}
+
+#if INT_AVX512
+/* Blocks b0..b1-1 of a row tile's rows unpacked with the rows interleaved: block b's bytes 4g..4g+3 of row r at
+ * w + ((b - b0) * 8 + g) * 64 + 4 * r, so that one vector holds a group of four bytes of all 16 rows; its scales as
+ * floats at s + (b - b0) * 16 + r. The unpacking is paid once per token block, so it must be cheap next to the
+ * tile's products: a few instructions a block. */
+static void qg_unpack(int type, const uint8_t *const rows[QG_ROWS], int64_t b0, int64_t b1, uint8_t *w, float *s) {
+    int64_t bb = block_bytes(type);
+    for (int r = 0; r < QG_ROWS; r++) {
+        for (int64_t b = b0; b < b1; b++) {
+            uint8_t block[QK];
+            qg_unpack_block(type, rows[r] + b * bb, block);
+            for (int g = 0; g < QK / 4; g++) memcpy(w + ((b - b0) * (QK / 4) + g) * 64 + 4 * r, block + 4 * g, 4);
+            s[(b - b0) * QG_ROWS + r] = block_scale(rows[r] + b * bb);
+        }
+    }
+}
+
+/* sums[t][r] = row r of the unpacked tile . token t's quantized input, over `blocks` blocks. A lane is a row: each
+ * token's four input bytes of a group are broadcast to all 16 rows, so a block's integer sums come out whole, one
+ * per lane, and take a single scaling for 16 products. The weights' offset comes off through the sums' start:
+ * -128 times the input's block sum (qs). */
+static inline __attribute__((always_inline)) void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS],
+                                                         const float *const d[QG_TOKENS],
+                                                         const int32_t *const qs[QG_TOKENS], int64_t blocks,
+                                                         float sums[QG_TOKENS][QG_ROWS]) {
+    __m512 acc[QG_TOKENS];
+    for (int t = 0; t < QG_TOKENS; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i p[QG_TOKENS];
+        for (int t = 0; t < QG_TOKENS; t++) p[t] = _mm512_set1_epi32(-QG_OFFSET * qs[t][b]);
+        for (int g = 0; g < QK / 4; g++) {
+            __m512i wv = _mm512_loadu_si512(w + (b * (QK / 4) + g) * 64);
+            for (int t = 0; t < QG_TOKENS; t++) {
+                int32_t x;
+                memcpy(&x, q[t] + b * QK + 4 * g, 4);
+                p[t] = _mm512_dpbusd_epi32(p[t], wv, _mm512_set1_epi32(x));
+            }
+        }
+        __m512 dw = _mm512_loadu_ps(s + b * QG_ROWS);
+        for (int t = 0; t < QG_TOKENS; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[t]), _mm512_mul_ps(dw, _mm512_set1_ps(d[t][b])), acc[t]);
+    }
+    for (int t = 0; t < QG_TOKENS; t++) _mm512_storeu_ps(sums[t], acc[t]);
+}
+#else
+/* Blocks b0..b1-1 of a row tile's rows unpacked (row r at w + r * QG_CHUNK), with their scales as floats (row r at
+ * s + r * QG_CHUNK / QK). */
+static void qg_unpack(int type, const uint8_t *const rows[QG_ROWS], int64_t b0, int64_t b1, uint8_t *w, float *s) {
+    int64_t bb = block_bytes(type);
+    for (int r = 0; r < QG_ROWS; r++) {
+        for (int64_t b = b0; b < b1; b++) {
+            qg_unpack_block(type, rows[r] + b * bb, w + r * QG_CHUNK + (b - b0) * QK);
+            s[r * (QG_CHUNK / QK) + b - b0] = block_scale(rows[r] + b * bb);
+        }
+    }
+}
+#endif
+
+#if INT_AVX2 && !INT_AVX512
+/* One block per vector; the signed weights' products go through unsigned_dot32 as in dot_q8_q8 (|w| times x with
+ * w's sign). The input's block sums (qs) are for AVX-512's offset. */
+static inline __attribute__((always_inline)) void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS],
+                                                         const float *const d[QG_TOKENS],
+                                                         const int32_t *const qs[QG_TOKENS], int64_t blocks,
+                                                         float sums[QG_TOKENS][QG_ROWS]) {
+    (void)qs;
+    __m256 acc[QG_ROWS][QG_TOKENS];
+    for (int r = 0; r < QG_ROWS; r++)
+        for (int t = 0; t < QG_TOKENS; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i wv[QG_ROWS], aw[QG_ROWS];
+        __m256 dw[QG_ROWS];
+        for (int r = 0; r < QG_ROWS; r++) {
+            wv[r] = _mm256_loadu_si256((const __m256i *)(w + r * QG_CHUNK + b * QK));
+            aw[r] = _mm256_sign_epi8(wv[r], wv[r]);
+            dw[r] = _mm256_broadcast_ss(s + r * (QG_CHUNK / QK) + b);
+        }
+        for (int t = 0; t < QG_TOKENS; t++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(q[t] + b * QK));
+            __m256 dx = _mm256_broadcast_ss(d[t] + b);
+            for (int r = 0; r < QG_ROWS; r++) {
+                __m256i p = unsigned_dot32(aw[r], _mm256_sign_epi8(x, wv[r]));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[r], dx), acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < QG_ROWS; r++)
+        for (int t = 0; t < QG_TOKENS; t++) sums[t][r] = hsum256(acc[r][t]);
+}
+#elif !INT_AVX512
+/* The scalar reference of the SIMD tiles: the same integer block sums, the same float scaling. */
+static void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS], const float *const d[QG_TOKENS],
+                    const int32_t *const qs[QG_TOKENS], int64_t blocks, float sums[QG_TOKENS][QG_ROWS]) {
+    (void)qs;
+    for (int r = 0; r < QG_ROWS; r++) {
+        for (int t = 0; t < QG_TOKENS; t++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                const int8_t *wb = (const int8_t *)w + r * QG_CHUNK + b * QK, *xb = q[t] + b * QK;
+                int32_t sum = 0;
+                for (int i = 0; i < QK; i++) sum += wb[i] * xb[i];
+                acc += s[r * (QG_CHUNK / QK) + b] * d[t][b] * (float)sum;
+            }
+            sums[t][r] = acc;
+        }
+    }
+}
+#endif
+
+/* out[t * rows + r] = row r . x[t] for `tokens` quantized inputs xq of Q4_0 or Q8_0 rows, inside a parallel region
+ * (the row tiles of each token block shared among the threads). A tile at the edge repeats its last row or token
+ * and keeps only the rest. */
+static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, const q8_act *xq, int64_t n,
+                   int64_t tokens, float *out) {
+    int64_t nb = n / QK, tiles = (rows + QG_ROWS - 1) / QG_ROWS;
+    int64_t block = QG_CACHED / (n > 0 ? n : 1) / QG_TOKENS * QG_TOKENS;
+    if (block < QG_TOKENS) block = QG_TOKENS;
+    _Alignas(64) uint8_t wbuf[QG_ROWS * QG_CHUNK];
+    float sbuf[QG_ROWS * (QG_CHUNK / QK)];
+    for (int64_t tb0 = 0; tb0 < tokens; tb0 += block) {
+        int64_t tb1 = tb0 + block < tokens ? tb0 + block : tokens;
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const uint8_t *wr[QG_ROWS];
+            int64_t r0 = tile * QG_ROWS;
+            for (int r = 0; r < QG_ROWS; r++) wr[r] = w + (r0 + r < rows ? r0 + r : rows - 1) * stride;
+            for (int64_t c0 = 0; c0 < nb; c0 += QG_CHUNK / QK) {
+                int64_t c1 = c0 + QG_CHUNK / QK < nb ? c0 + QG_CHUNK / QK : nb;
+                qg_unpack(type, wr, c0, c1, wbuf, sbuf);
+                for (int64_t t0 = tb0; t0 < tb1; t0 += QG_TOKENS) {
+                    const int8_t *q[QG_TOKENS];
+                    const float *d[QG_TOKENS];
+                    const int32_t *qs[QG_TOKENS];
+                    for (int t = 0; t < QG_TOKENS; t++) {
+                        int64_t tt = t0 + t < tb1 ? t0 + t : tb1 - 1;
+                        q[t] = xq->q + tt * n + c0 * QK;
+                        d[t] = xq->d + tt * nb + c0;
+                        qs[t] = xq->sum + tt * nb + c0;
+                    }
+                    _Alignas(64) float sums[QG_TOKENS][QG_ROWS];
+                    qg_tile(wbuf, sbuf, q, d, qs, c1 - c0, sums);
+                    for (int t = 0; t < QG_TOKENS && t0 + t < tb1; t++) {
+                        float *o = out + (t0 + t) * rows + r0;
+                        for (int r = 0; r < QG_ROWS && r0 + r < rows; r++) o[r] = c0 == 0 ? sums[t][r] : o[r] + sums[t][r];
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n], inside a parallel region: each row is read once for
  * all of them. xq holds the inputs quantized (for quantized rows). */
 static void matvec_rows(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x, const q8_act *xq,
@@ -817,6 +1059,10 @@ static void matvec_rows(int type, const uint8_t *w, int64_t stride, int64_t rows
         return;
     }
 #endif
+    if (type != F16 && tokens >= QG_MIN_TOKENS) {
+        q_gemm(type, w, stride, rows, xq, n, tokens, out);
+        return;
+    }
     /* Tokens go a block at a time, so a block's inputs stay in cache while every row passes by them. */
     for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
         int64_t count = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK, nb = n / QK;
@@ -857,12 +1103,23 @@ int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shap
     int64_t rows = shape[0];
     if (!fits(type, stride, rows, shape[1], n, NULL, rows)) return -1;
     q8_act xq = {0};
-    if (type != F16 && q8_quantize(x, tokens, n, &xq)) {
+    if (type != F16 && q8_alloc(tokens, n, &xq)) {
         q8_free(&xq);
         return -2;
     }
+    int64_t nb = n / QK;
 #pragma omp parallel num_threads(threads)
-    matvec_rows(type, w, stride, rows, x, &xq, n, tokens, out);
+    {
+        /* A prompt's tokens are quantized by all the threads; the loop's barrier publishes them. */
+        if (type != F16) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tokens; t++) {
+                q8_act token = {xq.q + t * n, xq.d + t * nb, xq.sum + t * nb};
+                q8_quantize_blocks(x + t * n, nb, &token);
+            }
+        }
+        matvec_rows(type, w, stride, rows, x, &xq, n, tokens, out);
+    }
     q8_free(&xq);
     return 0;
 }

@@ -56,6 +56,21 @@ def decode_logits(path: Path, ids: list[int], options: RuntimeOptions) -> torch.
         return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
 
 
+def test_q4_prompt_logits_match_token_by_token(q4: Path) -> None:
+    """A prompt of a Q4_0 file prefilled at once (its products through the blocked integer product of many tokens)
+    gives the logits of feeding it a token at a time (row products of one token): the same integer block products,
+    summed in another order."""
+    ids = GGUFTokenizer(open_model(q4).metadata).encode(PROMPT * 3)
+    assert len(ids) > 16
+    options = RuntimeOptions(ffn="dense")
+    forward = load_forward(open_model(q4), options).forward
+    with torch.inference_mode():
+        prompt = forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), KVCache(forward.cfg, 64))
+    one_by_one = decode_logits(q4, ids, options)
+    assert prompt.shape == one_by_one.shape
+    assert (prompt - one_by_one).abs().max().item() < 1e-4 * one_by_one.abs().max().item()
+
+
 def test_split_q4_matches_cpu_sparse(q4: Path) -> None:
     ids = GGUFTokenizer(open_model(q4).metadata).encode(PROMPT)
     cpu = decode_logits(q4, ids, RuntimeOptions(ffn="sparse"))

@@ -203,8 +203,9 @@ def test_weighted_rows_match_float64_and_skip_idle_rows(qtype: object, tokens: i
 
 
 def test_linear_on_quantized_rows_expands_only_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU a product over quantized rows takes the kernel for any number of tokens, a prompt included;
-    without the kernel (QINFER_NATIVE=0) it expands 7 rows at a time, never the whole matrix."""
+    """On the CPU a product over quantized rows takes the kernel for any number of tokens, a prompt included (40
+    tokens: the blocked integer product); without the kernel (QINFER_NATIVE=0) it expands 7 rows at a time, never
+    the whole matrix."""
     w = _quantized(45, 64, Q4, 9)
     expanded: list[int] = []
     real = QuantizedMatrix.row_range
@@ -231,8 +232,8 @@ def test_linear_on_quantized_rows_expands_only_without_the_kernel(monkeypatch: p
 @pytest.mark.parametrize("tokens", [15, 40])
 def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: object, tokens: int) -> None:
     """Prompts: tokens go in blocks of 16, each row unpacked once per tile of them (F16 in tiles of 8, 4, 2 and 1,
-    or the blocked product; Q4_0 in tiles of 16 over groups of eight blocks, here 320 columns: one group and a tail
-    of two blocks)."""
+    or the blocked product; Q4_0 in tiles of 4, 2 and 1 over groups of eight blocks, here 320 columns: one group and
+    a tail of two blocks; quantized rows past 16 tokens in the blocked integer product)."""
     cols = 320
     w = _half_rows(33, cols, cols, 21) if qtype is None else _quantized(33, cols, qtype, 21)  # type: ignore[arg-type]
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(22))
@@ -243,6 +244,40 @@ def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: objec
     assert out is not None and out.shape == (tokens, 33)
     ref = _input(x, w) @ _float(w).double().T
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize("qtype", [Q4, Q8])
+@pytest.mark.parametrize(("tokens", "cols"), [(17, 96), (27, 96), (17, 8224), (130, 8224)])
+def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype: GGMLQuantizationType, tokens: int,
+                                                       cols: int) -> None:  # fmt: skip
+    """Quantized rows against more than 16 tokens go through the blocked integer product, exact to float32 sums of
+    the same integer block products: 37 rows (off every row tile), token counts off every token tile, 3 blocks and
+    257 (past several chunks of columns, by one block), and at 8224 columns 130 tokens, more than one token block
+    (those whose inputs fill 1 MiB)."""
+    w = _quantized(37, cols, qtype, 25)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(26))
+    out = row_kernels.matvec(x, w)
+    assert out is not None and out.shape == (tokens, 37)
+    ref = q8_input(x) @ w.dense().double().T
+    assert (out.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_inputs_quantize_as_roundf(tokens: int) -> None:
+    """The input's Q8_0 bytes are roundf's, halves away from zero, in the vector quantizer too: against rows that
+    each pick one column (Q8_0, scale 1), an input block whose largest value is 127 (scale 1) comes back as its
+    rounded values, for one token (the row path) and for a prompt (the blocked product)."""
+    values = torch.tensor([127, 2.5, -2.5, 3.5, -0.5, 0.5, 1.4999999, -126.5, 0.49999997, 7, -7.5, 0] + [0.25] * 20)
+    identity = torch.zeros(32, 34, dtype=torch.uint8)
+    identity[:, :2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # f16 1.0, little-endian
+    identity[torch.arange(32), 2 + torch.arange(32)] = 1
+    x = values.repeat(tokens, 1)
+    out = row_kernels.matvec(x, QuantizedMatrix(identity, Q8))
+    assert out is not None
+    exact = values.double()  # 0.49999997 + 0.5 is 1 in float32
+    assert torch.equal(out, (exact.sign() * (exact.abs() + 0.5).floor()).float().repeat(tokens, 1))
 
 
 @needs_compiler
