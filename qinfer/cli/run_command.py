@@ -130,8 +130,9 @@ def run_cmd(
     first = results[0]
     tokens = sum(len(r.tokens) for r in results)
     steps = sum(len(r.tokens) if r.stopped_at_eos else max(len(r.tokens) - 1, 0) for r in results)
-    # Sequences decode together, the first to start over the longest time.
-    decode_seconds = max(r.decode_seconds for r in results)
+    # Sequences decode together, from the first one's first token to the last one's end: prompts computed in
+    # chunks start their sequences' decoding at different steps.
+    decode_seconds = max(r.decode_started + r.decode_seconds for r in results) - min(r.decode_started for r in results)
     decode_tps = steps / decode_seconds if decode_seconds > 0 else 0.0
     err.print(
         f"prompt: {first.prompt_tokens} tokens, {first.prompt_tps:.1f} tokens/s | "

@@ -60,8 +60,8 @@ class Admission(Generic[S]):
     def step(self) -> list[Delivery[S]]:
         """Free the slots of cancelled sequences, admit waiting ones into free slots, then one engine step for all
         running ones. A request the engine refuses fails alone, and is returned at once, before any step that could
-        fail and lose it; the next call steps. An exception from the step itself propagates, the sequences still
-        running (see `fail_running`)."""
+        fail and lose it; the next call steps. A prompt whose chunk fails a step fails alone too (Engine.step); any
+        other exception from the step propagates, the sequences still running (see `fail_running`)."""
         for slot, sequence in list(self.running.items()):
             if sequence.cancelled:
                 self.engine.cancel(slot)

@@ -244,8 +244,19 @@ class Engine:
                 # Only a completed prompt's last token gives logits: the head is computed for no other chunk row.
                 sampled.append(slot)
                 rows.append(end - 1)
-        with torch.inference_mode():
-            logits = self.forward.forward(TokenBatch.join(parts), self.cache, rows).cpu()
+        try:
+            with torch.inference_mode():
+                logits = self.forward.forward(TokenBatch.join(parts), self.cache, rows).cpu()
+        except Exception as exc:  # noqa: BLE001 - re-raised below unless a prompt's chunk can take the blame
+            if not chunks:
+                raise
+            # A chunk can fail where the decode tokens alone would not (a long context's attention scores, say):
+            # its request fails alone, as a prompt computed in one piece did, and the streams step without it.
+            failed = []
+            for slot, _ in chunks:
+                self._end(slot)
+                failed.append(StepOutput(slot, None, True, "error", f"the prompt failed: {exc}"))
+            return sorted(failed + self.step(), key=lambda out: out.slot)
         # Only a forward that returned wrote every layer's rows: one that raised leaves the sequences as they were.
         for slot, token in running.items():
             seqs[slot].tokens.append(token)

@@ -20,6 +20,7 @@ class GenerationResult:
     prompt_seconds: float
     decode_seconds: float
     stopped_at_eos: bool
+    decode_started: float = 0.0  # time.perf_counter() at its first token
 
     @property
     def prompt_tps(self) -> float:
@@ -75,7 +76,9 @@ def generate_many(
 
 def _result(p: _Prompt) -> GenerationResult:
     out = p.output
-    return GenerationResult(out.tokens, out.text(), len(out.prompt_ids), p.prompt_seconds, p.decode_seconds, p.stopped)
+    return GenerationResult(
+        out.tokens, out.text(), len(out.prompt_ids), p.prompt_seconds, p.decode_seconds, p.stopped, p.decode_started
+    )
 
 
 def generate(

@@ -203,6 +203,20 @@ def load(name: str) -> ctypes.CDLL | None:
     except OSError as exc:
         print(f"qinfer: native row kernels not loaded ({exc}); using torch's slower path", file=sys.stderr)
         return None
+    try:
+        _declare(lib)
+    except AttributeError as exc:  # a library built from other sources (bench/decode.py --before-kernels)
+        print(f"qinfer: native row kernels not loaded ({exc}); using torch's slower path", file=sys.stderr)
+        return None
+    if (problem := disagreement(lib)) is not None:
+        print(f"qinfer: native row kernels not loaded (C and Python disagree on {problem}); using torch's slower path",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The entry points' argument and result types."""
     p, i64, i32, s = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, Shape
     lib.qinfer_sparse_ffn.argtypes = [
         p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, p, i32, p, p, i32
@@ -220,11 +234,6 @@ def load(name: str) -> ctypes.CDLL | None:
     lib.qinfer_abi.restype = i64
     for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec, lib.qinfer_moe_ffn):
         entry.restype = i32
-    if (problem := disagreement(lib)) is not None:
-        print(f"qinfer: native row kernels not loaded (C and Python disagree on {problem}); using torch's slower path",
-              file=sys.stderr)  # fmt: skip
-        return None
-    return lib
 
 
 def enabled() -> bool:

@@ -73,7 +73,7 @@ class FalconForward(TransformerForward):
     def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
         w, eps = self.attn[i], self.cfg.norm_eps
         attention = self.attention(i, layer_norm(h, w.attn_norm, eps), step, cache)
-        return h + attention + self.ffn(i, layer_norm(h, w.ffn_norm, eps), h, prefill)
+        return h + attention + self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(layer_norm(h, self.norm, self.cfg.norm_eps), self.output)

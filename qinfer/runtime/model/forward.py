@@ -160,6 +160,19 @@ class TransformerForward:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def feed_forward(self, i: int, x: torch.Tensor, h: torch.Tensor, step: Step, prefill: bool) -> torch.Tensor:
+        """Layer i's FFN. A mixed step runs it part by part, as each part would run alone: a prompt's chunk dense,
+        the decode tokens through the runner's decode path (the predictor's neurons, where it is sparse), so that
+        what a stream decodes does not depend on the prompts that share its steps."""
+        if not step.parts:
+            return self.ffn(i, x, h, prefill)
+        outs, start = [], 0
+        for part in step.parts:
+            end = start + part.batch.tokens.shape[0]
+            outs.append(self.ffn(i, x[start:end], h[start:end], not part.batch.one_per_slot))
+            start = end
+        return torch.cat(outs)
+
     def embed_tokens(self, batch: TokenBatch) -> torch.Tensor:
         return self.embed[batch.tokens].float().to(self.device)
 
@@ -187,7 +200,7 @@ class TransformerForward:
                 return logits if rows is None else logits[rows]
         h = self.embed_tokens(batch)
         step = self.step(batch)
-        # Several tokens of one sequence (a prompt's chunk, perhaps beside decode tokens): dense matmuls pay off.
+        # Several tokens of one sequence (a prompt or its chunk): dense matmuls pay off (per part: feed_forward).
         prefill = not batch.one_per_slot
         if self.native is not None and self.native.takes(h, step, cache, self.ffn):
             call = self.native.begin(step, cache)

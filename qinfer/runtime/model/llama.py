@@ -112,7 +112,7 @@ class LlamaForward(TransformerForward):
         """Layer i on the residual stream h: attention and then the FFN, each on the RMSNorm of its input and added
         back; the FFN's predictor reads h itself."""
         h, x = self.attention_block(i, h, step, cache)
-        return h + self.ffn(i, x, h, prefill)
+        return h + self.feed_forward(i, x, h, step, prefill)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, self.norm, self.cfg.norm_eps), self.output)

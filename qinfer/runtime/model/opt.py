@@ -83,7 +83,7 @@ class OPTForward(TransformerForward):
         k = affine(x, w.k).view(n, cfg.kv_heads, cfg.head_dim)
         v = affine(x, w.v).view(n, cfg.kv_heads, cfg.head_dim)
         h = h + affine(cache.attend(q, k, v, i, step), w.o)
-        return h + self.ffn(i, layer_norm(h, w.ffn_norm, eps), h, prefill) + w.down_bias.float()
+        return h + self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill) + w.down_bias.float()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(layer_norm(h, self.norm, self.cfg.norm_eps), self.output)

@@ -28,6 +28,7 @@ from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
+from tests.runtime.engine.test_mixed_step import mixed_equals_alone
 from tests.support.cli_in_process import run_in_process
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
@@ -226,3 +227,10 @@ def test_dense_runner_ignores_thresholds_on_both_paths(calibrated: dict) -> None
             steps = [forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)]
         logits.append(torch.cat(steps))
     assert (logits[0] - logits[1]).abs().max().item() < 1e-3
+
+
+def test_a_mixed_step_keeps_the_decode_tokens_sparse(calibrated: dict) -> None:
+    """In a step that also carries a prompt's chunk, the chunk's FFN runs dense and the decode tokens' through the
+    calibrated gate, each as it would alone: a stream's tokens do not depend on the prompts that share its steps.
+    (Skipping gated neurons changes the logits, unlike a ReLU model's predictor that misses no firing neuron.)"""
+    mixed_equals_alone(calibrated["f32"], ffn="sparse")

@@ -157,3 +157,30 @@ def test_a_prompt_cancelled_mid_prefill_frees_its_slot_and_keeps_its_rows(gguf_f
     assert engine.reused_tokens(again) == 16
     engine.cancel(again)
     assert greedy(engine, long, 4) == greedy(open_engine(gguf_files["pi-f32"], 1), long, 4)
+
+
+def test_a_failing_chunk_fails_its_prompt_alone(gguf_files: dict[str, Path]) -> None:
+    """A step whose prompt chunk makes the forward fail (memory for a long context's scores, say) ends that request
+    with an error and steps the running streams without it, instead of failing them all."""
+    engine = open_engine(gguf_files["pi-f32"], 2)
+    encode, forward = engine.tokenizer.encode, engine.forward.forward
+    running = engine.submit(Request(encode(RUNNING[0]), 8, GREEDY, ignore_eos=True))
+    first = engine.step()
+    assert [out.slot for out in first] == [running]
+
+    def failing(batch: TokenBatch, cache, rows=None):  # type: ignore[no-untyped-def]
+        if not batch.one_per_slot:
+            raise RuntimeError("out of memory")
+        return forward(batch, cache, rows)
+
+    engine.forward.forward = failing  # type: ignore[method-assign]
+    doomed = engine.submit(Request(encode(LONG), 4, GREEDY, ignore_eos=True))
+    outs = {out.slot: out for out in engine.step()}
+    assert outs[doomed].finished and outs[doomed].reason == "error" and "out of memory" in (outs[doomed].error or "")
+    assert outs[running].token is not None and not outs[running].finished
+    assert engine.active_slots() == [running] and engine.free_slots() == 1
+    engine.forward.forward = forward  # type: ignore[method-assign]
+    tokens = [first[0].token, outs[running].token]
+    while running in engine.active_slots():
+        tokens += [out.token for out in engine.step() if out.token is not None]
+    assert tokens == greedy(open_engine(gguf_files["pi-f32"], 1), encode(RUNNING[0]), 8)
