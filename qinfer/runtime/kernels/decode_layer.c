@@ -441,10 +441,11 @@ static void unpack_union(float *act, int64_t tokens, int64_t f, const int64_t *i
     }
 }
 
-/* Token t's choice, as qinfer/core/expert_routing.py's route makes it: p [experts] holds the router's logits and
+/* A token's choice, as qinfer/core/expert_routing.py's route makes it: p [experts] holds the router's logits and
  * becomes their softmax; chosen [used] the most probable experts, most probable first, and weights their
- * probabilities, rescaled to sum to 1 where norm_top_k. Of equal probabilities the lower index goes first, as
- * torch.topk orders them on the CPU. */
+ * probabilities, rescaled to sum to 1 where norm_top_k. Of exactly equal probabilities the lower index goes first;
+ * torch.topk breaks such ties in its partial sort's own order (the top 8 of 128 equal ones begin 84, 87, 86),
+ * which no simple rule reproduces, so there the two paths may choose different experts. */
 static void route(const dims *d, float *p, int64_t *chosen, float *weights) {
     float top = -INFINITY, total = 0.0f, sum = 0.0f;
     for (int64_t j = 0; j < d->experts; j++) top = fmaxf(top, p[j]);
