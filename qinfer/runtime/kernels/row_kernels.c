@@ -680,18 +680,23 @@ static int stacks_fit(const stacks *m) {
 }
 
 /* act[p] [f] = silu(gate x) * up x over expert chosen[p]'s rows, x being token p / k's input, for each (token,
- * expert) pair p < pairs; inside a parallel region, every row of a pair's expert read once for it. */
+ * expert) pair p < pairs; inside a parallel region, every row of a pair's expert read once for it. The gate's rows
+ * go first and then up's, each a run of consecutive rows that the hardware prefetcher streams: with each up row
+ * read ahead beside its gate row instead (two streams, a prefetch per line), Mixtral's two Q4_0 experts of a token
+ * ran at 40 GB/s, against 42 so and 46 for a plain Q4_0 product (two Zen 4 cores). */
 static void expert_act(const stacks *m, const float *x, const q8_act *xq, const int64_t *chosen, int64_t pairs,
                        int64_t k, float *act) {
     int64_t f = m->f, n = m->n;
 #pragma omp for schedule(static)
     for (int64_t pr = 0; pr < pairs * f; pr++) {
-        int64_t p = pr / f, r = pr % f, t = p / k;
+        int64_t p = pr / f, r = pr % f;
         const uint8_t *g = m->gate + chosen[p] * m->gate_expert + r * m->gate_row;
-        const uint8_t *u = m->up + chosen[p] * m->up_expert + r * m->up_row;
-        /* While the gate's row is summed, the up row is read ahead, and the other way round the next gate row. */
-        float a = gate_act(FORM_GATED_SILU, dot_row(m->gate_type, g, u, x, xq, t, n));
-        act[pr] = a * dot_row(m->up_type, u, r + 1 < f ? g + m->gate_row : NULL, x, xq, t, n);
+        act[pr] = gate_act(FORM_GATED_SILU, dot_row(m->gate_type, g, NULL, x, xq, p / k, n));
+    }
+#pragma omp for schedule(static)
+    for (int64_t pr = 0; pr < pairs * f; pr++) {
+        int64_t p = pr / f, r = pr % f;
+        act[pr] *= dot_row(m->up_type, m->up + chosen[p] * m->up_expert + r * m->up_row, NULL, x, xq, p / k, n);
     }
 }
 
