@@ -87,6 +87,10 @@ class ExpertRunner:
         shared = shared_output(w.shared, w.shared_gate, x)
         return out if shared is None else out + shared
 
+    def native_experts(self) -> list[ExpertWeights]:
+        """For the native layer step (kernels/decode_layer.py): every layer's experts, all on the CPU."""
+        return self.layers
+
     def experts_output(
         self, layer: int, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, skip: Container[int] = ()
     ) -> torch.Tensor:

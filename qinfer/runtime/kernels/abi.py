@@ -47,12 +47,27 @@ class Matrix(ctypes.Structure):
     _fields_ = [("data", ptr), ("stride", i64), ("type", i32), ("rows", i64), ("cols", i64)]
 
 
+class Stacks(ctypes.Structure):
+    """A layer's experts: gate and up [experts, f, n], down [experts, n, f], with strides in bytes."""
+
+    _fields_ = [
+        ("gate", ptr), ("up", ptr), ("down", ptr),
+        *((name, i64) for name in ("gate_expert", "gate_row", "up_expert", "up_row", "down_expert", "down_row")),
+        ("gate_type", i32), ("up_type", i32), ("down_type", i32), ("experts", i64), ("f", i64), ("n", i64),
+    ]  # fmt: skip
+
+
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "fc1", "fc2")
 
 
 class Layer(ctypes.Structure):
     _fields_ = [
         *((name, Matrix) for name in MATRICES),
+        ("experts", Stacks),
+        ("router", ptr),
+        ("shared_gate", ptr),
+        ("q_norm", ptr),
+        ("k_norm", ptr),
         ("attn_norm", ptr),
         ("ffn_norm", ptr),
         ("attn_norm_bias", ptr),
@@ -73,7 +88,7 @@ class Layer(ctypes.Structure):
 
 DIMS = (
     "hidden", "heads", "kv_heads", "head_dim", "ffn", "ctx", "predictor", "widest", "window", "tokens", "kept", "sinks",
-    "recent",
+    "recent", "experts", "used", "expert_ffn",
 )  # fmt: skip
 
 
@@ -91,6 +106,7 @@ class Dims(ctypes.Structure):
         ("v_type", i32),
         ("layer_norm", i32),
         ("parallel", i32),
+        ("norm_top_k", i32),
     ]
 
 
@@ -99,7 +115,8 @@ class Dims(ctypes.Structure):
 SCRATCH = (
     ("x", ctypes.c_float), ("q", ctypes.c_float), ("k", ctypes.c_float), ("v", ctypes.c_float),
     ("att", ctypes.c_float), ("scores", ctypes.c_float), ("pred", ctypes.c_float), ("g", ctypes.c_float),
-    ("out", ctypes.c_float), ("held", ctypes.c_float), ("ids", ctypes.c_int64), ("xq", ctypes.c_int8),
+    ("out", ctypes.c_float), ("held", ctypes.c_float), ("probs", ctypes.c_float), ("weights", ctypes.c_float),
+    ("chosen", ctypes.c_int64), ("ids", ctypes.c_int64), ("xq", ctypes.c_int8),
     ("xd", ctypes.c_float), ("xs", ctypes.c_int32),
 )  # fmt: skip
 
@@ -108,7 +125,7 @@ class Scratch(ctypes.Structure):
     _fields_ = [(name, ptr) for name, _ in SCRATCH]
 
 
-STRUCTS: tuple[type[ctypes.Structure], ...] = (Matrix, Layer, Dims, Scratch)
+STRUCTS: tuple[type[ctypes.Structure], ...] = (Matrix, Stacks, Layer, Dims, Scratch)
 
 
 class Fact(ctypes.Structure):

@@ -1,11 +1,14 @@
-/* One decode step of one layer (llama, bamboo, qwen2, falcon, opt) for a batch of tokens, one per sequence, in one
- * native call: attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and their biases), rope
+/* One decode step of one layer (llama, bamboo, qwen2, falcon, opt, and the mixtures of experts qwen2moe, qwen3moe
+ * and mixtral) for a batch of tokens, one per sequence, in one native call: attention norm (RMSNorm, or LayerNorm
+ * with its bias), the q/k/v products (and their biases), an RMSNorm over each head of q and k (Qwen3), rope
  * (where the family has it), the KV-cache write (float, f16 or Q8_0 rows), attention of each token over its own
  * sequence's cached positions (the last `window` of them where the model slides one) or over the rows a window cache
  * keeps (updating their attention mass and replacing the weakest), the output product (and its bias) and
  * residual, the FFN norm, the predictor (fc1, relu, fc2, threshold), the sparse or dense FFN over the union of the
  * neurons the tokens select (with up's and down's biases where there are), and its residual; or, for a parallel
- * block (falcon), attention and FFN both from the layer's input and added to it together.
+ * block (falcon), attention and FFN both from the layer's input and added to it together; or, for a mixture, the
+ * router, each token's top experts (qinfer/core/expert_routing.py), their SwiGLU and the sigmoid-gated shared
+ * expert (Qwen2-MoE).
  *
  * A decode step in torch is some thirty small operator calls per layer, each with its own dispatch and allocation:
  * about 1 ms a layer on two cores, a third of the time a 7B layer's sparse Q4_0 rows take to read. Here the
@@ -46,7 +49,13 @@ typedef struct {
 } matrix;
 
 typedef struct {
-    matrix q, k, v, o, gate, up, down, fc1, fc2;
+    matrix q, k, v, o;
+    matrix gate, up, down; /* the dense FFN's, or a mixture's shared expert's (down [E, F] then) */
+    matrix fc1, fc2;
+    stacks experts;        /* a mixture's experts (dims.experts of them) */
+    const float *router;   /* a mixture's [experts, E] */
+    const float *shared_gate; /* [E]: the shared expert's output is scaled by sigmoid(shared_gate . x) */
+    const float *q_norm, *k_norm; /* [head_dim]: an RMSNorm over each head of q and of k (Qwen3); NULL: none */
     const float *attn_norm, *ffn_norm;
     const float *attn_norm_bias, *ffn_norm_bias; /* a LayerNorm's biases */
     const float *q_bias, *k_bias, *v_bias;       /* NULL where the family has none */
@@ -66,6 +75,9 @@ typedef struct {
     int64_t kept;      /* a window cache's rows per slot and kv head (ctx's rows for the full cache: 0) */
     int64_t sinks;     /* positions below it are a window's sinks, always kept */
     int64_t recent;    /* a window's last `recent` positions are always kept */
+    int64_t experts;   /* a mixture's experts per layer, each token running `used` of them; 0: a dense FFN */
+    int64_t used;
+    int64_t expert_ffn; /* each expert's neurons (a mixture's `ffn` is its shared expert's, 0 without one) */
     float eps, threshold;
     float decay; /* a window row's attention mass is multiplied by it each decode step */
     int32_t form;       /* FORM_GATED, FORM_GATED_RELU_UP, FORM_GATED_SILU or FORM_UP */
@@ -76,6 +88,7 @@ typedef struct {
     int32_t v_type;     /* the cache's values, likewise */
     int32_t layer_norm; /* 1: LayerNorm with a bias (falcon); 0: RMSNorm */
     int32_t parallel;   /* 1: attention and FFN both read the layer's input (falcon); 0: the FFN follows attention */
+    int32_t norm_top_k; /* 1: a token's chosen experts' weights are rescaled to sum to 1 */
 } dims;
 
 /* Scratch, made once by the caller in the sizes qinfer_scratch_sizes gives; per token, [tokens, ...]. */
@@ -86,9 +99,12 @@ typedef struct {
     float *att;    /* [heads * head_dim] */
     float *scores; /* [heads * (ctx + 1)] */
     float *pred;   /* [predictor] */
-    float *g;      /* [F] */
+    float *g;      /* [F]; a mixture's [used * expert_ffn + 2 * F] */
     float *out;    /* [E] */
-    float *held;   /* [E] a parallel block's attention output, until its FFN's is added */
+    float *held;   /* [E] a parallel block's attention output, or a shared expert's, until it is added */
+    float *probs;  /* [experts] the router's probabilities */
+    float *weights; /* [used] the chosen experts' weights */
+    int64_t *chosen; /* [used] the chosen experts */
     int64_t *ids;  /* [F], once for all tokens */
     int8_t *xq;    /* [widest] */
     float *xd;     /* [widest / 32 + 1] */
@@ -131,6 +147,17 @@ static void norm(const dims *d, const float *h, const float *w, const float *bia
     for (int64_t i = 0; i < n; i++) ss += h[i] * h[i];
     float scale = 1.0f / sqrtf(ss / (float)n + d->eps);
     for (int64_t i = 0; i < n; i++) out[i] = h[i] * scale * w[i];
+}
+
+/* An RMSNorm over each head of x [heads, hd] with the weights w [hd], where there are (Qwen3's q and k). */
+static void head_norm(float *x, int64_t heads, int64_t hd, const float *w, float eps) {
+    if (!w) return;
+    for (int64_t h = 0; h < heads; h++, x += hd) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < hd; i++) ss += x[i] * x[i];
+        float scale = 1.0f / sqrtf(ss / (float)hd + eps);
+        for (int64_t i = 0; i < hd; i++) x[i] = x[i] * scale * w[i];
+    }
 }
 
 static void rope(float *x, int64_t heads, int64_t hd, const float *cos, const float *sin, int neox) {
@@ -414,6 +441,71 @@ static void unpack_union(float *act, int64_t tokens, int64_t f, const int64_t *i
     }
 }
 
+/* A token's choice, as qinfer/core/expert_routing.py's route makes it: p [experts] holds the router's logits and
+ * becomes their softmax; chosen [used] the most probable experts, most probable first, and weights their
+ * probabilities, rescaled to sum to 1 where norm_top_k. Of exactly equal probabilities the lower index goes first;
+ * torch.topk breaks such ties in its partial sort's own order (the top 8 of 128 equal ones begin 84, 87, 86),
+ * which no simple rule reproduces, so there the two paths may choose different experts. */
+static void route(const dims *d, float *p, int64_t *chosen, float *weights) {
+    float top = -INFINITY, total = 0.0f, sum = 0.0f;
+    for (int64_t j = 0; j < d->experts; j++) top = fmaxf(top, p[j]);
+    for (int64_t j = 0; j < d->experts; j++) total += p[j] = expf(p[j] - top);
+    for (int64_t j = 0; j < d->experts; j++) p[j] /= total;
+    for (int64_t i = 0; i < d->used; i++) {
+        int64_t best = -1;
+        for (int64_t j = 0; j < d->experts; j++) {
+            int taken = 0;
+            for (int64_t u = 0; u < i; u++) taken |= chosen[u] == j;
+            /* A NaN probability is never greater: the first expert not taken stands in for it. */
+            if (!taken && (best < 0 || p[j] > p[best])) best = j;
+        }
+        chosen[i] = best;
+        sum += weights[i] = p[best];
+    }
+    if (d->norm_top_k)
+        for (int64_t i = 0; i < d->used; i++) weights[i] /= sum;
+}
+
+/* A mixture's FFN of the normalised tokens s->x, inside the parallel region: the router, each token's choice, its
+ * experts (row_kernels.c's expert_act and expert_down: every (token, expert) pair reads its expert's rows, so an
+ * expert two tokens chose is read twice), into s->out; and the shared expert, under its sigmoid gate, into s->held.
+ * The gate scales the shared expert's activations, before down, rather than its output: the same product up to
+ * rounding, and no per-token scale to keep. */
+static void moe_ffn(const dims *d, const layer *w, const scratch *s, int64_t tokens, q8_act *a) {
+    const stacks *m = &w->experts;
+    int64_t e = d->hidden, f = d->ffn, ef = d->expert_ffn, pairs = tokens * d->used;
+    float *shared_g = s->g + pairs * ef, *shared_u = shared_g + tokens * f;
+    int x_type = quantized(m->gate_type) || quantized(m->up_type) || (f && (quantized(w->gate.type) ||
+                 quantized(w->up.type))) ? Q8_0 : F16;
+    int act_type = quantized(m->down_type) || (f && quantized(w->down.type)) ? Q8_0 : F16;
+    quantize_input(x_type, s->x, tokens, e, s, a);
+#pragma omp for schedule(static)
+    for (int64_t tj = 0; tj < tokens * d->experts; tj++)
+        s->probs[tj] = dot_f32(s->x + tj / d->experts * e, w->router + tj % d->experts * e, e);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; t++)
+        route(d, s->probs + t * d->experts, s->chosen + t * d->used, s->weights + t * d->used);
+    expert_act(m, s->x, a, s->chosen, pairs, d->used, s->g);
+    if (f) {
+        product(&w->gate, s->x, a, tokens, shared_g);
+        product(&w->up, s->x, a, tokens, shared_u);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            float scale = 1.0f / (1.0f + expf(-dot_f32(s->x + t * e, w->shared_gate, e)));
+            for (int64_t i = t * f; i < (t + 1) * f; i++)
+                shared_g[i] = gate_act(FORM_GATED_SILU, shared_g[i]) * shared_u[i] * scale;
+        }
+    }
+    /* The routed activations and the shared expert's are consecutive: one quantization serves both downs. */
+    quantize_input(act_type, s->g, 1, pairs * ef + tokens * f, s, a);
+    expert_down(m, s->g, a, s->chosen, s->weights, tokens, d->used, s->out);
+    if (f) {
+        int64_t blocks = pairs * ef / QK;
+        q8_act shared = {a->q + pairs * ef, a->d + blocks, a->sum + blocks};
+        product(&w->down, shared_g, &shared, tokens, s->held);
+    }
+}
+
 /* h [tokens, E] += this layer's attention, then += its FFN, for tokens of distinct slots slot[t] (< slots) at
  * positions pos[t], whose keys and values land in the cache. cos/sin hold head_dim / 2 values per token (NULL: no
  * rope). The FFN reads each selected neuron's rows once for all the tokens that need it. Returns the number of
@@ -427,10 +519,22 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
         (d->form != FORM_GATED && d->form != FORM_GATED_RELU_UP && d->form != FORM_GATED_SILU &&
          d->form != FORM_UP) ||
         (d->layer_norm && (!w->attn_norm_bias || !w->ffn_norm_bias)) || !matrix_fits(&w->q, heads, e) ||
-        !matrix_fits(&w->k, kv, e) || !matrix_fits(&w->v, kv, e) || !matrix_fits(&w->o, e, heads) ||
-        (d->form != FORM_UP && !matrix_fits(&w->gate, f, e)) || !matrix_fits(&w->up, f, e) ||
-        !(d->down_rows ? matrix_fits(&w->down, f, e) : matrix_fits(&w->down, e, f)))
+        !matrix_fits(&w->k, kv, e) || !matrix_fits(&w->v, kv, e) || !matrix_fits(&w->o, e, heads))
         return -1;
+    if (d->experts) {
+        /* A mixture: SwiGLU experts after attention, and a shared expert where f > 0, whose down is [E, f]. */
+        const stacks *m = &w->experts;
+        int64_t ef = d->expert_ffn;
+        if (d->used < 1 || d->used > d->experts || d->form != FORM_GATED_SILU || d->sparse || d->parallel ||
+            !w->router || !stacks_fit(m) || m->experts != d->experts || m->f != ef || m->n != e ||
+            d->used * ef + f > d->widest || ((quantized(m->down_type) || (f && quantized(w->down.type))) && ef % QK) ||
+            (f && (!w->shared_gate || !matrix_fits(&w->gate, f, e) || !matrix_fits(&w->up, f, e) ||
+                   !matrix_fits(&w->down, e, f))))
+            return -1;
+    } else if ((d->form != FORM_UP && !matrix_fits(&w->gate, f, e)) || !matrix_fits(&w->up, f, e) ||
+               !(d->down_rows ? matrix_fits(&w->down, f, e) : matrix_fits(&w->down, e, f))) {
+        return -1;
+    }
     int64_t rank = w->fc1.rows;
     if (d->sparse && (!d->down_rows || rank < 1 || rank > d->predictor || !matrix_fits(&w->fc1, rank, e) ||
                       !matrix_fits(&w->fc2, f, rank)))
@@ -447,7 +551,9 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
         for (int64_t u = 0; u < t; u++)
             if (slot[u] == slot[t]) return -3;
     }
-    int64_t count = f;
+    /* A mixture reads each token's experts' rows and the shared expert's. */
+    int64_t count = d->experts ? tokens * d->used * d->expert_ffn + f : f;
+    int held = d->parallel || (d->experts && f);
     /* One quantized input serves every quantized matrix that reads it; F16 rows read the float input. */
     int qkv_type = quantized(w->q.type) ? w->q.type : quantized(w->k.type) ? w->k.type : w->v.type;
     /* A gated form's first product is the gate's, relu(up)'s is up's: a neuron fires where it passes. */
@@ -469,6 +575,8 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
             add_bias(q, w->q_bias, heads);
             add_bias(k, w->k_bias, kv);
             add_bias(v, w->v_bias, kv);
+            head_norm(q, d->heads, hd, w->q_norm, d->eps);
+            head_norm(k, d->kv_heads, hd, w->k_norm, d->eps);
             if (cos) {
                 rope(q, d->heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
                 rope(k, d->kv_heads, hd, cos + t * hd / 2, sin + t * hd / 2, d->rope_neox);
@@ -496,7 +604,9 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
                 for (int64_t i = 0; i < e; i++) h[t * e + i] += s->out[t * e + i];
             norm(d, h + t * e, w->ffn_norm, w->ffn_norm_bias, s->x + t * e);
         }
-        if (d->sparse) {
+        if (d->experts) {
+            moe_ffn(d, w, s, tokens, &a);
+        } else if (d->sparse) {
             /* The predictor reads the residual h (the layer's input, in a parallel block), not the normalised
              * input; its scores land in g [tokens, F], and become 1 where the neuron is selected. */
             quantize_input(w->fc1.type, h, tokens, e, s, &a);
@@ -582,17 +692,19 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < tokens * e; i++)
-            h[i] += s->out[i] + (d->parallel ? s->held[i] : 0.0f) + (w->down_bias ? w->down_bias[i % e] : 0.0f);
+            h[i] += s->out[i] + (held ? s->held[i] : 0.0f) + (w->down_bias ? w->down_bias[i % e] : 0.0f);
     }
     return count;
 }
 
 /* Element counts of the scratch buffers, in the struct's order, for the dimensions d (ctx and tokens included). */
-void qinfer_scratch_sizes(const dims *d, int64_t out[14]) {
+void qinfer_scratch_sizes(const dims *d, int64_t out[17]) {
     int64_t heads = d->heads * d->head_dim, kv = d->kv_heads * d->head_dim, blocks = d->widest / QK + 1;
     int64_t b = d->tokens, rank = d->predictor > 0 ? d->predictor : 1;
-    int64_t sizes[14] = {b * d->hidden, b * heads, b * kv, b * kv, b * heads, b * d->heads * (d->ctx + 1), b * rank,
-                         b * d->ffn, b * d->hidden, b * d->hidden, d->ffn, b * d->widest, b * blocks, b * blocks};
+    int64_t g = d->experts ? d->used * d->expert_ffn + 2 * d->ffn : d->ffn;
+    int64_t sizes[17] = {b * d->hidden, b * heads, b * kv, b * kv, b * heads, b * d->heads * (d->ctx + 1), b * rank,
+                         b * g, b * d->hidden, b * d->hidden, b * d->experts, b * d->used, b * d->used, d->ffn,
+                         b * d->widest, b * blocks, b * blocks};
     memcpy(out, sizes, sizeof sizes);
 }
 
@@ -615,23 +727,30 @@ static const abi_fact abi_facts[] = {
     FACT(CACHE_F32), FACT(CACHE_F16), FACT(CACHE_Q8_0), FACT(EMPTY_ROW),
     SIZE(matrix), FIELD(matrix, data), FIELD(matrix, stride), FIELD(matrix, type), FIELD(matrix, rows),
     FIELD(matrix, cols),
+    SIZE(stacks), FIELD(stacks, gate), FIELD(stacks, up), FIELD(stacks, down), FIELD(stacks, gate_expert),
+    FIELD(stacks, gate_row), FIELD(stacks, up_expert), FIELD(stacks, up_row), FIELD(stacks, down_expert),
+    FIELD(stacks, down_row), FIELD(stacks, gate_type), FIELD(stacks, up_type), FIELD(stacks, down_type),
+    FIELD(stacks, experts), FIELD(stacks, f), FIELD(stacks, n),
     SIZE(layer), FIELD(layer, q), FIELD(layer, k), FIELD(layer, v), FIELD(layer, o), FIELD(layer, gate),
-    FIELD(layer, up), FIELD(layer, down), FIELD(layer, fc1), FIELD(layer, fc2), FIELD(layer, attn_norm),
+    FIELD(layer, up), FIELD(layer, down), FIELD(layer, fc1), FIELD(layer, fc2), FIELD(layer, experts),
+    FIELD(layer, router), FIELD(layer, shared_gate), FIELD(layer, q_norm), FIELD(layer, k_norm), FIELD(layer, attn_norm),
     FIELD(layer, ffn_norm), FIELD(layer, attn_norm_bias), FIELD(layer, ffn_norm_bias), FIELD(layer, q_bias),
     FIELD(layer, k_bias), FIELD(layer, v_bias), FIELD(layer, o_bias), FIELD(layer, up_bias), FIELD(layer, down_bias),
     FIELD(layer, k_cache), FIELD(layer, v_cache), FIELD(layer, pos_cache), FIELD(layer, mass_cache),
     FIELD(layer, gate_threshold),
     SIZE(dims), FIELD(dims, hidden), FIELD(dims, heads), FIELD(dims, kv_heads), FIELD(dims, head_dim),
     FIELD(dims, ffn), FIELD(dims, ctx), FIELD(dims, predictor), FIELD(dims, widest), FIELD(dims, window),
-    FIELD(dims, tokens), FIELD(dims, kept), FIELD(dims, sinks), FIELD(dims, recent),
+    FIELD(dims, tokens), FIELD(dims, kept), FIELD(dims, sinks), FIELD(dims, recent), FIELD(dims, experts),
+    FIELD(dims, used), FIELD(dims, expert_ffn), FIELD(dims, norm_top_k),
     FIELD(dims, eps), FIELD(dims, threshold), FIELD(dims, decay), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
     FIELD(dims, rope_neox), FIELD(dims, k_type), FIELD(dims, v_type), FIELD(dims, layer_norm), FIELD(dims, parallel),
     SIZE(scratch), FIELD(scratch, x), FIELD(scratch, q), FIELD(scratch, k), FIELD(scratch, v),
     FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out),
-    FIELD(scratch, held),
+    FIELD(scratch, held), FIELD(scratch, probs), FIELD(scratch, weights), FIELD(scratch, chosen),
     FIELD(scratch, ids), FIELD(scratch, xq), FIELD(scratch, xd), FIELD(scratch, xs),
     ELEMENT(x), ELEMENT(q), ELEMENT(k), ELEMENT(v), ELEMENT(att), ELEMENT(scores), ELEMENT(pred), ELEMENT(g),
-    ELEMENT(out), ELEMENT(held), ELEMENT(ids), ELEMENT(xq), ELEMENT(xd), ELEMENT(xs),
+    ELEMENT(out), ELEMENT(held), ELEMENT(probs), ELEMENT(weights), ELEMENT(chosen), ELEMENT(ids), ELEMENT(xq),
+    ELEMENT(xd), ELEMENT(xs),
 };
 
 /* The facts, and how many there are. */

@@ -4,7 +4,8 @@ sequences, each in its own slot of the KV cache.
 `DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
 rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
 made in between. It applies to llama, bamboo, qwen2, falcon and opt files whose matrices are F16, Q4_0 or Q8_0 rows,
-with a dense FFN, the predictor's sparse one or a calibrated gate's, and a KV cache on the CPU: the full one in
+with a dense FFN, the predictor's sparse one or a calibrated gate's, and to the mixtures of experts (mixtral,
+qwen2moe, qwen3moe) whose experts are all on the CPU, and a KV cache on the CPU: the full one in
 float32, f16 or q8_0 (each of K and V), or the window cache, whose kept rows the kernel attends, weighs and replaces
 as kv/window.py does; everything else (prompts, the GPU split, the oracle) keeps the torch path, which computes the
 same layer.
@@ -19,12 +20,12 @@ from typing import Protocol, cast
 
 import torch
 
-from qinfer.core.architectures import FfnForm, architecture
+from qinfer.core.architectures import ACTIVATIONS, FfnForm, architecture
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVSplit, KVTypes
-from qinfer.core.model_spec import ModelSpec
+from qinfer.core.model_spec import Experts, ModelSpec
 from qinfer.runtime.kernels import row_kernels
-from qinfer.runtime.kernels.abi import CACHE_CODES, SCRATCH, Dims, Layer, Matrix, Scratch, form_code
+from qinfer.runtime.kernels.abi import CACHE_CODES, SCRATCH, Dims, Layer, Matrix, Scratch, Stacks, form_code
 from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
 
 
@@ -46,6 +47,8 @@ class LayerRows:
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None  # the FFN's, which belongs to no neuron
+    q_norm: torch.Tensor | None = None  # RMSNorm weights over each head of q and of k (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 # What the layer step reads of the rooms above it (the FFN runner, the forward's step, the KV cache), described
@@ -73,11 +76,46 @@ class FFNRows(Protocol):
     def gate_threshold(self) -> float: ...
 
 
+class SwiGLURows(Protocol):
+    """A shared expert (ffn/experts.py's SwiGLU): gate and up [F, E], down [E, F]."""
+
+    @property
+    def gate(self) -> Weight: ...
+    @property
+    def up(self) -> Weight: ...
+    @property
+    def down(self) -> Weight: ...
+
+
+class ExpertRows(Protocol):
+    """One layer's router and experts (ffn/experts.py's ExpertWeights)."""
+
+    @property
+    def router(self) -> Weight: ...
+    @property
+    def gate(self) -> Weight: ...
+    @property
+    def up(self) -> Weight: ...
+    @property
+    def down(self) -> Weight: ...
+    @property
+    def shared(self) -> SwiGLURows | None: ...
+    @property
+    def shared_gate(self) -> Weight | None: ...
+
+
 class LayerRunner(Protocol):
     """An FFN runner (ffn/runners.py) that says which of its decode steps the layer step may compute: every layer's
     rows and the predictor's threshold (None: every neuron, the dense FFN), or None where it computes differently."""
 
     def native_rows(self) -> tuple[Sequence[FFNRows], float | None] | None: ...
+
+
+class ExpertLayerRunner(Protocol):
+    """A mixture's FFN runner (ffn/experts.py): every layer's experts where it computes them all on the CPU, as the
+    layer step may, else None."""
+
+    def native_experts(self) -> Sequence[ExpertRows] | None: ...
 
 
 class Schedule(Protocol):
@@ -169,18 +207,41 @@ class DecodeLayers:
     ) -> DecodeLayers | None:
         """The layers' description, or None where the kernel does not apply to this model and FFN runner; `parallel`:
         attention and FFN both read the layer's input (falcon)."""
+        if not row_kernels.enabled() or cfg.rope_dim not in (0, cfg.head_dim):
+            return None
+        keep: list[object] = []
+        if cfg.experts is None:
+            described = cls._ffn_layers(cfg, attn, runner, keep)
+        else:
+            described = cls._expert_layers(cfg.experts, attn, runner, keep)
+        if described is None:
+            return None
+        layers, ffn, widest = described
+        dims = Dims(
+            hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ctx=0, tokens=0,
+            widest=max(cfg.hidden, cfg.q_dim, widest), window=cfg.sliding_window or 0, eps=cfg.norm_eps,
+            rope_neox=int(architecture(cfg.arch).rope == "neox"), layer_norm=int(attn[0].attn_norm_bias is not None),
+            parallel=int(parallel), **ffn,
+        )  # fmt: skip
+        return cls(cfg, runner, layers, dims, keep)
+
+    @classmethod
+    def _ffn_layers(
+        cls, cfg: ModelSpec, attn: Sequence[LayerRows], runner: object, keep: list[object]
+    ) -> tuple[list[Layer], dict[str, float | int], int] | None:
+        """Every layer of a dense or sparse FFN, the dimensions that describe the FFN, and the widest input its
+        products quantize; None where the kernel does not apply."""
         selected = runner.native_rows() if hasattr(runner, "native_rows") else None
         if selected is None:
             return None
         ffn, chosen = selected
         sparse, threshold = chosen is not None, chosen or 0.0
-        if not row_kernels.enabled() or cfg.rope_dim not in (0, cfg.head_dim) or not ffn:
+        if not ffn:
             return None
         form = ffn[0].form
         if (form.biased and any(w.up_bias is None for w in ffn)) or (sparse and not all(w.has_predictor for w in ffn)):
             return None
-        layer_norm = attn[0].attn_norm_bias is not None
-        layers, keep, down_rows = [], [], set()
+        layers, down_rows = [], set()
         for a, w in zip(attn, ffn, strict=True):
             layer = cls._layer(a, w, sparse, keep)
             if layer is None:
@@ -191,38 +252,88 @@ class DecodeLayers:
             return None
         # Predictor ranks may differ per layer: the scratch holds the largest.
         rank = max(w.fc1.shape[0] for w in ffn) if sparse else 0  # type: ignore[union-attr]
-        dims = Dims(
-            hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn, ctx=0,
-            tokens=0, predictor=rank, widest=max(cfg.hidden, cfg.ffn, rank), window=cfg.sliding_window or 0,
-            eps=cfg.norm_eps, threshold=threshold, form=form_code(form), sparse=int(sparse), down_rows=down_rows.pop(),
-            rope_neox=int(architecture(cfg.arch).rope == "neox"), layer_norm=int(layer_norm), parallel=int(parallel),
-        )  # fmt: skip
-        return cls(cfg, runner, layers, dims, keep)
+        dims = {
+            "ffn": cfg.ffn, "predictor": rank, "threshold": threshold, "form": form_code(form), "sparse": int(sparse),
+            "down_rows": down_rows.pop(),
+        }  # fmt: skip
+        return layers, dims, max(cfg.ffn, rank)
+
+    @classmethod
+    def _expert_layers(
+        cls, experts: Experts, attn: Sequence[LayerRows], runner: object, keep: list[object]
+    ) -> tuple[list[Layer], dict[str, float | int], int] | None:
+        """Every layer of a mixture, the dimensions that describe it, and the widest input its products quantize
+        (each token's experts' activations and the shared expert's, quantized together); None where the kernel does
+        not apply."""
+        rows = cast(ExpertLayerRunner, runner).native_experts() if hasattr(runner, "native_experts") else None
+        if not rows:
+            return None
+        layers = [cls._expert_layer(a, w, keep) for a, w in zip(attn, rows, strict=True)]
+        if any(layer is None for layer in layers):
+            return None
+        dims = {
+            "ffn": experts.shared_ffn, "experts": experts.count, "used": experts.used, "expert_ffn": experts.ffn,
+            "norm_top_k": int(experts.norm_top_k), "form": form_code(ACTIVATIONS["silu"]),  # experts are SwiGLU
+        }  # fmt: skip
+        return cast(list[Layer], layers), dims, experts.used * experts.ffn + experts.shared_ffn
 
     @staticmethod
-    def _layer(a: LayerRows, w: FFNRows, sparse: bool, keep: list[object]) -> tuple[Layer, int] | None:
+    def _attention(a: LayerRows, keep: list[object]) -> dict[str, Matrix | int] | None:
+        """A layer's attention fields of the kernel's description, or None where a matrix is not rows it reads."""
+        matrices = {name: _matrix(getattr(a, name)) for name in ("q", "k", "v", "o")}
+        if any(m is None for m in matrices.values()):
+            return None
+        vectors = (
+            "attn_norm", "ffn_norm", "attn_norm_bias", "ffn_norm_bias", "q_bias", "k_bias", "v_bias", "o_bias",
+            "down_bias", "q_norm", "k_norm",
+        )  # fmt: skip
+        floats = {name: v.float().contiguous() for name in vectors if (v := getattr(a, name)) is not None}
+        keep.extend([*floats.values(), a.q, a.k, a.v, a.o])
+        return cast(dict[str, Matrix], matrices) | {name: v.data_ptr() for name, v in floats.items()}
+
+    @classmethod
+    def _layer(cls, a: LayerRows, w: FFNRows, sparse: bool, keep: list[object]) -> tuple[Layer, int] | None:
+        attention = cls._attention(a, keep)
         down, down_rows = _down(w.down_t)
-        weights = {"q": a.q, "k": a.k, "v": a.v, "o": a.o, "up": w.up}
+        weights = {"up": w.up}
         if w.gate is not None:
             weights["gate"] = w.gate
         if sparse:
             weights |= {"fc1": w.fc1, "fc2": w.fc2}
         matrices = {name: _matrix(t) for name, t in weights.items()}
-        if down is None or any(m is None for m in matrices.values()):
+        if attention is None or down is None or any(m is None for m in matrices.values()):
             return None
-        vectors = (
-            "attn_norm", "ffn_norm", "attn_norm_bias", "ffn_norm_bias", "q_bias", "k_bias", "v_bias", "o_bias",
-            "down_bias",
-        )  # fmt: skip
-        floats = {name: v.float().contiguous() for name in vectors if (v := getattr(a, name)) is not None}
-        if w.up_bias is not None:
-            floats["up_bias"] = w.up_bias.float().contiguous()
+        floats = {} if w.up_bias is None else {"up_bias": w.up_bias.float().contiguous()}
         keep.extend([*floats.values(), *weights.values(), w.down_t])
         layer = Layer(
-            **matrices, down=down, **{name: v.data_ptr() for name, v in floats.items()},
+            **attention, **matrices, down=down, **{name: v.data_ptr() for name, v in floats.items()},
             gate_threshold=w.gate_threshold,
         )  # fmt: skip
         return layer, down_rows
+
+    @classmethod
+    def _expert_layer(cls, a: LayerRows, w: ExpertRows, keep: list[object]) -> Layer | None:
+        """A mixture's layer: attention, the router and the expert stacks, and the shared expert (its down an [E, F]
+        matrix) and its gate where there is one; the router and the gate as float32 rows."""
+        attention = cls._attention(a, keep)
+        stacks = [row_kernels.stack_layout(t) for t in (w.gate, w.up, w.down)]
+        if attention is None or any(st is None for st in stacks) or not isinstance(w.router, torch.Tensor):
+            return None
+        (g, gt, ge, gr), (u, ut, ue, ur), (d, dt, de, dr) = stacks  # type: ignore[misc]
+        experts, f, n = w.gate.shape
+        floats = {"router": w.router}
+        shared: dict[str, Matrix | None] = {}
+        if w.shared is not None:
+            shared = {name: _matrix(getattr(w.shared, name)) for name in ("gate", "up", "down")}
+            if any(m is None for m in shared.values()) or not isinstance(w.shared_gate, torch.Tensor):
+                return None
+            floats["shared_gate"] = w.shared_gate
+        rows = {name: v.float().contiguous() for name, v in floats.items()}
+        keep.extend([*rows.values(), w.gate, w.up, w.down, w.shared])
+        return Layer(
+            **attention, **shared, experts=Stacks(g, u, d, ge, gr, ue, ur, de, dr, gt, ut, dt, experts, f, n),
+            **{name: v.data_ptr() for name, v in rows.items()},
+        )  # fmt: skip
 
     def takes(self, h: torch.Tensor, step: StepRows, cache: CacheRows, runner: object) -> bool:
         """Whether this forward call is one the kernel computes: one token of each of one or more sequences, each in

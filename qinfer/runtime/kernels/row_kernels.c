@@ -699,6 +699,64 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
     return 0;
 }
 
+/* A layer's experts: gate and up stacks [experts, f, n], down [experts, n, f], each a base pointer, a type, and
+ * strides in bytes between experts and between rows. */
+typedef struct {
+    const uint8_t *gate, *up, *down;
+    int64_t gate_expert, gate_row, up_expert, up_row, down_expert, down_row;
+    int32_t gate_type, up_type, down_type;
+    int64_t experts, f, n;
+} stacks;
+
+/* Whether every expert's rows fit, as fits() checks a matrix's, and each expert's stride spans a whole expert. */
+static int stacks_fit(const stacks *m) {
+    int64_t f = m->f, n = m->n;
+    return m->gate && m->up && m->down && m->experts > 0 && fits(m->gate_type, m->gate_row, f, n, n, NULL, f) &&
+           fits(m->up_type, m->up_row, f, n, n, NULL, f) && fits(m->down_type, m->down_row, n, f, f, NULL, n) &&
+           m->gate_expert >= f * m->gate_row && m->up_expert >= f * m->up_row && m->down_expert >= n * m->down_row;
+}
+
+/* act[p] [f] = silu(gate x) * up x over expert chosen[p]'s rows, x being token p / k's input, for each (token,
+ * expert) pair p < pairs; inside a parallel region, every row of a pair's expert read once for it. The gate's rows
+ * go first and then up's, each a run of consecutive rows that the hardware prefetcher streams: with each up row
+ * read ahead beside its gate row instead (two streams, a prefetch per line), Mixtral's two Q4_0 experts of a token
+ * ran at 40 GB/s, against 42 so and 46 for a plain Q4_0 product (two Zen 4 cores). */
+static void expert_act(const stacks *m, const float *x, const q8_act *xq, const int64_t *chosen, int64_t pairs,
+                       int64_t k, float *act) {
+    int64_t f = m->f, n = m->n;
+    /* Both loops give each thread the same rows (a static schedule of equal trips): no barrier between them. */
+#pragma omp for schedule(static) nowait
+    for (int64_t pr = 0; pr < pairs * f; pr++) {
+        int64_t p = pr / f, r = pr % f;
+        const uint8_t *g = m->gate + chosen[p] * m->gate_expert + r * m->gate_row;
+        act[pr] = gate_act(FORM_GATED_SILU, dot_row(m->gate_type, g, NULL, x, xq, p / k, n));
+    }
+#pragma omp for schedule(static)
+    for (int64_t pr = 0; pr < pairs * f; pr++) {
+        int64_t p = pr / f, r = pr % f;
+        act[pr] *= dot_row(m->up_type, m->up + chosen[p] * m->up_expert + r * m->up_row, NULL, x, xq, p / k, n);
+    }
+}
+
+/* out[t] [n] = sum over i < k of weights[t, i] * expert chosen[t, i]'s down product of act[t * k + i] (aq: act
+ * quantized, for quantized rows); inside a parallel region, each thread owning whole output columns. */
+static void expert_down(const stacks *m, const float *act, const q8_act *aq, const int64_t *chosen,
+                        const float *weights, int64_t tokens, int64_t k, float *out) {
+    int64_t f = m->f, n = m->n;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < n; c++) {
+        for (int64_t t = 0; t < tokens; t++) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < k; i++) {
+                int64_t p = t * k + i;
+                const uint8_t *row = m->down + chosen[p] * m->down_expert + c * m->down_row;
+                sum += weights[p] * dot_row(m->down_type, row, c + 1 < n ? row + m->down_row : NULL, act, aq, p, f);
+            }
+            out[t * n + c] = sum;
+        }
+    }
+}
+
 /* A mixture of experts' FFN for a few tokens in one call: out[t] = sum over i < k of weights[t, i] * expert
  * chosen[t, i]'s SwiGLU of x[t], down(silu(gate x) * up x). gate and up are stacks [experts, f, n] and down
  * [experts, n, f], each a base pointer, a type, and strides in bytes (strides[0..5]: gate's expert and row, up's,
@@ -708,16 +766,14 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
 int qinfer_moe_ffn(const uint8_t *gate, int gate_type, const uint8_t *up, int up_type, const uint8_t *down,
                    int down_type, const int64_t strides[6], const int64_t dims[3], const float *x, int64_t tokens,
                    const int64_t *chosen, const float *weights, int64_t k, float *act, float *out, int threads) {
-    int64_t experts = dims[0], f = dims[1], n = dims[2], pairs = tokens * k;
-    /* Each expert's rows as fits() checks a matrix's; its strides span a whole expert. */
-    if (!fits(gate_type, strides[1], f, n, n, NULL, f) || !fits(up_type, strides[3], f, n, n, NULL, f) ||
-        !fits(down_type, strides[5], n, f, f, NULL, n) || strides[0] < f * strides[1] || strides[2] < f * strides[3] ||
-        strides[4] < n * strides[5])
-        return -1;
+    stacks m = {gate, up, down, strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
+                gate_type, up_type, down_type, dims[0], dims[1], dims[2]};
+    int64_t pairs = tokens * k, f = m.f;
+    if (!stacks_fit(&m)) return -1;
     for (int64_t p = 0; p < pairs; p++)
-        if (chosen[p] < 0 || chosen[p] >= experts) return -1;
+        if (chosen[p] < 0 || chosen[p] >= m.experts) return -1;
     q8_act xq = {0}, aq = {0};
-    int failed = ((gate_type != F16 || up_type != F16) && q8_quantize(x, tokens, n, &xq));
+    int failed = ((gate_type != F16 || up_type != F16) && q8_quantize(x, tokens, m.n, &xq));
     if (!failed && down_type != F16) {
         /* Allocated here, filled once the activations are known. */
         aq.q = malloc((size_t)(pairs * f));
@@ -732,31 +788,12 @@ int qinfer_moe_ffn(const uint8_t *gate, int gate_type, const uint8_t *up, int up
     }
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t pr = 0; pr < pairs * f; pr++) {
-            int64_t p = pr / f, r = pr % f, t = p / k;
-            const uint8_t *g = gate + chosen[p] * strides[0] + r * strides[1];
-            const uint8_t *u = up + chosen[p] * strides[2] + r * strides[3];
-            /* While the gate's row is summed, the up row is read ahead, and the other way round the next gate row. */
-            float a = gate_act(FORM_GATED_SILU, dot_row(gate_type, g, u, x, &xq, t, n));
-            act[pr] = a * dot_row(up_type, u, r + 1 < f ? g + strides[1] : NULL, x, &xq, t, n);
-        }
+        expert_act(&m, x, &xq, chosen, pairs, k, act);
         if (down_type != F16) {
 #pragma omp single
             q8_quantize_blocks(act, pairs * (f / QK), &aq);
         }
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < n; c++) {
-            for (int64_t t = 0; t < tokens; t++) {
-                float sum = 0.0f;
-                for (int64_t i = 0; i < k; i++) {
-                    int64_t p = t * k + i;
-                    const uint8_t *row = down + chosen[p] * strides[4] + c * strides[5];
-                    sum += weights[p] * dot_row(down_type, row, c + 1 < n ? row + strides[5] : NULL, act, &aq, p, f);
-                }
-                out[t * n + c] = sum;
-            }
-        }
+        expert_down(&m, act, &aq, chosen, weights, tokens, k, out);
     }
     q8_free(&xq);
     q8_free(&aq);

@@ -304,7 +304,7 @@ def sparse_ffn(
     return out
 
 
-def _stack(t: Weight) -> tuple[int, int, int, int] | None:
+def stack_layout(t: Weight) -> tuple[int, int, int, int] | None:
     """(address, type code, expert stride and row stride in bytes) of a CPU stack of experts [N, rows, columns] the
     kernels read, or None where they cannot."""
     if isinstance(t, QuantizedMatrix):
@@ -325,7 +325,7 @@ def moe_ffn(
     float32 stacks)."""
     if not _takes(x, TOKEN_BLOCK):
         return None
-    stacks = [_stack(t) for t in (gate, up, down)]
+    stacks = [stack_layout(t) for t in (gate, up, down)]
     if any(st is None for st in stacks):
         return None
     (g, gt, ge, gr), (u, ut, ue, ur), (d, dt, de, dr) = stacks  # type: ignore[misc]

@@ -59,11 +59,12 @@ class LlamaForward(TransformerForward):
         if self.device.type == "cuda" and split_on_gpu and os.environ.get(GRAPHS_VARIABLE, "1") != "0":
             self.graphs = GraphSteps(self, self.ffn)
 
-    def native_rows(self) -> list[LayerRows] | None:
-        if self.attn[0].q_norm is not None or self.cfg.head_size is not None:
-            return None  # the native step has no q/k norms, and takes heads of hidden / heads
-        return [LayerRows(a.attn_norm, a.q, a.k, a.v, a.o, a.ffn_norm, None, None, a.q_bias, a.k_bias, a.v_bias)
-                for a in self.attn]  # fmt: skip
+    def native_rows(self) -> list[LayerRows]:
+        return [
+            LayerRows(a.attn_norm, a.q, a.k, a.v, a.o, a.ffn_norm, q_bias=a.q_bias, k_bias=a.k_bias, v_bias=a.v_bias,
+                      q_norm=a.q_norm, k_norm=a.k_norm)
+            for a in self.attn
+        ]  # fmt: skip
 
     def load_block(self, model: ModelFile, i: int) -> AttentionWeights:
         t, arch = model.tensor, architecture(model.config.arch)

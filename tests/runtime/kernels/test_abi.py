@@ -26,7 +26,7 @@ def _lib() -> ctypes.CDLL:
 @pytest.mark.usefixtures("kernel_build")
 def test_every_build_states_what_python_expects() -> None:
     assert abi.disagreement(_lib()) is None
-    assert len(abi.stated(_lib())) > 60  # codes, layouts, and every field of four structures
+    assert len(abi.stated(_lib())) > 60  # codes, layouts, and every field of five structures
 
 
 def test_a_mirror_changed_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,10 +34,10 @@ def test_a_mirror_changed_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
                else (name, kind) for name, kind in abi.Dims._fields_]  # fmt: skip
     assert swapped != abi.Dims._fields_
     monkeypatch.setattr(abi, "Dims", type("Dims", (ctypes.Structure,), {"_fields_": swapped}))
-    monkeypatch.setattr(abi, "STRUCTS", (abi.Matrix, abi.Layer, abi.Dims, abi.Scratch))
+    monkeypatch.setattr(abi, "STRUCTS", (abi.Matrix, abi.Stacks, abi.Layer, abi.Dims, abi.Scratch))
     # Swapping two floats keeps the size and the other offsets; the offsets by name reveal it.
-    assert abi.disagreement(_lib()) == "dims.eps: the library says 104, Python expects 108"
-    monkeypatch.setattr(abi, "STRUCTS", (abi.Matrix, abi.Layer, abi.Scratch))
+    assert abi.disagreement(_lib()) == "dims.eps: the library says 128, Python expects 132"
+    monkeypatch.setattr(abi, "STRUCTS", (abi.Matrix, abi.Stacks, abi.Layer, abi.Scratch))
     assert abi.disagreement(_lib()) == "dims.ctx: the library says 40, Python does not mirror it"
     monkeypatch.undo()
     monkeypatch.setattr(abi, "TOKEN_BLOCK", 32)
@@ -59,4 +59,4 @@ def test_a_c_side_changed_alone_is_refused(tmp_path: Path, capsys: pytest.Captur
     lib = ctypes.CDLL(str(built))
     lib.qinfer_abi.argtypes = [ctypes.c_void_p]
     lib.qinfer_abi.restype = ctypes.c_int64
-    assert abi.disagreement(lib) == "dims.eps: the library says 108, Python expects 104"
+    assert abi.disagreement(lib) == "dims.eps: the library says 132, Python expects 128"

@@ -15,6 +15,7 @@ from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.ffn.experts import ExpertRunner
 from qinfer.runtime.kernels import row_kernels
+from qinfer.runtime.kernels.decode_layer import DecodeLayers
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
@@ -109,11 +110,21 @@ def test_one_native_call_computes_a_tokens_experts(
 def test_q4_0_experts_decode_as_their_dequantized_weights(
     moe: dict[str, dict[str, Path]], family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Q4_0 file's experts, read per expert from the stacked blocks by the native kernels (their input rounded to
-    Q8_0 blocks, as ggml does), against the torch path over the same blocks expanded to float32."""
+    """A Q4_0 file's experts, read per expert from the stacked blocks by the native layer step (their input rounded
+    to Q8_0 blocks, as ggml does), against the torch path over the same blocks expanded to float32."""
     q4 = quantize_gguf(moe[family]["dense-f32"], tmp_path / "q4.gguf", "Q4_0").outfile
     ids = hf_ids(moe[family]["model"], TEXT)[:12]
+    steps: list[int] = []
+    run = DecodeLayers.run
+
+    def counted(self: DecodeLayers, i: int, *rest: object) -> torch.Tensor:
+        steps.append(i)
+        return run(self, i, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeLayers, "run", counted)
     native = our_logits(q4, ids, "dense", split=len(ids) - DECODE_STEPS)
+    # Every decode step of every layer ran in the native layer step.
+    assert steps == list(range(open_model(q4).config.layers)) * DECODE_STEPS
     monkeypatch.setenv("QINFER_NATIVE", "0")
     expanded = our_logits(q4, ids, "dense", split=len(ids) - DECODE_STEPS)
     f32 = our_logits(moe[family]["dense-f32"], ids, "dense", split=len(ids) - DECODE_STEPS)
