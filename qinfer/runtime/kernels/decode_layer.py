@@ -87,17 +87,11 @@ class SwiGLURows(Protocol):
     def down(self) -> Weight: ...
 
 
-class ExpertRows(Protocol):
-    """One layer's router and experts (ffn/experts.py's ExpertWeights)."""
+class ExpertRows(SwiGLURows, Protocol):
+    """One layer's router and experts (ffn/experts.py's ExpertWeights): gate, up and down stacked [N, ...]."""
 
     @property
     def router(self) -> Weight: ...
-    @property
-    def gate(self) -> Weight: ...
-    @property
-    def up(self) -> Weight: ...
-    @property
-    def down(self) -> Weight: ...
     @property
     def shared(self) -> SwiGLURows | None: ...
     @property
