@@ -81,8 +81,8 @@ def routing_profile(root: Path, name: str, tokens: int) -> tuple[np.ndarray, ...
     out = root / name / "activation"
     if not (out / "summary.json").exists():
         profile_activations(model_dir, corpus, out, tokens=tokens, seq_len=128, device="cpu")
-    used = count_basis(out).tokens
-    return tuple(counts.double().numpy() / used for counts in read_activations(out))
+    profiled = count_basis(out).tokens
+    return tuple(counts.double().numpy() / profiled for counts in read_activations(out))
 
 
 def split_table(console: Console, root: Path, files: dict[str, dict[str, Path]], tokens: int) -> None:

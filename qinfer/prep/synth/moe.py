@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from qinfer.formats.atomic_file import atomic_directory
-from qinfer.prep.synth.swiglu import save_checkpoint, synth_tokenizer
+from qinfer.prep.synth.swiglu import decoder_config, save_checkpoint, synth_tokenizer
 
 MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe")
 # The SwiGLU family whose kind of vocabulary each has.
@@ -52,21 +52,8 @@ _EXPERTS = {"mixtral": 4, "qwen2moe": 4, "qwen3moe": 8}
 def moe_config(
     family: str, shape: MoeShape, vocab: int, ids: dict[str, int | None], init_std: float
 ) -> PretrainedConfig:
-    common = dict(
-        initializer_range=init_std,
-        vocab_size=vocab,
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        num_experts_per_tok=shape.used,
-        max_position_embeddings=shape.context,
-        rms_norm_eps=1e-5,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
+    common = decoder_config(shape, vocab, ids, init_std)
+    common |= dict(num_experts_per_tok=shape.used, tie_word_embeddings=False)
     experts = shape.experts or _EXPERTS[family]
     if family == "mixtral":
         return MixtralConfig(**common, intermediate_size=shape.expert_ffn, num_local_experts=experts)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -128,24 +129,41 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, 
         tokenizer.save_pretrained(tmp)
 
 
-def _config(
-    family: str, shape: SwigluShape, activation: str, vocab: int, ids: dict[str, int | None], init_std: float
-) -> PretrainedConfig:
-    common = dict(
+class DecoderShape(Protocol):
+    """What a tiny checkpoint's shape says of its decoder (SwigluShape, moe.MoeShape)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    context: int
+
+
+def decoder_config(
+    shape: DecoderShape, vocab: int, ids: dict[str, int | None], init_std: float
+) -> dict[str, object]:
+    """The transformers config keys every tiny LLaMA-shaped checkpoint here shares (the SwiGLU families' and the
+    mixtures'): its shape, its vocabulary's BOS and EOS, and float32 weights drawn with `init_std`."""
+    return dict(
         initializer_range=init_std,
         vocab_size=vocab,
         hidden_size=shape.hidden,
-        intermediate_size=shape.ffn,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
-        hidden_act=activation,
         max_position_embeddings=shape.context,
         rms_norm_eps=1e-5,
         bos_token_id=ids["bos"],
         eos_token_id=ids["eos"],
         dtype="float32",
     )
+
+
+def _config(
+    family: str, shape: SwigluShape, activation: str, vocab: int, ids: dict[str, int | None], init_std: float
+) -> PretrainedConfig:
+    common = decoder_config(shape, vocab, ids, init_std)
+    common |= dict(intermediate_size=shape.ffn, hidden_act=activation)
     if family == "llama3":
         # Scaled as Llama-3.1 is (factor 8 over an original context of 8192), shrunk to this context so that the
         # scaling reaches frequencies a short test sees.
