@@ -4,6 +4,7 @@
                                          [--positions 128,2048,8192] [--steps 8] [--rounds 3] [-t N]
                                          [--cache-type f16,q8_0]
                                          [--llama-batched-bench PATH] [--powerinfer-batched-bench PATH]
+                                         [--before-kernels DIR]
 
 Two sweeps, on the f16 (and with --quant, the quantized) dense and PowerInfer files of bench/decode.py's models:
 B sequences decoding together at a KV position of the first --positions entry, for each B of --batches; and one
@@ -20,6 +21,8 @@ S_TG), best of --rounds interleaved rounds.
   files, beside our f16 cases; it applies SiLU to a `llama` file, so the speed compares, not the tokens.
 - PowerInfer: the engine's `batched-bench` (built from its source; it runs on every physical core) on the dense and
   the PowerInfer files, beside our f16 cases.
+- before (--before-kernels DIR): ours again on the native kernels built from DIR's decode_layer.c and
+  row_kernels.c (a checkout of them before a change), in the same interleaved rounds.
 - limit: B / (the bytes a step must read: every weight once, dense, plus each sequence's KV rows) * the read
   bandwidth measured at the start. Past a few sequences the products' arithmetic binds instead, which this limit
   leaves out.
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from decode import bench_model, quantized
+from decode import bench_model, kernels_from, on_kernels, quantized
 from decode_peers import read_bandwidth
 from rich.console import Console
 from rich.table import Table
@@ -207,6 +210,7 @@ def main() -> None:
     parser.add_argument("--cache-type", default=PEER_CACHE, help=f"ours' KV cache types, of {', '.join(CACHE_TYPES)}")
     parser.add_argument("--llama-batched-bench", type=Path, help="llama.cpp's llama-batched-bench: adds its column")
     parser.add_argument("--powerinfer-batched-bench", type=Path, help="the engine's batched-bench: adds its column")
+    parser.add_argument("--before-kernels", type=Path, help="also ours on the kernels built from this directory")
     args = parser.parse_args()
     for binary in (args.llama_batched_bench, args.powerinfer_batched_bench):
         if binary is not None and not binary.is_file():
@@ -223,6 +227,7 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")  # fmt: skip
     bandwidth = read_bandwidth()
+    before = None if args.before_kernels is None else kernels_from(args.before_kernels)
     console.print(f"{cpu}, {threads} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB)")
     model = bench_model(args.work, args.model)
     variants = [(model, "F16"), *([(quantized(model, args.quant), args.quant)] if args.quant else [])]
@@ -237,6 +242,8 @@ def main() -> None:
             cases += mine
             forward = load_forward(open_model(path), RuntimeOptions(ffn="dense" if kind == "dense" else "auto"))
             timers[f"ours {path.name}"] = ours(forward.forward, mine, args.steps)
+            if before is not None:
+                timers[f"before {path.name}"] = on_kernels(before, ours(forward.forward, mine, args.steps))
             if args.llama_batched_bench is not None and kind == "dense":
                 command = llama_command(args.llama_batched_bench, path, threads, args.steps)
                 timers[f"llama.cpp {path.name}"] = peer(command, theirs, args.steps)
@@ -253,18 +260,19 @@ def main() -> None:
                 key = (name.split(" ", 1)[0], case)
                 best[key] = max(best.get(key, 0.0), speed)
             console.print(f"round {round_ + 1}: {name} ({time.perf_counter() - started:.0f} s)")
-        console.print(results(cases, best, powerinfer, bandwidth, args.steps, threads, round_ + 1))
+        console.print(results(cases, best, powerinfer, bandwidth, args.steps, threads, round_ + 1, before is not None))
 
 
 def results(
     cases: list[Case], best: dict[tuple[str, Case], float], powerinfer: dict[str, Path], bandwidth: float, steps: int,
-    threads: int, rounds: int,
+    threads: int, rounds: int, with_before: bool = False,
 ) -> Table:  # fmt: skip
     table = Table(
         title=f"aggregate decode tokens/s ({threads} threads, {steps} steps, best of {rounds} rounds)"
     )
-    for column in ("file", "B", "KV pos", "KV type", "ours", "llama.cpp", "PowerInfer", "limit", "ours/llama.cpp",
-                   "ours/PowerInfer", "ours/limit", "sparse/dense"):  # fmt: skip
+    columns = ("file", "B", "KV pos", "KV type", "ours", "llama.cpp", "PowerInfer", "limit", "ours/llama.cpp",
+               "ours/PowerInfer", "ours/limit", "sparse/dense")  # fmt: skip
+    for column in (*columns, *(("before", "ours/before") if with_before else ())):
         table.add_column(column, justify="right" if column != "file" else "left", no_wrap=True)
     for case in cases:
         mine = best.get(("ours", case), math.nan)
@@ -274,10 +282,12 @@ def results(
         dense = next((c for c in cases if c.kind == "dense" and (c.qtype, c.batch, c.position, c.cache) ==
                       (case.qtype, case.batch, case.position, case.cache)), None)  # fmt: skip
         versus_dense = mine / best.get(("ours", dense), math.nan) if case.kind == "sparse" and dense else math.nan
+        earlier = best.get(("before", case), math.nan)
         table.add_row(
             case.file.name, str(case.batch), str(case.position), case.cache,
             *(_cell(v) for v in (mine, llama, engine, limit)),
             *(_ratio(mine, other) for other in (llama, engine, limit)), _ratio(versus_dense, 1.0),
+            *((_cell(earlier), _ratio(mine, earlier)) if with_before else ()),
         )  # fmt: skip
     return table
 
