@@ -431,6 +431,120 @@ static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int
 }
 #endif
 
+#if INT_AVX512
+/* Q4_0 rows sixteen at a time against a few tokens (a decode batch, one token included), with a lane per row as
+ * in the blocked product but without its unpacking pass: each block of the 16 rows is loaded and transposed in
+ * registers, so the rows are read straight from memory once for up to Q4X_TOKENS tokens and nothing is written
+ * back. One 16-byte load per row; four two-source permutes per pair of groups put bytes 4g..4g+3 of every row in
+ * one vector (lane r = row r), whose low nibbles are weights 4g..4g+3 and high nibbles 16+4g..16+4g+3. A block's
+ * 16 products then take 8 VNNI steps against each token's broadcast input, and one scaling, with no horizontal
+ * sums. Against the row-at-a-time kernels, on 11008 x 4096 and 4096 x 11008 Q4_0 read from memory (matrices
+ * well past the last-level cache), two Zen 5 threads: 1 token 0.99-1.09x, 2 tokens 1.4-1.9x, 4 tokens 2.0-2.6x,
+ * 16 tokens 2.6-2.8x; and past the row kernels' block, against the blocked product, 32 tokens 1.1-1.2x and 64
+ * tokens 0.90-0.98x: it takes fewer than Q4X_MAX_TOKENS. */
+#define Q4X_ROWS 16
+#define Q4X_TOKENS 16
+#define Q4X_MAX_TOKENS 48
+
+/* Block `off` (a byte offset into each row) of the 16 rows (sidx: each row's offset from rows[0]): nibble vectors
+ * lo[g] and hi[g], and the 16 scales. */
+static inline __attribute__((always_inline)) void q4x_block(const uint8_t *const rows[Q4X_ROWS], __m512i sidx,
+                                                           int64_t off, __m512i lo[4], __m512i hi[4], __m512 *scale) {
+    __m512i z[4];
+    for (int k = 0; k < 4; k++) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[4 * k] + off + 2)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 1] + off + 2)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 2] + off + 2)), 2);
+        z[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 3] + off + 2)), 3);
+    }
+    /* z[k]'s dword 4j + g is row 4k + j's group g: first rows 0-7 and 8-15 of groups 0 and 1 (a), 2 and 3 (c),
+     * then each group's 16 rows in order. */
+    const __m512i even = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i odd = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    __m512i a0 = _mm512_permutex2var_epi32(z[0], even, z[1]), a1 = _mm512_permutex2var_epi32(z[2], even, z[3]);
+    __m512i c0 = _mm512_permutex2var_epi32(z[0], odd, z[1]), c1 = _mm512_permutex2var_epi32(z[2], odd, z[3]);
+    __m512i v[4] = {_mm512_permutex2var_epi32(a0, first, a1), _mm512_permutex2var_epi32(a0, second, a1),
+                    _mm512_permutex2var_epi32(c0, first, c1), _mm512_permutex2var_epi32(c0, second, c1)};
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int g = 0; g < 4; g++) {
+        lo[g] = _mm512_and_si512(v[g], low);
+        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v[g], 4), low);
+    }
+    /* Each row's first four bytes, of which the low two are its scale. */
+    *scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(sidx, rows[0] + off, 1)));
+}
+
+/* acc[t] lane r = row r . token t's quantized input, for `count` tokens (a constant where inlined). The nibbles go
+ * into the multiply unsigned, and the 8 they are offset by comes off through the sums' start: -8 times the input's
+ * block sum. */
+static inline __attribute__((always_inline)) void q4x_tile(const uint8_t *const rows[Q4X_ROWS], __m512i sidx,
+                                                          int64_t ahead, const q8_act *a, int count, int64_t n,
+                                                          __m512 acc[Q4X_TOKENS]) {
+    int64_t nb = n / QK;
+    for (int t = 0; t < count; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i lo[4], hi[4];
+        __m512 scale;
+        q4x_block(rows, sidx, b * Q4_0_BYTES, lo, hi, &scale);
+        /* Sixteen row streams are more than the hardware prefetcher follows, and a row of a few kilobytes ends
+         * before a prefetch a fixed distance ahead pays: the same bytes of the next 16 rows (`ahead`) are read
+         * ahead instead, the two lines under every fourth block's 72 bytes (at one token 49-51 GB/s, against
+         * 23-25 without, and 37-40 reading each row 1 KiB ahead). */
+        if ((b & 3) == 0)
+            for (int r = 0; r < Q4X_ROWS; r++) {
+                __builtin_prefetch(rows[r] + ahead + b * Q4_0_BYTES);
+                __builtin_prefetch(rows[r] + ahead + b * Q4_0_BYTES + 64);
+            }
+        for (int t = 0; t < count; t++) {
+            int32_t x[QK / 4];
+            memcpy(x, a->q + t * n + b * QK, QK);
+            __m512i p = _mm512_set1_epi32(-8 * a->sum[t * nb + b]);
+            for (int g = 0; g < 4; g++) {
+                p = _mm512_dpbusd_epi32(p, lo[g], _mm512_set1_epi32(x[g]));
+                p = _mm512_dpbusd_epi32(p, hi[g], _mm512_set1_epi32(x[4 + g]));
+            }
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(scale, _mm512_set1_ps(a->d[t * nb + b])), acc[t]);
+        }
+    }
+}
+
+/* Rows row0 + r * stride, r < rows (at most 16), against `tokens` quantized inputs a (token t at a->q + t * n):
+ * out[t * out_stride + r], tokens in tiles of 16, 8, 4, 2 and 1. */
+static void q4x_rows(const uint8_t *row0, int64_t stride, int64_t rows, const q8_act *a, int64_t tokens, int64_t n,
+                     float *out, int64_t out_stride) {
+    const uint8_t *rs[Q4X_ROWS];
+    int32_t offsets[Q4X_ROWS];
+    for (int r = 0; r < Q4X_ROWS; r++) {
+        offsets[r] = (int32_t)((r < rows ? r : rows - 1) * stride);
+        rs[r] = row0 + offsets[r];
+    }
+    __m512i sidx = _mm512_loadu_si512(offsets);
+    __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    int64_t nb = n / QK;
+    for (int64_t t0 = 0; t0 < tokens;) {
+        q8_act at = {a->q + t0 * n, a->d + t0 * nb, a->sum + t0 * nb};
+        int64_t left = tokens - t0;
+        int count = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        __m512 acc[Q4X_TOKENS];
+        if (count == 16) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 16, n, acc);
+        else if (count == 8) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 8, n, acc);
+        else if (count == 4) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 4, n, acc);
+        else if (count == 2) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 2, n, acc);
+        else q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 1, n, acc);
+        for (int t = 0; t < count; t++) _mm512_mask_storeu_ps(out + (t0 + t) * out_stride, keep, acc[t]);
+        t0 += count;
+    }
+}
+
+/* Whether q4x_rows takes rows of this type, `stride` bytes apart, for this many tokens: the gather's offsets
+ * (r * stride) are 32-bit. */
+static int q4x_takes(int type, int64_t stride, int64_t tokens) {
+    return type == Q4_0 && tokens < Q4X_MAX_TOKENS && stride <= INT32_MAX / Q4X_ROWS;
+}
+#endif
+
 /* Row . token t's input: F16 rows take the float input, quantized rows its Q8_0 blocks. */
 static float dot_row(int type, const uint8_t *row, const uint8_t *next, const float *x, const q8_act *xq, int64_t t,
                      int64_t n) {
@@ -699,6 +813,27 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
     return 0;
 }
 
+/* An expert's rows go EXPERT_TILE at a time: sixteen Q4_0 rows in one pass (q4x_rows), where the build has it. */
+#define EXPERT_TILE 16
+
+/* out[r] = row r . token t's input, for rows r < count (at most EXPERT_TILE) from row0, `stride` bytes apart; where
+ * `ahead`, each row's successor is read ahead while it is summed (rows that do not follow one another in the order
+ * they are read, which the hardware prefetcher does not stream). */
+static void tile_rows(int type, const uint8_t *row0, int64_t stride, int64_t count, int ahead, const float *x,
+                      const q8_act *xq, int64_t t, int64_t n, float *out) {
+#if INT_AVX512
+    if (q4x_takes(type, stride, 1)) {
+        q8_act token = {xq->q + t * n, xq->d + t * (n / QK), xq->sum + t * (n / QK)};
+        q4x_rows(row0, stride, count, &token, 1, n, out, 0);
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *row = row0 + r * stride;
+        out[r] = dot_row(type, row, ahead && r + 1 < count ? row + stride : NULL, x, xq, t, n);
+    }
+}
+
 /* A layer's experts: gate and up stacks [experts, f, n], down [experts, n, f], each a base pointer, a type, and
  * strides in bytes between experts and between rows. */
 typedef struct {
@@ -723,18 +858,23 @@ static int stacks_fit(const stacks *m) {
  * ran at 40 GB/s, against 42 so and 46 for a plain Q4_0 product (two Zen 4 cores). */
 static void expert_act(const stacks *m, const float *x, const q8_act *xq, const int64_t *chosen, int64_t pairs,
                        int64_t k, float *act) {
-    int64_t f = m->f, n = m->n;
+    int64_t f = m->f, n = m->n, tiles = (f + EXPERT_TILE - 1) / EXPERT_TILE;
     /* Both loops give each thread the same rows (a static schedule of equal trips): no barrier between them. */
 #pragma omp for schedule(static) nowait
-    for (int64_t pr = 0; pr < pairs * f; pr++) {
-        int64_t p = pr / f, r = pr % f;
-        const uint8_t *g = m->gate + chosen[p] * m->gate_expert + r * m->gate_row;
-        act[pr] = gate_act(FORM_GATED_SILU, dot_row(m->gate_type, g, NULL, x, xq, p / k, n));
+    for (int64_t pt = 0; pt < pairs * tiles; pt++) {
+        int64_t p = pt / tiles, r0 = pt % tiles * EXPERT_TILE, count = f - r0 < EXPERT_TILE ? f - r0 : EXPERT_TILE;
+        float *a = act + p * f + r0;
+        tile_rows(m->gate_type, m->gate + chosen[p] * m->gate_expert + r0 * m->gate_row, m->gate_row, count, 0, x, xq,
+                  p / k, n, a);
+        for (int64_t r = 0; r < count; r++) a[r] = gate_act(FORM_GATED_SILU, a[r]);
     }
 #pragma omp for schedule(static)
-    for (int64_t pr = 0; pr < pairs * f; pr++) {
-        int64_t p = pr / f, r = pr % f;
-        act[pr] *= dot_row(m->up_type, m->up + chosen[p] * m->up_expert + r * m->up_row, NULL, x, xq, p / k, n);
+    for (int64_t pt = 0; pt < pairs * tiles; pt++) {
+        int64_t p = pt / tiles, r0 = pt % tiles * EXPERT_TILE, count = f - r0 < EXPERT_TILE ? f - r0 : EXPERT_TILE;
+        float u[EXPERT_TILE];
+        tile_rows(m->up_type, m->up + chosen[p] * m->up_expert + r0 * m->up_row, m->up_row, count, 0, x, xq, p / k, n,
+                  u);
+        for (int64_t r = 0; r < count; r++) act[p * f + r0 + r] *= u[r];
     }
 }
 
@@ -744,15 +884,17 @@ static void expert_down(const stacks *m, const float *act, const q8_act *aq, con
                         const float *weights, int64_t tokens, int64_t k, float *out) {
     int64_t f = m->f, n = m->n;
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < n; c++) {
+    for (int64_t c0 = 0; c0 < n; c0 += EXPERT_TILE) {
+        int64_t count = n - c0 < EXPERT_TILE ? n - c0 : EXPERT_TILE;
         for (int64_t t = 0; t < tokens; t++) {
-            float sum = 0.0f;
+            float sum[EXPERT_TILE] = {0}, dot[EXPERT_TILE];
             for (int64_t i = 0; i < k; i++) {
                 int64_t p = t * k + i;
-                const uint8_t *row = m->down + chosen[p] * m->down_expert + c * m->down_row;
-                sum += weights[p] * dot_row(m->down_type, row, c + 1 < n ? row + m->down_row : NULL, act, aq, p, f);
+                tile_rows(m->down_type, m->down + chosen[p] * m->down_expert + c0 * m->down_row, m->down_row, count, 1,
+                          act, aq, p, f, dot);
+                for (int64_t c = 0; c < count; c++) sum[c] += weights[p] * dot[c];
             }
-            out[t * n + c] = sum;
+            for (int64_t c = 0; c < count; c++) out[t * n + c0 + c] = sum[c];
         }
     }
 }
@@ -1085,120 +1227,6 @@ static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, con
         }
     }
 }
-
-#if INT_AVX512
-/* Q4_0 rows sixteen at a time against a few tokens (a decode batch, one token included), with a lane per row as
- * in the blocked product but without its unpacking pass: each block of the 16 rows is loaded and transposed in
- * registers, so the rows are read straight from memory once for up to Q4X_TOKENS tokens and nothing is written
- * back. One 16-byte load per row; four two-source permutes per pair of groups put bytes 4g..4g+3 of every row in
- * one vector (lane r = row r), whose low nibbles are weights 4g..4g+3 and high nibbles 16+4g..16+4g+3. A block's
- * 16 products then take 8 VNNI steps against each token's broadcast input, and one scaling, with no horizontal
- * sums. Against the row-at-a-time kernels, on 11008 x 4096 and 4096 x 11008 Q4_0 read from memory (matrices
- * well past the last-level cache), two Zen 5 threads: 1 token 0.99-1.09x, 2 tokens 1.4-1.9x, 4 tokens 2.0-2.6x,
- * 16 tokens 2.6-2.8x; and past the row kernels' block, against the blocked product, 32 tokens 1.1-1.2x and 64
- * tokens 0.90-0.98x: it takes fewer than Q4X_MAX_TOKENS. */
-#define Q4X_ROWS 16
-#define Q4X_TOKENS 16
-#define Q4X_MAX_TOKENS 48
-
-/* Block `off` (a byte offset into each row) of the 16 rows (sidx: each row's offset from rows[0]): nibble vectors
- * lo[g] and hi[g], and the 16 scales. */
-static inline __attribute__((always_inline)) void q4x_block(const uint8_t *const rows[Q4X_ROWS], __m512i sidx,
-                                                           int64_t off, __m512i lo[4], __m512i hi[4], __m512 *scale) {
-    __m512i z[4];
-    for (int k = 0; k < 4; k++) {
-        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[4 * k] + off + 2)));
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 1] + off + 2)), 1);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 2] + off + 2)), 2);
-        z[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 3] + off + 2)), 3);
-    }
-    /* z[k]'s dword 4j + g is row 4k + j's group g: first rows 0-7 and 8-15 of groups 0 and 1 (a), 2 and 3 (c),
-     * then each group's 16 rows in order. */
-    const __m512i even = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
-    const __m512i odd = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    __m512i a0 = _mm512_permutex2var_epi32(z[0], even, z[1]), a1 = _mm512_permutex2var_epi32(z[2], even, z[3]);
-    __m512i c0 = _mm512_permutex2var_epi32(z[0], odd, z[1]), c1 = _mm512_permutex2var_epi32(z[2], odd, z[3]);
-    __m512i v[4] = {_mm512_permutex2var_epi32(a0, first, a1), _mm512_permutex2var_epi32(a0, second, a1),
-                    _mm512_permutex2var_epi32(c0, first, c1), _mm512_permutex2var_epi32(c0, second, c1)};
-    const __m512i low = _mm512_set1_epi8(15);
-    for (int g = 0; g < 4; g++) {
-        lo[g] = _mm512_and_si512(v[g], low);
-        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v[g], 4), low);
-    }
-    /* Each row's first four bytes, of which the low two are its scale. */
-    *scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(sidx, rows[0] + off, 1)));
-}
-
-/* acc[t] lane r = row r . token t's quantized input, for `count` tokens (a constant where inlined). The nibbles go
- * into the multiply unsigned, and the 8 they are offset by comes off through the sums' start: -8 times the input's
- * block sum. */
-static inline __attribute__((always_inline)) void q4x_tile(const uint8_t *const rows[Q4X_ROWS], __m512i sidx,
-                                                          int64_t ahead, const q8_act *a, int count, int64_t n,
-                                                          __m512 acc[Q4X_TOKENS]) {
-    int64_t nb = n / QK;
-    for (int t = 0; t < count; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i lo[4], hi[4];
-        __m512 scale;
-        q4x_block(rows, sidx, b * Q4_0_BYTES, lo, hi, &scale);
-        /* Sixteen row streams are more than the hardware prefetcher follows, and a row of a few kilobytes ends
-         * before a prefetch a fixed distance ahead pays: the same bytes of the next 16 rows (`ahead`) are read
-         * ahead instead, the two lines under every fourth block's 72 bytes (at one token 49-51 GB/s, against
-         * 23-25 without, and 37-40 reading each row 1 KiB ahead). */
-        if ((b & 3) == 0)
-            for (int r = 0; r < Q4X_ROWS; r++) {
-                __builtin_prefetch(rows[r] + ahead + b * Q4_0_BYTES);
-                __builtin_prefetch(rows[r] + ahead + b * Q4_0_BYTES + 64);
-            }
-        for (int t = 0; t < count; t++) {
-            int32_t x[QK / 4];
-            memcpy(x, a->q + t * n + b * QK, QK);
-            __m512i p = _mm512_set1_epi32(-8 * a->sum[t * nb + b]);
-            for (int g = 0; g < 4; g++) {
-                p = _mm512_dpbusd_epi32(p, lo[g], _mm512_set1_epi32(x[g]));
-                p = _mm512_dpbusd_epi32(p, hi[g], _mm512_set1_epi32(x[4 + g]));
-            }
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(scale, _mm512_set1_ps(a->d[t * nb + b])), acc[t]);
-        }
-    }
-}
-
-/* Rows row0 + r * stride, r < rows (at most 16), against `tokens` quantized inputs a (token t at a->q + t * n):
- * out[t * out_stride + r], tokens in tiles of 16, 8, 4, 2 and 1. */
-static void q4x_rows(const uint8_t *row0, int64_t stride, int64_t rows, const q8_act *a, int64_t tokens, int64_t n,
-                     float *out, int64_t out_stride) {
-    const uint8_t *rs[Q4X_ROWS];
-    int32_t offsets[Q4X_ROWS];
-    for (int r = 0; r < Q4X_ROWS; r++) {
-        offsets[r] = (int32_t)((r < rows ? r : rows - 1) * stride);
-        rs[r] = row0 + offsets[r];
-    }
-    __m512i sidx = _mm512_loadu_si512(offsets);
-    __mmask16 keep = (__mmask16)((1u << rows) - 1);
-    int64_t nb = n / QK;
-    for (int64_t t0 = 0; t0 < tokens;) {
-        q8_act at = {a->q + t0 * n, a->d + t0 * nb, a->sum + t0 * nb};
-        int64_t left = tokens - t0;
-        int count = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        __m512 acc[Q4X_TOKENS];
-        if (count == 16) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 16, n, acc);
-        else if (count == 8) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 8, n, acc);
-        else if (count == 4) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 4, n, acc);
-        else if (count == 2) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 2, n, acc);
-        else q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 1, n, acc);
-        for (int t = 0; t < count; t++) _mm512_mask_storeu_ps(out + (t0 + t) * out_stride, keep, acc[t]);
-        t0 += count;
-    }
-}
-
-/* Whether q4x_rows takes rows of this type, `stride` bytes apart, for this many tokens: the gather's offsets
- * (r * stride) are 32-bit. */
-static int q4x_takes(int type, int64_t stride, int64_t tokens) {
-    return type == Q4_0 && tokens < Q4X_MAX_TOKENS && stride <= INT32_MAX / Q4X_ROWS;
-}
-#endif
 
 /* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n], inside a parallel region: each row is read once for
  * all of them. xq holds the inputs quantized (for quantized rows). */
