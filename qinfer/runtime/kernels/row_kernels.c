@@ -432,30 +432,31 @@ static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int
 #endif
 
 #if INT_AVX512
-/* Q4_0 rows sixteen at a time against a few tokens (a decode batch, one token included), with a lane per row as
- * in the blocked product but without its unpacking pass: each block of the 16 rows is loaded and transposed in
- * registers, so the rows are read straight from memory once for up to Q4X_TOKENS tokens and nothing is written
- * back. One 16-byte load per row; four two-source permutes per pair of groups put bytes 4g..4g+3 of every row in
- * one vector (lane r = row r), whose low nibbles are weights 4g..4g+3 and high nibbles 16+4g..16+4g+3. A block's
- * 16 products then take 8 VNNI steps against each token's broadcast input, and one scaling, with no horizontal
- * sums. Against the row-at-a-time kernels, on 11008 x 4096 and 4096 x 11008 Q4_0 read from memory (matrices
- * well past the last-level cache), two Zen 5 threads: 1 token 0.99-1.09x, 2 tokens 1.4-1.9x, 4 tokens 2.0-2.6x,
- * 16 tokens 2.6-2.8x; and past the row kernels' block, against the blocked product, 32 tokens 1.1-1.2x and 64
- * tokens 0.90-0.98x: it takes fewer than Q4X_MAX_TOKENS. */
-#define Q4X_ROWS 16
-#define Q4X_TOKENS 16
-#define Q4X_MAX_TOKENS 48
+/* Quantized rows sixteen at a time against a few tokens (a decode batch, one token included), with a lane per row
+ * as in the blocked product but without its unpacking pass: each block of the 16 rows is loaded and transposed in
+ * registers, so the rows are read straight from memory once for up to QX_TOKENS tokens and nothing is written
+ * back. One 16-byte load per row and stretch of 16 weight bytes; four two-source permutes per pair of groups put
+ * bytes 4g..4g+3 of every row in one vector (lane r = row r). A Q4_0 stretch's low nibbles are weights 4g..4g+3
+ * and its high nibbles 16+4g..16+4g+3; Q8_0 has two stretches, weights 4g..4g+3 and 16+4g..16+4g+3. A block's 16
+ * products then take 8 VNNI steps against each token's broadcast input, and one scaling, with no horizontal sums.
+ * Against the row-at-a-time kernels, on 11008 x 4096 and 4096 x 11008 Q4_0 read from memory (matrices well past
+ * the last-level cache), two Zen 5 threads: 1 token 0.99-1.09x, 2 tokens 1.4-1.9x, 4 tokens 2.0-2.6x, 16 tokens
+ * 2.6-2.8x; and past the row kernels' block, against the blocked product, 32 tokens 1.1-1.2x and 64 tokens
+ * 0.90-0.98x: it takes fewer than QX_MAX_TOKENS. Q8_0 rows, twice the bytes of weights, stay on the row kernel for
+ * one token, which reads them at memory speed already. */
+#define QX_ROWS 16
+#define QX_TOKENS 16
+#define QX_MAX_TOKENS 48
 
-/* Block `off` (a byte offset into each row) of the 16 rows (sidx: each row's offset from rows[0]): nibble vectors
- * lo[g] and hi[g], and the 16 scales. */
-static inline __attribute__((always_inline)) void q4x_block(const uint8_t *const rows[Q4X_ROWS], __m512i sidx,
-                                                           int64_t off, __m512i lo[4], __m512i hi[4], __m512 *scale) {
+/* v[g] lane r = bytes 4g..4g+3 of the 16 bytes at rows[r] + off. */
+static inline __attribute__((always_inline)) void qx_transpose(const uint8_t *const rows[QX_ROWS], int64_t off,
+                                                              __m512i v[4]) {
     __m512i z[4];
     for (int k = 0; k < 4; k++) {
-        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[4 * k] + off + 2)));
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 1] + off + 2)), 1);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 2] + off + 2)), 2);
-        z[k] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[4 * k + 3] + off + 2)), 3);
+        __m512i w = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[4 * k] + off)));
+        w = _mm512_inserti32x4(w, _mm_loadu_si128((const __m128i *)(rows[4 * k + 1] + off)), 1);
+        w = _mm512_inserti32x4(w, _mm_loadu_si128((const __m128i *)(rows[4 * k + 2] + off)), 2);
+        z[k] = _mm512_inserti32x4(w, _mm_loadu_si128((const __m128i *)(rows[4 * k + 3] + off)), 3);
     }
     /* z[k]'s dword 4j + g is row 4k + j's group g: first rows 0-7 and 8-15 of groups 0 and 1 (a), 2 and 3 (c),
      * then each group's 16 rows in order. */
@@ -465,58 +466,93 @@ static inline __attribute__((always_inline)) void q4x_block(const uint8_t *const
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     __m512i a0 = _mm512_permutex2var_epi32(z[0], even, z[1]), a1 = _mm512_permutex2var_epi32(z[2], even, z[3]);
     __m512i c0 = _mm512_permutex2var_epi32(z[0], odd, z[1]), c1 = _mm512_permutex2var_epi32(z[2], odd, z[3]);
-    __m512i v[4] = {_mm512_permutex2var_epi32(a0, first, a1), _mm512_permutex2var_epi32(a0, second, a1),
-                    _mm512_permutex2var_epi32(c0, first, c1), _mm512_permutex2var_epi32(c0, second, c1)};
-    const __m512i low = _mm512_set1_epi8(15);
-    for (int g = 0; g < 4; g++) {
-        lo[g] = _mm512_and_si512(v[g], low);
-        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v[g], 4), low);
+    v[0] = _mm512_permutex2var_epi32(a0, first, a1);
+    v[1] = _mm512_permutex2var_epi32(a0, second, a1);
+    v[2] = _mm512_permutex2var_epi32(c0, first, c1);
+    v[3] = _mm512_permutex2var_epi32(c0, second, c1);
+}
+
+/* Block `off` (a byte offset into each row) of the 16 rows (sidx: each row's offset from rows[0]) as unsigned bytes
+ * w[g] lane r = weights 4g..4g+3 (g < 4) and 16+4(g-4)..16+4(g-4)+3 (g >= 4) of row r plus `offset` (returned),
+ * and the 16 scales. */
+static inline __attribute__((always_inline)) int qx_block(int type, const uint8_t *const rows[QX_ROWS], __m512i sidx,
+                                                         int64_t off, __m512i w[8], __m512 *scale) {
+    int offset;
+    if (type == Q4_0) {
+        __m512i v[4];
+        qx_transpose(rows, off + 2, v);
+        const __m512i low = _mm512_set1_epi8(15);
+        for (int g = 0; g < 4; g++) {
+            w[g] = _mm512_and_si512(v[g], low);
+            w[4 + g] = _mm512_and_si512(_mm512_srli_epi16(v[g], 4), low);
+        }
+        offset = 8;
+    } else {
+        qx_transpose(rows, off + 2, w);
+        qx_transpose(rows, off + 2 + QK / 2, w + 4);
+        /* VNNI multiplies unsigned bytes by signed ones: the weights go in plus 128. */
+        for (int g = 0; g < 8; g++) w[g] = _mm512_xor_si512(w[g], _mm512_set1_epi8((char)0x80));
+        offset = 128;
     }
     /* Each row's first four bytes, of which the low two are its scale. */
     *scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(sidx, rows[0] + off, 1)));
+    return offset;
 }
 
-/* acc[t] lane r = row r . token t's quantized input, for `count` tokens (a constant where inlined). The nibbles go
- * into the multiply unsigned, and the 8 they are offset by comes off through the sums' start: -8 times the input's
- * block sum. */
-static inline __attribute__((always_inline)) void q4x_tile(const uint8_t *const rows[Q4X_ROWS], __m512i sidx,
-                                                          int64_t ahead, const q8_act *a, int count, int64_t n,
-                                                          __m512 acc[Q4X_TOKENS]) {
-    int64_t nb = n / QK;
+/* acc[t] lane r = row r . token t's quantized input, for `count` tokens (type and count constants where inlined).
+ * The weights' offset comes off through the sums' start: -offset times the input's block sum. */
+static inline __attribute__((always_inline)) void qx_tile(int type, const uint8_t *const rows[QX_ROWS], __m512i sidx,
+                                                         int64_t ahead, const q8_act *a, int count, int64_t n,
+                                                         __m512 acc[QX_TOKENS]) {
+    int64_t nb = n / QK, bb = block_bytes(type);
     for (int t = 0; t < count; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512i lo[4], hi[4];
+        __m512i w[8];
         __m512 scale;
-        q4x_block(rows, sidx, b * Q4_0_BYTES, lo, hi, &scale);
+        int offset = qx_block(type, rows, sidx, b * bb, w, &scale);
         /* Sixteen row streams are more than the hardware prefetcher follows, and a row of a few kilobytes ends
          * before a prefetch a fixed distance ahead pays: the same bytes of the next 16 rows (`ahead`) are read
-         * ahead instead, the two lines under every fourth block's 72 bytes (at one token 49-51 GB/s, against
-         * 23-25 without, and 37-40 reading each row 1 KiB ahead). */
-        if ((b & 3) == 0)
-            for (int r = 0; r < Q4X_ROWS; r++) {
-                __builtin_prefetch(rows[r] + ahead + b * Q4_0_BYTES);
-                __builtin_prefetch(rows[r] + ahead + b * Q4_0_BYTES + 64);
+         * ahead instead, the two lines under every fourth Q4_0 block's 72 bytes or every second Q8_0 block's 68
+         * (Q4_0, one token: 49-51 GB/s, against 23-25 without, and 37-40 reading each row 1 KiB ahead). */
+        if (b % (type == Q4_0 ? 4 : 2) == 0)
+            for (int r = 0; r < QX_ROWS; r++) {
+                __builtin_prefetch(rows[r] + ahead + b * bb);
+                __builtin_prefetch(rows[r] + ahead + b * bb + 64);
             }
         for (int t = 0; t < count; t++) {
             int32_t x[QK / 4];
             memcpy(x, a->q + t * n + b * QK, QK);
-            __m512i p = _mm512_set1_epi32(-8 * a->sum[t * nb + b]);
-            for (int g = 0; g < 4; g++) {
-                p = _mm512_dpbusd_epi32(p, lo[g], _mm512_set1_epi32(x[g]));
-                p = _mm512_dpbusd_epi32(p, hi[g], _mm512_set1_epi32(x[4 + g]));
-            }
+            __m512i p = _mm512_set1_epi32(-offset * a->sum[t * nb + b]);
+            for (int g = 0; g < 8; g++) p = _mm512_dpbusd_epi32(p, w[g], _mm512_set1_epi32(x[g]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(scale, _mm512_set1_ps(a->d[t * nb + b])), acc[t]);
         }
     }
 }
 
+/* One tile of `count` tokens, the type and count made constants for qx_tile. */
+static void qx_tile_of(int type, const uint8_t *const rows[QX_ROWS], __m512i sidx, int64_t ahead, const q8_act *a,
+                       int count, int64_t n, __m512 acc[QX_TOKENS]) {
+#define QX_COUNTS(t)                                                                                                   \
+    if (count == 16) qx_tile(t, rows, sidx, ahead, a, 16, n, acc);                                                     \
+    else if (count == 8) qx_tile(t, rows, sidx, ahead, a, 8, n, acc);                                                  \
+    else if (count == 4) qx_tile(t, rows, sidx, ahead, a, 4, n, acc);                                                  \
+    else if (count == 2) qx_tile(t, rows, sidx, ahead, a, 2, n, acc);                                                  \
+    else qx_tile(t, rows, sidx, ahead, a, 1, n, acc);
+    if (type == Q4_0) {
+        QX_COUNTS(Q4_0)
+    } else {
+        QX_COUNTS(Q8_0)
+    }
+#undef QX_COUNTS
+}
+
 /* Rows row0 + r * stride, r < rows (at most 16), against `tokens` quantized inputs a (token t at a->q + t * n):
  * out[t * out_stride + r], tokens in tiles of 16, 8, 4, 2 and 1. */
-static void q4x_rows(const uint8_t *row0, int64_t stride, int64_t rows, const q8_act *a, int64_t tokens, int64_t n,
-                     float *out, int64_t out_stride) {
-    const uint8_t *rs[Q4X_ROWS];
-    int32_t offsets[Q4X_ROWS];
-    for (int r = 0; r < Q4X_ROWS; r++) {
+static void qx_rows(int type, const uint8_t *row0, int64_t stride, int64_t rows, const q8_act *a, int64_t tokens,
+                    int64_t n, float *out, int64_t out_stride) {
+    const uint8_t *rs[QX_ROWS];
+    int32_t offsets[QX_ROWS];
+    for (int r = 0; r < QX_ROWS; r++) {
         offsets[r] = (int32_t)((r < rows ? r : rows - 1) * stride);
         rs[r] = row0 + offsets[r];
     }
@@ -527,21 +563,18 @@ static void q4x_rows(const uint8_t *row0, int64_t stride, int64_t rows, const q8
         q8_act at = {a->q + t0 * n, a->d + t0 * nb, a->sum + t0 * nb};
         int64_t left = tokens - t0;
         int count = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        __m512 acc[Q4X_TOKENS];
-        if (count == 16) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 16, n, acc);
-        else if (count == 8) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 8, n, acc);
-        else if (count == 4) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 4, n, acc);
-        else if (count == 2) q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 2, n, acc);
-        else q4x_tile(rs, sidx, Q4X_ROWS * stride, &at, 1, n, acc);
+        __m512 acc[QX_TOKENS];
+        qx_tile_of(type, rs, sidx, QX_ROWS * stride, &at, count, n, acc);
         for (int t = 0; t < count; t++) _mm512_mask_storeu_ps(out + (t0 + t) * out_stride, keep, acc[t]);
         t0 += count;
     }
 }
 
-/* Whether q4x_rows takes rows of this type, `stride` bytes apart, for this many tokens: the gather's offsets
+/* Whether qx_rows takes rows of this type, `stride` bytes apart, for this many tokens: the gather's offsets
  * (r * stride) are 32-bit. */
-static int q4x_takes(int type, int64_t stride, int64_t tokens) {
-    return type == Q4_0 && tokens < Q4X_MAX_TOKENS && stride <= INT32_MAX / Q4X_ROWS;
+static int qx_takes(int type, int64_t stride, int64_t tokens) {
+    int fewest = type == Q4_0 ? 1 : type == Q8_0 ? 2 : QX_MAX_TOKENS;
+    return tokens >= fewest && tokens < QX_MAX_TOKENS && stride <= INT32_MAX / QX_ROWS;
 }
 #endif
 
@@ -813,7 +846,7 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
     return 0;
 }
 
-/* An expert's rows go EXPERT_TILE at a time: sixteen Q4_0 rows in one pass (q4x_rows), where the build has it. */
+/* An expert's rows go EXPERT_TILE at a time: sixteen quantized rows in one pass (qx_rows), where the build has it. */
 #define EXPERT_TILE 16
 
 /* out[r] = row r . token t's input, for rows r < count (at most EXPERT_TILE) from row0, `stride` bytes apart; where
@@ -822,9 +855,9 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
 static void tile_rows(int type, const uint8_t *row0, int64_t stride, int64_t count, int ahead, const float *x,
                       const q8_act *xq, int64_t t, int64_t n, float *out) {
 #if INT_AVX512
-    if (q4x_takes(type, stride, 1)) {
+    if (qx_takes(type, stride, 1)) {
         q8_act token = {xq->q + t * n, xq->d + t * (n / QK), xq->sum + t * (n / QK)};
-        q4x_rows(row0, stride, count, &token, 1, n, out, 0);
+        qx_rows(type, row0, stride, count, &token, 1, n, out, 0);
         return;
     }
 #endif
@@ -1233,10 +1266,10 @@ static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, con
 static void matvec_rows(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x, const q8_act *xq,
                         int64_t n, int64_t tokens, float *out) {
 #if INT_AVX512
-    if (q4x_takes(type, stride, tokens)) {
+    if (qx_takes(type, stride, tokens)) {
 #pragma omp for schedule(static)
-        for (int64_t r0 = 0; r0 < rows; r0 += Q4X_ROWS)
-            q4x_rows(w + r0 * stride, stride, rows - r0 < Q4X_ROWS ? rows - r0 : Q4X_ROWS, xq, tokens, n, out + r0,
+        for (int64_t r0 = 0; r0 < rows; r0 += QX_ROWS)
+            qx_rows(type, w + r0 * stride, stride, rows - r0 < QX_ROWS ? rows - r0 : QX_ROWS, xq, tokens, n, out + r0,
                      rows);
         return;
     }
