@@ -441,6 +441,52 @@ static void unpack_union(float *act, int64_t tokens, int64_t f, const int64_t *i
     }
 }
 
+/* The selected neurons' activations g [tokens, count] (of the neurons ids[0..count-1]) times up's product, where g
+ * is not 0 (relu(up) in place of up for FORM_GATED_RELU_UP), inside the parallel region. Quantized rows go sixteen
+ * at a time where the build has qx_rows, every token's product computed (the rows are read once either way);
+ * otherwise row by row, each token's product only where its g is not 0. */
+static void up_of_selected(const dims *d, const layer *w, const scratch *s, const q8_act *a, int64_t tokens,
+                           int64_t count) {
+    int64_t e = d->hidden;
+#if INT_AVX512
+    if (qx_takes(w->up.type, (d->ffn - 1) * w->up.stride, tokens)) {
+        int64_t tiles = (count + QX_ROWS - 1) / QX_ROWS;
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            int64_t k0 = tile * QX_ROWS, rows = count - k0 < QX_ROWS ? count - k0 : QX_ROWS;
+            const uint8_t *rs[QX_ROWS], *next[QX_ROWS];
+            for (int r = 0; r < QX_ROWS; r++) {
+                int64_t k = k0 + (r < rows ? r : rows - 1), ahead = k + QX_ROWS < count ? k + QX_ROWS : count - 1;
+                rs[r] = w->up.data + s->ids[k] * w->up.stride;
+                next[r] = w->up.data + s->ids[ahead] * w->up.stride;
+            }
+            float u[QX_MAX_TOKENS * QX_ROWS];
+            qx_rows_at(w->up.type, rs, next, rows, a, tokens, e, u, QX_ROWS);
+            for (int64_t t = 0; t < tokens; t++)
+                for (int64_t r = 0; r < rows; r++) {
+                    float *g = s->g + t * count + k0 + r, up = u[t * QX_ROWS + r];
+                    if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+                }
+        }
+        return;
+    }
+#endif
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t k = 0; k < count; k++) {
+        const uint8_t *row = w->up.data + s->ids[k] * w->up.stride;
+        const uint8_t *next = w->up.data + s->ids[k + 1 < count ? k + 1 : k] * w->up.stride;
+        for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
+            int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
+            float u[TOKEN_BLOCK];
+            masked_row(w->up.type, row, next, s->x, a, e, t0, n, s->g + k, count, u, 1);
+            for (int64_t t = t0; t < t0 + n; t++) {
+                float *g = s->g + t * count + k, up = u[t - t0];
+                if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+            }
+        }
+    }
+}
+
 /* A token's choice, as qinfer/core/expert_routing.py's route makes it: p [experts] holds the router's logits and
  * becomes their softmax; chosen [used] the most probable experts, most probable first, and weights their
  * probabilities, rescaled to sum to 1 where norm_top_k. Of exactly equal probabilities the lower index goes first;
@@ -665,20 +711,7 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
 #pragma omp single
             count = select_union(s->g, tokens, f, s->ids);
             /* relu(up) is the activation itself: nothing more to compute. */
-#pragma omp for schedule(dynamic, 8)
-            for (int64_t k = 0; k < (gated ? count : 0); k++) {
-                const uint8_t *row = w->up.data + s->ids[k] * w->up.stride;
-                const uint8_t *next = w->up.data + s->ids[k + 1 < count ? k + 1 : k] * w->up.stride;
-                for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
-                    int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
-                    float u[TOKEN_BLOCK];
-                    masked_row(w->up.type, row, next, s->x, &a, e, t0, n, s->g + k, count, u, 1);
-                    for (int64_t t = t0; t < t0 + n; t++) {
-                        float *g = s->g + t * count + k, up = u[t - t0];
-                        if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
-                    }
-                }
-            }
+            if (gated) up_of_selected(d, w, s, &a, tokens, count);
             if (d->down_rows) {
                 add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, tokens, e, s->out);
             } else {

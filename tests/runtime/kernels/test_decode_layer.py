@@ -362,6 +362,23 @@ def test_q8_layers_stay_within_input_rounding_of_the_torch_path(q8: dict[str, Pa
     assert (native - reference).abs().mean() <= 0.002 * reference.abs().max()
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_quantized_dense_batch_stays_within_input_rounding_of_the_torch_path(
+    gguf_files: dict[str, Path], tmp_path: Path, qtype: str
+) -> None:
+    """Three sequences decoded together on a quantized dense file, where AVX-512 VNNI takes up's rows of the
+    selected neurons sixteen at a time for every token of the batch (and the other builds row by row): each
+    sequence's logits agree with the torch path's to input rounding, as a single sequence's do."""
+    path = quantize_gguf(gguf_files["dense-f16"], tmp_path / f"tiny.{qtype}.gguf", qtype).outfile
+    forward = forward_for(path, "dense")
+    assert forward.native is not None  # type: ignore[attr-defined]
+    native, _ = decode_together(forward, True, 3, together=True)
+    reference, _ = decode_together(forward, False, 3, together=True)
+    for mine, theirs in zip(native, reference, strict=True):
+        assert (mine - theirs).abs().max() <= 0.02 * theirs.abs().max()
+        assert (mine - theirs).abs().mean() <= 0.002 * theirs.abs().max()
+
+
 def test_every_neuron_selected_gives_the_dense_perplexity(gguf_files: dict[str, Path], tmp_path: Path) -> None:
     """A threshold no predictor output falls below selects every neuron: the sparse layer is then the dense one."""
     tokenizer = GGUFTokenizer(open_model(gguf_files["pi-f16"]).metadata)

@@ -182,10 +182,12 @@ def test_quantized_dot_within_ggmls_documented_error(qtype: GGMLQuantizationType
 @needs_compiler
 @pytest.mark.parametrize("qtype", [None, Q4, Q8])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_weighted_rows_match_float64_and_skip_idle_rows(qtype: object, tokens: int) -> None:
+@pytest.mark.parametrize("cols", [96, 8224])
+def test_weighted_rows_match_float64_and_skip_idle_rows(qtype: object, tokens: int, cols: int) -> None:
     """The down product of a prompt's dense FFN: all rows, or picked ones; a row no token uses is never read (here
-    it holds infinities, which would turn the sum into NaN)."""
-    rows, cols = 45, 96
+    it holds infinities, which would turn the sum into NaN). Each thread sums a slice of the columns, AVX-512 Q4_0
+    four blocks at a time and then block by block: at 8224 columns (257 blocks) a slice has both."""
+    rows = 45
     w = _half_rows(rows, cols, cols, 14) if qtype is None else _quantized(rows, cols, qtype, 14)  # type: ignore[arg-type]
     act = torch.relu(torch.randn(tokens, rows, generator=torch.Generator().manual_seed(15)))
     act[:, 7] = 0.0
