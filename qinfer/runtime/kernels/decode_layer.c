@@ -441,6 +441,85 @@ static void unpack_union(float *act, int64_t tokens, int64_t f, const int64_t *i
     }
 }
 
+/* The predictor's selected neurons ids[0..count-1] for `tokens` tokens, inside the parallel region: g [tokens,
+ * count] holds 1 where a token selected a neuron and becomes its activation there, act(first x) (times up x where
+ * gated), 0 elsewhere. A batch's quantized rows go sixteen at a time where the build has qx_rows (every token's
+ * products computed, the rows read once either way; a tile's up rows only where one of its neurons fired); one
+ * token's, and other builds', row by row, a token's products only where it selected the neuron, and up's only
+ * where the gate fired. */
+static void gate_up_of_selected(const dims *d, const layer *w, const scratch *s, const q8_act *a, int64_t tokens,
+                                int64_t count) {
+    int64_t e = d->hidden, f = d->ffn;
+    int gated = d->form != FORM_UP;
+    const matrix *first = gated ? &w->gate : &w->up;
+#if INT_AVX512
+    if (tokens > 1 && qx_takes(first->type, (f - 1) * first->stride, tokens) &&
+        (!gated || qx_takes(w->up.type, (f - 1) * w->up.stride, tokens))) {
+        int64_t tiles = (count + QX_ROWS - 1) / QX_ROWS;
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            int64_t k0 = tile * QX_ROWS, rows = count - k0 < QX_ROWS ? count - k0 : QX_ROWS;
+            const uint8_t *rs[QX_ROWS], *next[QX_ROWS];
+            float out[QX_MAX_TOKENS * QX_ROWS];
+            int fired = 0;
+            for (int r = 0; r < QX_ROWS; r++) {
+                int64_t k = k0 + (r < rows ? r : rows - 1), ahead = k + QX_ROWS < count ? k + QX_ROWS : count - 1;
+                rs[r] = first->data + s->ids[k] * first->stride;
+                next[r] = first->data + s->ids[ahead] * first->stride;
+            }
+            qx_rows_at(first->type, rs, next, rows, a, tokens, e, out, QX_ROWS);
+            for (int64_t t = 0; t < tokens; t++)
+                for (int64_t r = 0; r < rows; r++) {
+                    float *g = s->g + t * count + k0 + r;
+                    float bias = w->up_bias ? w->up_bias[s->ids[k0 + r]] : 0.0f;
+                    *g = *g != 0.0f ? gate_act(d->form, out[t * QX_ROWS + r] + bias) : 0.0f;
+                    fired |= *g != 0.0f;
+                }
+            if (!gated || !fired) continue;
+            for (int r = 0; r < QX_ROWS; r++) {
+                int64_t k = k0 + (r < rows ? r : rows - 1), ahead = k + QX_ROWS < count ? k + QX_ROWS : count - 1;
+                rs[r] = w->up.data + s->ids[k] * w->up.stride;
+                next[r] = w->up.data + s->ids[ahead] * w->up.stride;
+            }
+            qx_rows_at(w->up.type, rs, next, rows, a, tokens, e, out, QX_ROWS);
+            for (int64_t t = 0; t < tokens; t++)
+                for (int64_t r = 0; r < rows; r++) {
+                    float *g = s->g + t * count + k0 + r, up = out[t * QX_ROWS + r];
+                    if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+                }
+        }
+        return;
+    }
+#endif
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t j = 0; j < count; j++) {
+        int64_t id = s->ids[j], next = s->ids[j + 1 < count ? j + 1 : j];
+        /* Read ahead as qinfer_sparse_ffn does: this neuron's up row, then the next one's first row. */
+        const uint8_t *first_row = first->data + id * first->stride, *up_row = w->up.data + id * w->up.stride;
+        const uint8_t *next_first = first->data + next * first->stride;
+        for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
+            int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
+            float selected[TOKEN_BLOCK];
+            for (int64_t t = t0; t < t0 + n; t++) selected[t - t0] = s->g[t * count + j];
+            masked_row(first->type, first_row, gated ? up_row : next_first, s->x, a, e, t0, n, s->g + j,
+                       count, s->g + t0 * count + j, count);
+            /* A neuron whose gate does not fire for a token contributes nothing: no up product for it. */
+            for (int64_t t = t0; t < t0 + n; t++) {
+                float *g = s->g + t * count + j;
+                float bias = w->up_bias ? w->up_bias[id] : 0.0f;
+                *g = selected[t - t0] != 0.0f ? gate_act(d->form, *g + bias) : 0.0f;
+            }
+            if (!gated) continue;
+            float u[TOKEN_BLOCK];
+            masked_row(w->up.type, up_row, next_first, s->x, a, e, t0, n, s->g + j, count, u, 1);
+            for (int64_t t = t0; t < t0 + n; t++) {
+                float *g = s->g + t * count + j, up = u[t - t0];
+                if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+            }
+        }
+    }
+}
+
 /* The selected neurons' activations g [tokens, count] (of the neurons ids[0..count-1]) times up's product, where g
  * is not 0 (relu(up) in place of up for FORM_GATED_RELU_UP), inside the parallel region. Quantized rows go sixteen
  * at a time where the build has qx_rows, every token's product computed (the rows are read once either way);
@@ -667,33 +746,7 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
             count = select_union(s->g, tokens, f, s->ids);
             quantize_input(ffn_type, s->x, tokens, e, s, &a);
             /* g [tokens, count]: 1 where the token selected the neuron, then its activation (0: nothing to add). */
-#pragma omp for schedule(dynamic, 8)
-            for (int64_t j = 0; j < count; j++) {
-                int64_t id = s->ids[j], next = s->ids[j + 1 < count ? j + 1 : j];
-                /* Read ahead as qinfer_sparse_ffn does: this neuron's up row, then the next one's first row. */
-                const uint8_t *first_row = first->data + id * first->stride, *up_row = w->up.data + id * w->up.stride;
-                const uint8_t *next_first = first->data + next * first->stride;
-                for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
-                    int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
-                    float selected[TOKEN_BLOCK];
-                    for (int64_t t = t0; t < t0 + n; t++) selected[t - t0] = s->g[t * count + j];
-                    masked_row(first->type, first_row, gated ? up_row : next_first, s->x, &a, e, t0, n, s->g + j,
-                               count, s->g + t0 * count + j, count);
-                    /* A neuron whose gate does not fire for a token contributes nothing: no up product for it. */
-                    for (int64_t t = t0; t < t0 + n; t++) {
-                        float *g = s->g + t * count + j;
-                        float bias = w->up_bias ? w->up_bias[id] : 0.0f;
-                        *g = selected[t - t0] != 0.0f ? gate_act(d->form, *g + bias) : 0.0f;
-                    }
-                    if (!gated) continue;
-                    float u[TOKEN_BLOCK];
-                    masked_row(w->up.type, up_row, next_first, s->x, &a, e, t0, n, s->g + j, count, u, 1);
-                    for (int64_t t = t0; t < t0 + n; t++) {
-                        float *g = s->g + t * count + j, up = u[t - t0];
-                        if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
-                    }
-                }
-            }
+            gate_up_of_selected(d, w, s, &a, tokens, count);
             add_weighted_rows(w->down.data, w->down.stride, w->down.type, s->ids, count, s->g, tokens, e, s->out);
         } else {
             quantize_input(ffn_type, s->x, tokens, e, s, &a);

@@ -363,14 +363,16 @@ def test_q8_layers_stay_within_input_rounding_of_the_torch_path(q8: dict[str, Pa
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-def test_a_quantized_dense_batch_stays_within_input_rounding_of_the_torch_path(
-    gguf_files: dict[str, Path], tmp_path: Path, qtype: str
+@pytest.mark.parametrize(("file", "ffn"), [("dense-f16", "dense"), ("pi-f16", "sparse")])
+def test_a_quantized_batch_stays_within_input_rounding_of_the_torch_path(
+    gguf_files: dict[str, Path], tmp_path: Path, qtype: str, file: str, ffn: str
 ) -> None:
-    """Three sequences decoded together on a quantized dense file, where AVX-512 VNNI takes up's rows of the
-    selected neurons sixteen at a time for every token of the batch (and the other builds row by row): each
-    sequence's logits agree with the torch path's to input rounding, as a single sequence's do."""
-    path = quantize_gguf(gguf_files["dense-f16"], tmp_path / f"tiny.{qtype}.gguf", qtype).outfile
-    forward = forward_for(path, "dense")
+    """Three sequences decoded together on a quantized file, where AVX-512 VNNI takes the selected neurons' rows
+    sixteen at a time for every token of the batch (up's on the dense file, the predicted neurons' gate and up on
+    the PowerInfer one), and the other builds row by row: each sequence's logits agree with the torch path's to
+    input rounding, as a single sequence's do."""
+    path = quantize_gguf(gguf_files[file], tmp_path / f"{file}.{qtype}.gguf", qtype).outfile
+    forward = forward_for(path, ffn)
     assert forward.native is not None  # type: ignore[attr-defined]
     native, _ = decode_together(forward, True, 3, together=True)
     reference, _ = decode_together(forward, False, 3, together=True)
