@@ -463,7 +463,32 @@ static void selected_rows(const matrix *m, const int64_t *ids, int64_t count, in
     q8_act at = {a->q + t0 * n, a->d + t0 * (n / QK), a->sum + t0 * (n / QK)};
     qx_rows_at(m->type, rs, next, count, &at, tokens, n, out, out_stride);
 }
+
+/* g [tokens, count] of the selected neurons k0..k0+rows-1 (at most QX_ROWS) for tokens t0..t0+n-1 times their up
+ * product (relu(up) for FORM_GATED_RELU_UP), where g is not 0. */
+static void times_up_tile(const dims *d, const layer *w, const scratch *s, const q8_act *a, int64_t k0, int64_t rows,
+                          int64_t count, int64_t t0, int64_t n) {
+    float out[TOKEN_BLOCK * QX_ROWS];
+    selected_rows(&w->up, s->ids + k0, rows, count - k0, a, t0, n, d->hidden, out, QX_ROWS);
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t r = 0; r < rows; r++) {
+            float *g = s->g + (t0 + t) * count + k0 + r, up = out[t * QX_ROWS + r];
+            if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+        }
+}
 #endif
+
+/* The same for neuron k alone (its up row `row`, `next` read ahead), through the row kernel: each token's product
+ * only where its g is not 0. */
+static void times_up_row(const dims *d, const layer *w, const scratch *s, const q8_act *a, int64_t k, int64_t count,
+                         const uint8_t *row, const uint8_t *next, int64_t t0, int64_t n) {
+    float u[TOKEN_BLOCK];
+    masked_row(w->up.type, row, next, s->x, a, d->hidden, t0, n, s->g + k, count, u, 1);
+    for (int64_t t = t0; t < t0 + n; t++) {
+        float *g = s->g + t * count + k, up = u[t - t0];
+        if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+    }
+}
 
 /* The predictor's selected neurons ids[0..count-1] for `tokens` tokens, inside the parallel region: g [tokens,
  * count] holds 1 where a token selected a neuron and becomes its activation there, act(first x) (times up x where
@@ -495,13 +520,7 @@ static void gate_up_of_selected(const dims *d, const layer *w, const scratch *s,
                         *g = *g != 0.0f ? gate_act(d->form, out[t * tile + r] + bias) : 0.0f;
                         fired |= *g != 0.0f;
                     }
-                if (!gated || !fired) continue;
-                selected_rows(&w->up, s->ids + k0, rows, count - k0, a, t0, n, e, out, tile);
-                for (int64_t t = 0; t < n; t++)
-                    for (int64_t r = 0; r < rows; r++) {
-                        float *g = s->g + (t0 + t) * count + k0 + r, up = out[t * tile + r];
-                        if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
-                    }
+                if (gated && fired) times_up_tile(d, w, s, a, k0, rows, count, t0, n);
             }
         }
         return;
@@ -525,13 +544,7 @@ static void gate_up_of_selected(const dims *d, const layer *w, const scratch *s,
                 float bias = w->up_bias ? w->up_bias[id] : 0.0f;
                 *g = selected[t - t0] != 0.0f ? gate_act(d->form, *g + bias) : 0.0f;
             }
-            if (!gated) continue;
-            float u[TOKEN_BLOCK];
-            masked_row(w->up.type, up_row, next_first, s->x, a, e, t0, n, s->g + j, count, u, 1);
-            for (int64_t t = t0; t < t0 + n; t++) {
-                float *g = s->g + t * count + j, up = u[t - t0];
-                if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
-            }
+            if (gated) times_up_row(d, w, s, a, j, count, up_row, next_first, t0, n);
         }
     }
 }
@@ -542,7 +555,6 @@ static void gate_up_of_selected(const dims *d, const layer *w, const scratch *s,
  * token's product only where its g is not 0. */
 static void up_of_selected(const dims *d, const layer *w, const scratch *s, const q8_act *a, int64_t tokens,
                            int64_t count) {
-    int64_t e = d->hidden;
 #if INT_AVX512
     int tile = selected_tile(&w->up, d->ffn, tokens);
     if (tile) {
@@ -550,16 +562,8 @@ static void up_of_selected(const dims *d, const layer *w, const scratch *s, cons
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < tiles; i++) {
             int64_t k0 = i * tile, rows = count - k0 < tile ? count - k0 : tile;
-            for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
-                int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
-                float out[TOKEN_BLOCK * QX_ROWS];
-                selected_rows(&w->up, s->ids + k0, rows, count - k0, a, t0, n, e, out, tile);
-                for (int64_t t = 0; t < n; t++)
-                    for (int64_t r = 0; r < rows; r++) {
-                        float *g = s->g + (t0 + t) * count + k0 + r, up = out[t * tile + r];
-                        if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
-                    }
-            }
+            for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK)
+                times_up_tile(d, w, s, a, k0, rows, count, t0, tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK);
         }
         return;
     }
@@ -568,15 +572,8 @@ static void up_of_selected(const dims *d, const layer *w, const scratch *s, cons
     for (int64_t k = 0; k < count; k++) {
         const uint8_t *row = w->up.data + s->ids[k] * w->up.stride;
         const uint8_t *next = w->up.data + s->ids[k + 1 < count ? k + 1 : k] * w->up.stride;
-        for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
-            int64_t n = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK;
-            float u[TOKEN_BLOCK];
-            masked_row(w->up.type, row, next, s->x, a, e, t0, n, s->g + k, count, u, 1);
-            for (int64_t t = t0; t < t0 + n; t++) {
-                float *g = s->g + t * count + k, up = u[t - t0];
-                if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
-            }
-        }
+        for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK)
+            times_up_row(d, w, s, a, k, count, row, next, t0, tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK);
     }
 }
 

@@ -206,8 +206,8 @@ def test_weighted_rows_match_float64_and_skip_idle_rows(qtype: object, tokens: i
 
 def test_linear_on_quantized_rows_expands_only_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU a product over quantized rows takes the kernel for any number of tokens, a prompt included (40
-    tokens: the blocked integer product); without the kernel (QINFER_NATIVE=0) it expands 7 rows at a time, never
-    the whole matrix."""
+    tokens: the blocked integer product, or on AVX-512 VNNI the sixteen-row kernel); without the kernel
+    (QINFER_NATIVE=0) it expands 7 rows at a time, never the whole matrix."""
     w = _quantized(45, 64, Q4, 9)
     expanded: list[int] = []
     real = QuantizedMatrix.row_range
@@ -235,7 +235,8 @@ def test_linear_on_quantized_rows_expands_only_without_the_kernel(monkeypatch: p
 def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: object, tokens: int) -> None:
     """Prompts: tokens go in blocks of 16, each row unpacked once per tile of them (F16 in tiles of 8, 4, 2 and 1,
     or the blocked product; Q4_0 in tiles of 4, 2 and 1 over groups of eight blocks, here 320 columns: one group and
-    a tail of two blocks; quantized rows past 16 tokens in the blocked integer product)."""
+    a tail of two blocks; quantized rows past 16 tokens in the blocked integer product, or on AVX-512 VNNI below 48
+    in the sixteen-row kernel)."""
     cols = 320
     w = _half_rows(33, cols, cols, 21) if qtype is None else _quantized(33, cols, qtype, 21)  # type: ignore[arg-type]
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(22))
@@ -250,7 +251,7 @@ def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: objec
 
 @needs_compiler
 @pytest.mark.parametrize("qtype", [Q4, Q8])
-@pytest.mark.parametrize(("tokens", "cols"), [(17, 96), (27, 96), (49, 96), (17, 8224), (130, 8224)])
+@pytest.mark.parametrize(("tokens", "cols"), [(17, 96), (27, 96), (49, 96), (17, 8224), (57, 8224), (130, 8224)])
 def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype: GGMLQuantizationType, tokens: int,
                                                        cols: int) -> None:  # fmt: skip
     """Quantized rows against more than 16 tokens go through the blocked integer product (from 48 under AVX-512
