@@ -475,12 +475,11 @@ static inline __attribute__((always_inline)) void qx_transpose(const uint8_t *co
     v[3] = _mm512_permutex2var_epi32(c0, second, c1);
 }
 
-/* Block `off` (a byte offset into each row) of the 16 rows (sidx: each row's offset from rows[0]) as unsigned bytes
- * w[g] lane r = weights 4g..4g+3 (g < 4) and 16+4(g-4)..16+4(g-4)+3 (g >= 4) of row r plus `offset` (returned),
- * and the 16 scales. */
-static inline __attribute__((always_inline)) int qx_block(int type, const uint8_t *const rows[QX_ROWS], __m512i sidx,
-                                                         int64_t off, __m512i w[8], __m512 *scale) {
-    int offset;
+/* Block `off` (a byte offset into each row) of the 16 rows as unsigned bytes w[g] lane r = weights 4g..4g+3 of row
+ * r (the 32 in column order, g < 8) plus the offset returned: Q4_0's nibbles as they are (8), Q8_0's bytes plus
+ * 128, since VNNI multiplies unsigned bytes by signed ones. */
+static inline __attribute__((always_inline)) int qx_weights(int type, const uint8_t *const rows[QX_ROWS], int64_t off,
+                                                           __m512i w[8]) {
     if (type == Q4_0) {
         __m512i v[4];
         qx_transpose(rows, off + 2, v);
@@ -489,17 +488,20 @@ static inline __attribute__((always_inline)) int qx_block(int type, const uint8_
             w[g] = _mm512_and_si512(v[g], low);
             w[4 + g] = _mm512_and_si512(_mm512_srli_epi16(v[g], 4), low);
         }
-        offset = 8;
-    } else {
-        qx_transpose(rows, off + 2, w);
-        qx_transpose(rows, off + 2 + QK / 2, w + 4);
-        /* VNNI multiplies unsigned bytes by signed ones: the weights go in plus 128. */
-        for (int g = 0; g < 8; g++) w[g] = _mm512_xor_si512(w[g], _mm512_set1_epi8((char)0x80));
-        offset = 128;
+        return 8;
     }
+    qx_transpose(rows, off + 2, w);
+    qx_transpose(rows, off + 2 + QK / 2, w + 4);
+    for (int g = 0; g < 8; g++) w[g] = _mm512_xor_si512(w[g], _mm512_set1_epi8((char)0x80));
+    return 128;
+}
+
+/* qx_weights, and the block's 16 scales (sidx: each row's offset from rows[0]). */
+static inline __attribute__((always_inline)) int qx_block(int type, const uint8_t *const rows[QX_ROWS], __m512i sidx,
+                                                         int64_t off, __m512i w[8], __m512 *scale) {
     /* Each row's first four bytes, of which the low two are its scale. */
     *scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(sidx, rows[0] + off, 1)));
-    return offset;
+    return qx_weights(type, rows, off, w);
 }
 
 /* acc[t] lane r = row r . token t's quantized input, for `count` tokens (type and count constants where inlined).
@@ -774,6 +776,13 @@ static void add_rows4(int type, float *out, const uint8_t *const r[4], const flo
 #define ROWS_AHEAD 8
 #define F16_AHEAD 256
 
+/* Whether any of `tokens` tokens gives row j a non-zero weight in act [tokens, k]. */
+static int row_used(const float *act, int64_t k, int64_t tokens, int64_t j) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (act[t * k + j] != 0.0f) return 1;
+    return 0;
+}
+
 /* The down product inside a parallel region: each thread owns a slice of the output columns (whole blocks), so
  * the sums need no locks; rows go four at a time, and each group serves every token while it is in cache. */
 static void add_weighted_rows(const uint8_t *down, int64_t down_stride, int down_type, const int64_t *ids, int64_t k,
@@ -784,27 +793,23 @@ static void add_weighted_rows(const uint8_t *down, int64_t down_stride, int down
     if (c0 >= c1) return;
     for (int64_t t = 0; t < tokens; t++) memset(out + t * n + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     int64_t group[4], slice = down_type == F16 ? F16_AHEAD : (c1 - c0 + QK - 1) / QK * block_bytes(down_type);
+    int64_t from = down_type == F16 ? 2 * c0 : c0 / QK * block_bytes(down_type); /* the slice's first byte in a row */
     /* A thread's slice of a row is a few lines, too short for the hardware prefetcher to follow: the slices of the
      * used rows, from the one being grouped to ROWS_AHEAD - 1 after it, are read ahead whole (ahead: the next row to
      * look at, queued: the used rows read ahead and not yet grouped). Q4_0, 14336 rows of 4096 from memory, two Zen
      * 5 threads, with the table lookup and four blocks at a time: 28.7 GB/s; with neither, 24.2 against 12.1 with the
-     * first four lines of each row read ahead as it is grouped. An F16
-     * slice, four times the bytes, is streamed by the hardware once started: only its first F16_AHEAD bytes are
-     * (whole slices made the 7b-slice's sparse F16 decode 2-3% slower). */
+     * first four lines of each row read ahead as it is grouped. An F16 slice, four times the bytes, is streamed by
+     * the hardware once started: only its first F16_AHEAD bytes are (whole slices made the 7b-slice's sparse F16
+     * decode 2-3% slower). */
     int64_t ahead = 0, queued = 0;
     int m = 0;
     for (int64_t j = 0; j <= k; j++) {
         if (j < k) {
-            int used = 0;
-            for (int64_t t = 0; t < tokens && !used; t++) used = act[t * k + j] != 0.0f;
-            if (!used) continue;
+            if (!row_used(act, k, tokens, j)) continue;
             group[m++] = j;
             for (; ahead < k && (ahead <= j || queued < ROWS_AHEAD); ahead++) {
-                int read = 0;
-                for (int64_t t = 0; t < tokens && !read; t++) read = act[t * k + ahead] != 0.0f;
-                if (!read) continue;
-                const uint8_t *start = down + (ids ? ids[ahead] : ahead) * down_stride +
-                                       (down_type == F16 ? 2 * c0 : c0 / QK * block_bytes(down_type));
+                if (!row_used(act, k, tokens, ahead)) continue;
+                const uint8_t *start = down + (ids ? ids[ahead] : ahead) * down_stride + from;
                 /* From the line the slice begins in to the one it ends in. */
                 int64_t skew = (int64_t)((uintptr_t)start & 63);
                 for (int64_t line = -skew; line < slice; line += 64) __builtin_prefetch(start + line);
@@ -1009,10 +1014,7 @@ int qinfer_moe_ffn(const uint8_t *gate, int gate_type, const uint8_t *up, int up
     int failed = ((gate_type != F16 || up_type != F16) && q8_quantize(x, tokens, m.n, &xq));
     if (!failed && down_type != F16) {
         /* Allocated here, filled once the activations are known. */
-        aq.q = malloc((size_t)(pairs * f));
-        aq.d = malloc((size_t)(pairs * (f / QK)) * sizeof(float));
-        aq.sum = malloc((size_t)(pairs * (f / QK)) * sizeof(int32_t));
-        failed = !aq.q || !aq.d || !aq.sum;
+        failed = q8_alloc(pairs, f, &aq) != 0;
     }
     if (failed) {
         q8_free(&xq);
@@ -1170,18 +1172,16 @@ static inline void qg_unpack_block(int type, const uint8_t *blk, uint8_t *o) {
 
 #if INT_AVX512
 /* Blocks b0..b1-1 of a row tile's rows unpacked with the rows interleaved: block b's bytes 4g..4g+3 of row r at
- * w + ((b - b0) * 8 + g) * 64 + 4 * r, so that one vector holds a group of four bytes of all 16 rows; its scales as
- * floats at s + (b - b0) * 16 + r. The unpacking is paid once per token block, so it must be cheap next to the
- * tile's products: a few instructions a block. */
+ * w + ((b - b0) * 8 + g) * 64 + 4 * r, so that one vector holds a group of four bytes of all 16 rows (qx_weights'
+ * transposition, stored, its offset raised to QG_OFFSET); its scales as floats at s + (b - b0) * 16 + r. The
+ * unpacking is paid once per token block, so it must be cheap next to the tile's products. */
 static void qg_unpack(int type, const uint8_t *const rows[QG_ROWS], int64_t b0, int64_t b1, uint8_t *w, float *s) {
     int64_t bb = block_bytes(type);
-    for (int r = 0; r < QG_ROWS; r++) {
-        for (int64_t b = b0; b < b1; b++) {
-            uint8_t block[QK];
-            qg_unpack_block(type, rows[r] + b * bb, block);
-            for (int g = 0; g < QK / 4; g++) memcpy(w + ((b - b0) * (QK / 4) + g) * 64 + 4 * r, block + 4 * g, 4);
-            s[(b - b0) * QG_ROWS + r] = block_scale(rows[r] + b * bb);
-        }
+    for (int64_t b = b0; b < b1; b++) {
+        __m512i v[8];
+        __m512i raise = _mm512_set1_epi8((char)(QG_OFFSET - qx_weights(type, rows, b * bb, v)));
+        for (int g = 0; g < 8; g++) _mm512_store_si512(w + ((b - b0) * 8 + g) * 64, _mm512_add_epi8(v[g], raise));
+        for (int r = 0; r < QG_ROWS; r++) s[(b - b0) * QG_ROWS + r] = block_scale(rows[r] + b * bb);
     }
 }
 
