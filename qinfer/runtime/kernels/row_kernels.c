@@ -444,8 +444,9 @@ static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int
  * products then take 8 VNNI steps against each token's broadcast input, and one scaling, with no horizontal sums.
  * Against the row-at-a-time kernels, on 11008 x 4096 and 4096 x 11008 Q4_0 read from memory (matrices well past
  * the last-level cache), two Zen 5 threads: 1 token 0.99-1.09x, 2 tokens 1.4-1.9x, 4 tokens 2.0-2.6x, 16 tokens
- * 2.6-2.8x; and past the row kernels' block, against the blocked product, 32 tokens 1.1-1.2x and 64 tokens
- * 0.90-0.98x: it takes fewer than QX_MAX_TOKENS. Q8_0 rows, twice the bytes of weights, stay on the row kernel for
+ * 2.6-2.8x. A whole matrix's products of QG_MIN_TOKENS tokens and more go to the blocked product (q_gemm) instead,
+ * which is quicker from about 24 tokens; a selection's rows, which it cannot take, come here up to QX_MAX_TOKENS - 1
+ * tokens. Q8_0 rows, twice the bytes of weights, stay on the row kernel for
  * one token, which reads them at memory speed already. */
 #define QX_ROWS 16
 #define QX_TOKENS 16
@@ -1142,9 +1143,15 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
 #define QG_CHUNK 4096
 #define QG_OFFSET 0
 #endif
-/* Unpacking a chunk pays only across enough tokens: past one block of TOKEN_BLOCK the tile wins (one Zen 4 thread,
- * 4096 rows of 11008, 16 tokens: Q4_0 101 against 64 GOP/s), at 8 tokens the row-pair path does (67 against 47). */
+/* Unpacking a chunk pays only across enough tokens: past one block of TOKEN_BLOCK the tile wins over the row
+ * kernels (one Zen 4 thread, 4096 rows of 11008, 16 tokens: Q4_0 101 against 64 GOP/s), at 8 tokens the row-pair
+ * path does (67 against 47). Against the sixteen-row kernel it wins from about 24 tokens (11008 x 4096 and 4096 x
+ * 11008 Q4_0 from memory, two Zen 5 threads: 17 tokens 0.95-1.08x, 24 tokens 1.15-1.26x, 47 tokens 1.55x). */
+#if INT_AVX512
+#define QG_MIN_TOKENS 24
+#else
 #define QG_MIN_TOKENS (TOKEN_BLOCK + 1)
+#endif
 
 /* Block `blk` as 32 bytes, weight + QG_OFFSET in column order. */
 static inline void qg_unpack_block(int type, const uint8_t *blk, uint8_t *o) {
@@ -1323,6 +1330,10 @@ static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, con
  * all of them. xq holds the inputs quantized (for quantized rows). */
 static void matvec_rows(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x, const q8_act *xq,
                         int64_t n, int64_t tokens, float *out) {
+    if (type != F16 && tokens >= QG_MIN_TOKENS) {
+        q_gemm(type, w, stride, rows, xq, n, tokens, out);
+        return;
+    }
 #if INT_AVX512
     if (qx_takes(type, (QX_ROWS - 1) * stride, tokens)) {
 #pragma omp for schedule(static)
@@ -1338,10 +1349,6 @@ static void matvec_rows(int type, const uint8_t *w, int64_t stride, int64_t rows
         return;
     }
 #endif
-    if (type != F16 && tokens >= QG_MIN_TOKENS) {
-        q_gemm(type, w, stride, rows, xq, n, tokens, out);
-        return;
-    }
     /* Tokens go a block at a time, so a block's inputs stay in cache while every row passes by them. */
     for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {
         int64_t count = tokens - t0 < TOKEN_BLOCK ? tokens - t0 : TOKEN_BLOCK, nb = n / QK;
