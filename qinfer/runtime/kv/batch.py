@@ -101,6 +101,17 @@ def batch_step(
     return Step(batch, positions, None, cos, sin, parts=parts)
 
 
+def by_part(step: Step, run: Callable[[Step, slice], torch.Tensor]) -> torch.Tensor:
+    """run(part, rows) over each of the step's parts in turn, `rows` the part's tokens in the batch; the outputs in
+    the batch's order."""
+    outs, start = [], 0
+    for part in step.parts:
+        end = start + part.batch.tokens.shape[0]
+        outs.append(run(part, slice(start, end)))
+        start = end
+    return torch.cat(outs)
+
+
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Step], torch.Tensor]
 
 
@@ -108,12 +119,7 @@ def attend_by_part(
     attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step
 ) -> torch.Tensor:
     """A cache's `attend` over each of the step's parts in turn; the outputs in the batch's order."""
-    outs, start = [], 0
-    for part in step.parts:
-        end = start + part.batch.tokens.shape[0]
-        outs.append(attend(q[start:end], k[start:end], v[start:end], layer, part))
-        start = end
-    return torch.cat(outs)
+    return by_part(step, lambda part, rows: attend(q[rows], k[rows], v[rows], layer, part))
 
 
 def attention_mask(batch: TokenBatch, device: torch.device, window: int | None = None) -> torch.Tensor | None:

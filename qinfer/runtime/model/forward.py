@@ -21,7 +21,7 @@ from qinfer.runtime.ffn.runners import DenseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
 from qinfer.runtime.kernels.quant_rows import Weight
-from qinfer.runtime.kv.batch import Step, TokenBatch, batch_step, rows_mask
+from qinfer.runtime.kv.batch import Step, TokenBatch, batch_step, by_part, rows_mask
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.rope import inv_freq, rope_tables
@@ -166,12 +166,7 @@ class TransformerForward:
         what a stream decodes does not depend on the prompts that share its steps."""
         if not step.parts:
             return self.ffn(i, x, h, prefill)
-        outs, start = [], 0
-        for part in step.parts:
-            end = start + part.batch.tokens.shape[0]
-            outs.append(self.ffn(i, x[start:end], h[start:end], not part.batch.one_per_slot))
-            start = end
-        return torch.cat(outs)
+        return by_part(step, lambda part, rows: self.ffn(i, x[rows], h[rows], not part.batch.one_per_slot))
 
     def embed_tokens(self, batch: TokenBatch) -> torch.Tensor:
         return self.embed[batch.tokens].float().to(self.device)
