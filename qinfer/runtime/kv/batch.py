@@ -3,6 +3,7 @@ every layer of the call shares (`Step`: positions on the device, rope's tables, 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,13 +102,18 @@ def batch_step(
     return Step(batch, positions, None, cos, sin, parts=parts)
 
 
-def by_part(step: Step, run: Callable[[Step, slice], torch.Tensor]) -> torch.Tensor:
+def by_part(
+    step: Step, run: Callable[[Step, slice], torch.Tensor], keep: list[int] | None = None
+) -> torch.Tensor:
     """run(part, rows) over each of the step's parts in turn, `rows` the part's tokens in the batch; the outputs in
-    the batch's order."""
+    the batch's order. With `keep` (increasing indices into the batch), the tensors `run` reads hold those tokens
+    alone: `rows` are then the part's kept tokens among them, and a part with none is skipped."""
     outs, start = [], 0
     for part in step.parts:
         end = start + part.batch.tokens.shape[0]
-        outs.append(run(part, slice(start, end)))
+        rows = slice(start, end) if keep is None else slice(bisect_left(keep, start), bisect_left(keep, end))
+        if rows.stop > rows.start:
+            outs.append(run(part, rows))
         start = end
     return torch.cat(outs)
 

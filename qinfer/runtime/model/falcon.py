@@ -70,10 +70,14 @@ class FalconForward(TransformerForward):
         v = v.reshape(n, cfg.kv_heads, cfg.head_dim)
         return linear(cache.attend(q, k, v, i, step), self.attn[i].o)
 
-    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+    def block(
+        self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool, keep: list[int] | None
+    ) -> torch.Tensor:
         w, eps = self.attn[i], self.cfg.norm_eps
         attention = self.attention(i, layer_norm(h, w.attn_norm, eps), step, cache)
-        return h + attention + self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill)
+        if keep is not None:
+            h, attention = h[keep], attention[keep]
+        return h + attention + self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill, keep)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(layer_norm(h, self.norm, self.cfg.norm_eps), self.output)

@@ -154,19 +154,29 @@ class TransformerForward:
         """The output norm and head, onto `device`; runs after `embed` is set, which a tied head reuses."""
         raise NotImplementedError
 
-    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+    def block(
+        self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool, keep: list[int] | None
+    ) -> torch.Tensor:
+        """Layer i on the residual stream h [T, E]. With `keep` (increasing indices of h's rows), the layer's output
+        for those tokens alone [len(keep), E]: attention still writes every token's keys and values, and what
+        follows it runs on the kept rows (`feed_forward` with the same `keep`)."""
         raise NotImplementedError
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def feed_forward(self, i: int, x: torch.Tensor, h: torch.Tensor, step: Step, prefill: bool) -> torch.Tensor:
-        """Layer i's FFN. A mixed step runs it part by part, as each part would run alone: a prompt's chunk dense,
+    def feed_forward(
+        self, i: int, x: torch.Tensor, h: torch.Tensor, step: Step, prefill: bool, keep: list[int] | None
+    ) -> torch.Tensor:
+        """Layer i's FFN, on the rows of `keep` where given (x and h hold those alone). A mixed step runs it part by
+        part, as each part would run alone: a prompt's chunk dense (its last token too, where it is the one kept),
         the decode tokens through the runner's decode path (the predictor's neurons, where it is sparse), so that
         what a stream decodes does not depend on the prompts that share its steps."""
+        if keep == []:
+            return x  # no row: every runner would compute an empty FFN
         if not step.parts:
             return self.ffn(i, x, h, prefill)
-        return by_part(step, lambda part, rows: self.ffn(i, x[rows], h[rows], not part.batch.one_per_slot))
+        return by_part(step, lambda part, rows: self.ffn(i, x[rows], h[rows], not part.batch.one_per_slot), keep)
 
     def embed_tokens(self, batch: TokenBatch) -> torch.Tensor:
         return self.embed[batch.tokens].float().to(self.device)
@@ -201,10 +211,14 @@ class TransformerForward:
             call = self.native.begin(step, cache)
             for i in range(self.cfg.layers):
                 h = self.native.run(i, h, call, cache)
-        else:
-            for i in range(self.cfg.layers):
-                h = self.block(i, h, step, cache, prefill)
-        return self.head(h if rows is None else h[rows])
+            return self.head(h if rows is None else h[rows])
+        # Past the last layer's attention only the rows asked for are needed, so a prompt's FFN there runs for its
+        # last token alone (llama.cpp cuts its graph the same way).
+        keep = rows if rows is not None and rows == sorted(set(rows)) else None
+        last = self.cfg.layers - 1
+        for i in range(self.cfg.layers):
+            h = self.block(i, h, step, cache, prefill, keep if i == last else None)
+        return self.head(h if rows is None or keep is not None else h[rows])
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: Cache, slot: int = 0) -> torch.Tensor:
         return self.forward(TokenBatch.prompt(tokens, start, slot), cache)

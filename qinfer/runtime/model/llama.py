@@ -109,11 +109,15 @@ class LlamaForward(TransformerForward):
         h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
         return h, rms_norm(h, w.ffn_norm, eps)
 
-    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+    def block(
+        self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool, keep: list[int] | None
+    ) -> torch.Tensor:
         """Layer i on the residual stream h: attention and then the FFN, each on the RMSNorm of its input and added
         back; the FFN's predictor reads h itself."""
         h, x = self.attention_block(i, h, step, cache)
-        return h + self.feed_forward(i, x, h, step, prefill)
+        if keep is not None:
+            h, x = h[keep], x[keep]
+        return h + self.feed_forward(i, x, h, step, prefill, keep)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, self.norm, self.cfg.norm_eps), self.output)

@@ -76,14 +76,19 @@ class OPTForward(TransformerForward):
         rows = self.embed[batch.tokens].float() + self.positions[batch.positions + self.offset].float()
         return rows.to(self.device)
 
-    def block(self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool) -> torch.Tensor:
+    def block(
+        self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool, keep: list[int] | None
+    ) -> torch.Tensor:
         cfg, n, w, eps = self.cfg, h.shape[0], self.attn[i], self.cfg.norm_eps
         x = layer_norm(h, w.attn_norm, eps)
         q = affine(x, w.q).view(n, cfg.heads, cfg.head_dim)
         k = affine(x, w.k).view(n, cfg.kv_heads, cfg.head_dim)
         v = affine(x, w.v).view(n, cfg.kv_heads, cfg.head_dim)
         h = h + affine(cache.attend(q, k, v, i, step), w.o)
-        return h + self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill) + w.down_bias.float()
+        if keep is not None:
+            h = h[keep]
+        ffn = self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill, keep)
+        return h + ffn + w.down_bias.float()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(layer_norm(h, self.norm, self.cfg.norm_eps), self.output)

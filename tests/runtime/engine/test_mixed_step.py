@@ -184,3 +184,35 @@ def test_a_failing_chunk_fails_its_prompt_alone(gguf_files: dict[str, Path]) -> 
     while running in engine.active_slots():
         tokens += [out.token for out in engine.step() if out.token is not None]
     assert tokens == greedy(open_engine(gguf_files["pi-f32"], 1), encode(RUNNING[0]), 8)
+
+
+def test_past_the_last_attention_only_the_rows_asked_for_run(gguf_files: dict[str, Path]) -> None:
+    """The last layer's FFN runs for the rows whose logits are asked for alone: a prompt's last token (dense, as
+    its whole prompt would), a decode token (through the decode path), and nothing of a chunk whose prompt goes on;
+    the layers before it run every token."""
+    engine = open_engine(gguf_files["pi-f32"], 3)
+    forward, ffn = engine.forward, engine.forward.ffn
+    last = forward.cfg.layers - 1
+    calls: list[tuple[int, int, bool]] = []
+
+    def recording(i: int, x: torch.Tensor, h: torch.Tensor, prefill: bool) -> torch.Tensor:
+        calls.append((i, x.shape[0], prefill))
+        return ffn(i, x, h, prefill)
+
+    forward.ffn = recording
+    with torch.inference_mode():
+        forward.forward(TokenBatch.prompt(torch.tensor([1, 2, 3, 4, 5]), 0, 0), engine.cache, [4])
+        assert [c for c in calls if c[0] == last] == [(last, 1, True)]
+        assert sorted(c for c in calls if c[0] < last) == [(i, 5, True) for i in range(last)]
+        calls.clear()
+        decode = TokenBatch.decode([7], [5], [0])
+        going_on = TokenBatch.prompt(torch.tensor([1, 2, 3]), 0, 1)
+        ending = TokenBatch.prompt(torch.tensor([4, 5, 6, 7]), 0, 2)
+        logits = forward.forward(TokenBatch.join([decode, going_on, ending]), engine.cache, [0, 7])
+        assert logits.shape[0] == 2
+        assert [c for c in calls if c[0] == last] == [(last, 1, False), (last, 1, True)]
+        calls.clear()
+        chunks = [TokenBatch.prompt(torch.tensor([8, 9]), 4, 0), TokenBatch.prompt(torch.tensor([1, 2]), 4, 2)]
+        logits = forward.forward(TokenBatch.join(chunks), engine.cache, [])
+    assert logits.shape[0] == 0
+    assert sorted(c[0] for c in calls) == sorted(list(range(last)) * 2)
