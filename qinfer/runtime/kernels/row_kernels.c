@@ -1049,15 +1049,21 @@ int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64
 #if LANES > 1
 /* The F16 product of many tokens (a prompt, a wide batch) as a blocked matrix product: a tile of GEMM_ROWS rows by
  * GEMM_TOKENS tokens keeps its GEMM_ROWS * GEMM_TOKENS sums in registers, so each row vector converted and each
- * input vector loaded serves several products, and the columns go GEMM_K at a time, so that the tokens' inputs
- * for those columns stay in the second-level cache while every row passes by them. The rows are read from memory
- * once for all the tokens. The tile sizes are the fastest measured on Zen 4 (128 tokens by 11008 x 4096 rows, two
- * threads): 215 GFLOP/s with AVX-512's 6 x 4 (4 x 6: 159, 3 x 8: 158, rows2_tokens: 123), 149 with AVX2's 3 x 3
- * (2 x 4: 124, 4 x 2: 96, rows2_tokens: 120). AVX2's tile pays from about 24 tokens (16: 104 against 122 GFLOP/s),
- * AVX-512's from 4 (62 against 126). */
+ * input vector loaded serves several products. The rows go GEMM_BLOCK_ROWS at a time past each token tile, whose
+ * inputs stay in the first-level cache while they pass: from GEMM_PROMPT_TOKENS tokens the columns go
+ * GEMM_PROMPT_K at a time (a tile of four tokens' inputs is then 32 KiB), below it GEMM_K at a time, which reads
+ * each row in fewer pieces where the rows' bytes rather than the arithmetic set the pace.
+ *
+ * The tile sizes are the fastest measured on Zen 4 (128 tokens by 11008 x 4096 rows, two threads): 215 GFLOP/s
+ * with AVX-512's 6 x 4 (4 x 6: 159, 3 x 8: 158, rows2_tokens: 123), 149 with AVX2's 3 x 3 (2 x 4: 124, 4 x 2: 96,
+ * rows2_tokens: 120); on Zen 5 too 6 x 4 leads (5 x 5: 0.96x, 4 x 6: 0.82x). AVX2's tile pays from about 24 tokens
+ * (16: 104 against 122 GFLOP/s), AVX-512's from 4 (62 against 126). On Zen 5 (136 tokens of 4096 x 4096,
+ * 11008 x 4096 and 4096 x 11008, two threads) the row blocks, the 2048 columns and the tile's sums taken four at
+ * a time (vsum4) make AVX-512's product 1.07-1.12x faster than tiles over every token and 4096 columns; 1024 or
+ * 3072 columns, 96-row blocks, or reading rows ahead with prefetches did not beat them. */
 #if LANES == 16
 #define GEMM_ROWS 6   /* 24 sums, 6 rows and an input: 31 of AVX-512's 32 registers */
-#define GEMM_TOKENS 4
+#define GEMM_TOKENS 4 /* vsum4's four */
 #define GEMM_MIN_TOKENS 4
 #else
 #define GEMM_ROWS 3   /* 9 sums, 3 rows and an input: 13 of AVX2's 16 */
@@ -1065,6 +1071,24 @@ int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64
 #define GEMM_MIN_TOKENS 24
 #endif
 #define GEMM_K 4096
+#define GEMM_PROMPT_K 2048
+#define GEMM_PROMPT_TOKENS 48
+#define GEMM_BLOCK_ROWS 48 /* 4096 and 11008 rows in blocks two threads share evenly */
+
+#if LANES == 16
+/* The sums of four vectors, a lane each: a tree whose shuffles the four share (14 instructions, where four vsum
+ * take 32). */
+static inline __m128 vsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    /* Halves of a0 and a1 added in one vector, of a2 and a3 in another; then quarters, each one vector's. */
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+    q = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));
+    q = _mm512_add_ps(q, _mm512_permute_ps(q, 0xB1));
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, q));
+}
+#endif
 
 static inline __attribute__((always_inline)) void f16_gemm_tile(const uint16_t *const w[GEMM_ROWS],
                                                                const float *const x[GEMM_TOKENS], int64_t k0,
@@ -1080,35 +1104,43 @@ static inline __attribute__((always_inline)) void f16_gemm_tile(const uint16_t *
             for (int r = 0; r < GEMM_ROWS; r++) acc[r][t] = vfma(wv[r], xv, acc[r][t]);
         }
     }
+#if LANES == 16
+    for (int r = 0; r < GEMM_ROWS; r++) _mm_storeu_ps(sums[r], vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+#else
     for (int r = 0; r < GEMM_ROWS; r++)
         for (int t = 0; t < GEMM_TOKENS; t++) sums[r][t] = vsum(acc[r][t]);
+#endif
 }
 
 /* out[t * rows + r] = row r . x[t] for `tokens` tokens x [tokens, n] of F16 rows, inside a parallel region (the
- * row tiles shared among the threads). A tile at the edge repeats its last row or token and keeps only the rest. */
+ * row blocks shared among the threads). A tile at the edge repeats its last row or token and keeps only the
+ * rest. */
 static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float *x, int64_t n, int64_t tokens,
                      float *out) {
-    int64_t tiles = (rows + GEMM_ROWS - 1) / GEMM_ROWS, whole = n / LANES * LANES;
-    for (int64_t k0 = 0; k0 == 0 || k0 < whole; k0 += GEMM_K) {
-        int64_t k1 = k0 + GEMM_K < whole ? k0 + GEMM_K : whole, last = k1 == whole;
+    int64_t blocks = (rows + GEMM_BLOCK_ROWS - 1) / GEMM_BLOCK_ROWS, whole = n / LANES * LANES;
+    int64_t k_step = tokens >= GEMM_PROMPT_TOKENS ? GEMM_PROMPT_K : GEMM_K;
+    for (int64_t k0 = 0; k0 == 0 || k0 < whole; k0 += k_step) {
+        int64_t k1 = k0 + k_step < whole ? k0 + k_step : whole, last = k1 == whole;
 #pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            const uint16_t *wr[GEMM_ROWS];
-            int64_t r0 = tile * GEMM_ROWS;
-            for (int r = 0; r < GEMM_ROWS; r++)
-                wr[r] = (const uint16_t *)(w + (r0 + r < rows ? r0 + r : rows - 1) * stride);
+        for (int64_t block = 0; block < blocks; block++) {
+            int64_t b0 = block * GEMM_BLOCK_ROWS, b1 = rows - b0 > GEMM_BLOCK_ROWS ? b0 + GEMM_BLOCK_ROWS : rows;
             for (int64_t t0 = 0; t0 < tokens; t0 += GEMM_TOKENS) {
                 const float *xt[GEMM_TOKENS];
                 for (int t = 0; t < GEMM_TOKENS; t++) xt[t] = x + (t0 + t < tokens ? t0 + t : tokens - 1) * n;
-                float sums[GEMM_ROWS][GEMM_TOKENS];
-                f16_gemm_tile(wr, xt, k0, k1, sums);
-                for (int r = 0; r < GEMM_ROWS && r0 + r < rows; r++) {
-                    for (int t = 0; t < GEMM_TOKENS && t0 + t < tokens; t++) {
-                        float sum = sums[r][t];
-                        /* Columns past the last whole vector, once, with the last pass. */
-                        for (int64_t c = whole; last && c < n; c++) sum += half_to_float(wr[r][c]) * xt[t][c];
-                        float *o = out + (t0 + t) * rows + r0 + r;
-                        *o = k0 == 0 ? sum : *o + sum;
+                for (int64_t r0 = b0; r0 < b1; r0 += GEMM_ROWS) {
+                    const uint16_t *wr[GEMM_ROWS];
+                    for (int r = 0; r < GEMM_ROWS; r++)
+                        wr[r] = (const uint16_t *)(w + (r0 + r < b1 ? r0 + r : b1 - 1) * stride);
+                    float sums[GEMM_ROWS][GEMM_TOKENS];
+                    f16_gemm_tile(wr, xt, k0, k1, sums);
+                    for (int r = 0; r < GEMM_ROWS && r0 + r < b1; r++) {
+                        for (int t = 0; t < GEMM_TOKENS && t0 + t < tokens; t++) {
+                            float sum = sums[r][t];
+                            /* Columns past the last whole vector, once, with the last pass. */
+                            for (int64_t c = whole; last && c < n; c++) sum += half_to_float(wr[r][c]) * xt[t][c];
+                            float *o = out + (t0 + t) * rows + r0 + r;
+                            *o = k0 == 0 ? sum : *o + sum;
+                        }
                     }
                 }
             }

@@ -64,13 +64,9 @@ class KVCache:
             # A slice write: no index tensors to build or move for the one sequence's consecutive positions.
             self.k[layer, slot, :, start:end] = _stored(self.types.k, k.transpose(0, 1), self.k.dtype)
             self.v[layer, slot, :, start:end] = _stored(self.types.v, v.transpose(0, 1), self.v.dtype)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                _read(self.types.k, self.k[layer, slot, :, :end], q.dtype),
-                _read(self.types.v, self.v[layer, slot, :, :end], q.dtype),
-                attn_mask=step.mask,
-                enable_gqa=True,
-            ).transpose(0, 1)
+            keys = _read(self.types.k, self.k[layer, slot, :, :end], q.dtype)
+            values = _read(self.types.v, self.v[layer, slot, :, :end], q.dtype)
+            out = _causal_attention(q.transpose(0, 1), keys, values, step.mask, start).transpose(0, 1)
         else:
             slots = batch.slots.to(self.k.device)
             self.k[layer, slots, :, step.positions] = _stored(self.types.k, k, self.k.dtype)
@@ -87,6 +83,33 @@ class KVCache:
                 q[:, :, None], keys, values, attn_mask=step.mask, enable_gqa=True
             )[:, :, 0]
         return out.reshape(n, -1)
+
+
+# On the CPU a prompt's queries go QUERY_BLOCK at a time, each block over the keys up to its last position alone:
+# the scores past the causal edge are then mostly not computed, and a block's scores stay in cache. A 512-token
+# prompt's attention (32 heads of 128) takes 21 ms where one call over every query takes 48, on two Zen 5 threads;
+# a GPU's kernels need no such help.
+QUERY_BLOCK = 64
+
+
+def _causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, start: int
+) -> torch.Tensor:
+    """q [heads, T, d] at positions start.. of one sequence, over its keys and values [kv_heads, start + T, d] under
+    `mask` [T, start + T] (None: every query sees every key)."""
+    n = q.shape[1]
+    if mask is None or n <= QUERY_BLOCK or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    blocks = []
+    for a in range(0, n, QUERY_BLOCK):
+        b = min(a + QUERY_BLOCK, n)
+        seen = start + b
+        blocks.append(
+            F.scaled_dot_product_attention(
+                q[:, a:b], keys[:, :seen], values[:, :seen], attn_mask=mask[a:b, :seen], enable_gqa=True
+            )
+        )
+    return torch.cat(blocks, dim=1)
 
 
 def _stored(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

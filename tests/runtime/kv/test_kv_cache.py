@@ -1,14 +1,16 @@
-"""The full KV cache's batched attention: rows past a sequence's position are hidden, whatever they hold."""
+"""The full KV cache's attention: rows past a sequence's position are hidden, whatever they hold, and a long
+prompt's queries see the keys their positions allow."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from qinfer.core.kv_policy import F32_KV
 from qinfer.runtime.engine.engine import Engine
-from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.batch import TokenBatch, batch_step
 from qinfer.runtime.kv.cache import KVCache
 
 
@@ -31,3 +33,29 @@ def test_stale_rows_past_a_position_cannot_poison_a_batch(gguf_files: dict[str, 
                 cache.v[:, 0, :, 4:] = float("inf")
             logits.append(forward.forward(TokenBatch.decode([ids[4], ids[9]], [4, 9], [0, 1]), cache))
     assert torch.isfinite(logits[1]).all() and torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_a_long_prompt_attends_causally_block_by_block(gguf_files: dict[str, Path], window: int | None) -> None:
+    """A prompt's queries go 64 at a time, each block over the keys up to its last position: two chunks (70 tokens
+    from position 0, then 90 from 70) give every query the float64 softmax over the keys it may see, with and
+    without a sliding window."""
+    cfg = Engine.open(gguf_files["pi-f32"], ctx_size=64, ffn="dense").forward.cfg
+    cache = KVCache(cfg, 160, types=F32_KV)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(160, cfg.heads, cfg.head_dim, generator=g)
+    k = torch.randn(160, cfg.kv_heads, cfg.head_dim, generator=g)
+    v = torch.randn(160, cfg.kv_heads, cfg.head_dim, generator=g)
+    outs = []
+    for a, b in ((0, 70), (70, 160)):
+        batch = TokenBatch.prompt(torch.zeros(b - a, dtype=torch.long), a)
+        step = batch_step(batch, batch.positions, window)
+        outs.append(cache.attend(q[a:b], k[a:b], v[a:b], 0, step))
+    out = torch.cat(outs).view(160, cfg.heads, cfg.head_dim).double()
+    group = cfg.heads // cfg.kv_heads
+    keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    for p in range(160):
+        first = 0 if window is None else max(0, p - window + 1)
+        scores = torch.einsum("hd,khd->hk", q[p].double(), keys[first : p + 1]) / cfg.head_dim**0.5
+        expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values[first : p + 1])
+        assert (out[p] - expected).abs().max() <= 1e-5, p
