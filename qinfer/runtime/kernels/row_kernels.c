@@ -1052,23 +1052,26 @@ int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64
  * input vector loaded serves several products. The rows go GEMM_BLOCK_ROWS at a time past each token tile, whose
  * inputs stay in the first-level cache while they pass: from GEMM_PROMPT_TOKENS tokens the columns go
  * GEMM_PROMPT_K at a time (a tile of four tokens' inputs is then 32 KiB), below it GEMM_K at a time, which reads
- * each row in fewer pieces where the rows' bytes rather than the arithmetic set the pace.
+ * each row in fewer pieces where the rows' bytes rather than the arithmetic set the pace. A tile loads its tokens'
+ * inputs first and then converts one row at a time, so it holds the sums, the inputs and one row: AVX2's 4 x 3
+ * tile fits its 16 registers so.
  *
- * The tile sizes are the fastest measured on Zen 4 (128 tokens by 11008 x 4096 rows, two threads): 215 GFLOP/s
- * with AVX-512's 6 x 4 (4 x 6: 159, 3 x 8: 158, rows2_tokens: 123), 149 with AVX2's 3 x 3 (2 x 4: 124, 4 x 2: 96,
- * rows2_tokens: 120); on Zen 5 too 6 x 4 leads (5 x 5: 0.96x, 4 x 6: 0.82x). AVX2's tile pays from about 24 tokens
- * (16: 104 against 122 GFLOP/s), AVX-512's from 4 (62 against 126). On Zen 5 (136 tokens of 4096 x 4096,
- * 11008 x 4096 and 4096 x 11008, two threads) the row blocks, the 2048 columns and the tile's sums taken four at
- * a time (vsum4) make AVX-512's product 1.07-1.12x faster than tiles over every token and 4096 columns; 1024 or
- * 3072 columns, 96-row blocks, or reading rows ahead with prefetches did not beat them. */
+ * Measured on Zen 5 (products of 3-136 tokens with 4096 x 4096, 11008 x 4096 and 4096 x 11008 rows, two
+ * threads): AVX-512's 6 x 4 leads (5 x 5: 0.96x, 4 x 6: 0.82x, 3 x 8: 0.7x); the row blocks, the 2048 columns and
+ * the tile's sums taken four at a time (vsum4) make its 136-token product 1.07-1.12x faster than tiles over every
+ * token and 4096 columns, and loading the inputs first 1.01-1.04x; 1024 or 3072 columns, 96-row blocks, a packed
+ * copy of the rows, or prefetching them did not beat that. AVX2's 4 x 3 runs 1.25-1.32x faster than its 3 x 3
+ * (which could not load the inputs first: 3 x 4 and 2 x 6 are 1.0-1.1x), and beats rows2_tokens from 3 tokens (3:
+ * 95-130 against 57-73 GFLOP/s; 4, whose second tile repeats a token twice: even). AVX-512's 6 x 4 beats
+ * rows2_tokens from 4 tokens (Zen 4). */
 #if LANES == 16
-#define GEMM_ROWS 6   /* 24 sums, 6 rows and an input: 31 of AVX-512's 32 registers */
+#define GEMM_ROWS 6   /* 24 sums, 4 inputs and a row: 29 of AVX-512's 32 registers */
 #define GEMM_TOKENS 4 /* vsum4's four */
 #define GEMM_MIN_TOKENS 4
 #else
-#define GEMM_ROWS 3   /* 9 sums, 3 rows and an input: 13 of AVX2's 16 */
+#define GEMM_ROWS 4   /* 12 sums, 3 inputs and a row: AVX2's 16 registers */
 #define GEMM_TOKENS 3
-#define GEMM_MIN_TOKENS 24
+#define GEMM_MIN_TOKENS 3
 #endif
 #define GEMM_K 4096
 #define GEMM_PROMPT_K 2048
@@ -1097,11 +1100,11 @@ static inline __attribute__((always_inline)) void f16_gemm_tile(const uint16_t *
     for (int r = 0; r < GEMM_ROWS; r++)
         for (int t = 0; t < GEMM_TOKENS; t++) acc[r][t] = vzero();
     for (int64_t i = k0; i < k1; i += LANES) {
-        vec wv[GEMM_ROWS];
-        for (int r = 0; r < GEMM_ROWS; r++) wv[r] = vload_half(w[r] + i);
-        for (int t = 0; t < GEMM_TOKENS; t++) {
-            vec xv = vload(x[t] + i);
-            for (int r = 0; r < GEMM_ROWS; r++) acc[r][t] = vfma(wv[r], xv, acc[r][t]);
+        vec xv[GEMM_TOKENS];
+        for (int t = 0; t < GEMM_TOKENS; t++) xv[t] = vload(x[t] + i);
+        for (int r = 0; r < GEMM_ROWS; r++) {
+            vec wv = vload_half(w[r] + i);
+            for (int t = 0; t < GEMM_TOKENS; t++) acc[r][t] = vfma(wv, xv[t], acc[r][t]);
         }
     }
 #if LANES == 16
