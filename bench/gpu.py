@@ -1,7 +1,7 @@
 """Our GPU/CPU split beside the PowerInfer engine's, on one GPU, on the same files and budgets, in one run.
 
     python bench/gpu.py --powerinfer-main PATH [--models 7b-slice] [--quant Q4_0] [--rounds 3] [--tokens 64]
-                        [--work work/bench] [-c 256]
+                        [--work work/bench] [-c 256] [--budgets 4,8]
 
 Per file (the f16 PowerInfer GGUF, and with --quant the file quantized to that type) and budget, decode tokens/s,
 best of --rounds interleaved rounds:
@@ -11,7 +11,11 @@ best of --rounds interleaved rounds:
   own plan (its solver, run by `main`), and the engine with our plan (our .gpuidx beside the file);
 - all FFN on the GPU: ours (with and without graphs), the engine (its own plan);
 - dense, every layer on the GPU: the engine on the dense GGUF (-ngl 99);
-- ours all on the CPU, and transformers' eager `generate` on the GPU (f16), as references.
+- ours all on the CPU, and transformers' eager `generate` on the GPU (f16), as references;
+- with --budgets, the split at each of those budgets (GiB): ours static and the engine with its own plan.
+`--models 7b` is the full depth of a LLaMA-7B shape (32 layers): the 7b-slice's four layers repeated, with their
+activation counts (bench/deep_model.py); it has no transformers row. `--models 7b --budgets 4,8` gives the 4 GiB,
+8 GiB and all-FFN rows of a 7B.
 Our rows also give peak VRAM (torch's allocator, from opening the model to the end of its first round) against the
 budget. Without --powerinfer-main the engine's rows are left out. The first line names the GPU and the CPU.
 
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 from decode import bench_model, bench_prompt, engine_decoder, quantized, transformers_decoder
 from decode_peers import Speed, Timer, engine_main_problem, powerinfer_decoder
+from deep_model import deep_model
 from rich.console import Console
 from rich.table import Table
 
@@ -46,6 +51,8 @@ from qinfer.runtime.ffn.hybrid import HybridRunner
 from qinfer.runtime.model.model_file import open_model
 
 SPLIT_SHARE, WHOLE_SHARE = 0.35, 1.05  # of the FFN's bytes, beside the dense parts
+# Models made by repeating a slice's layers: name -> (the slice, the layer count).
+DEEP = {"7b": ("7b-slice", 32)}
 
 
 def machine() -> str:
@@ -129,7 +136,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("work/bench"))
     parser.add_argument("-c", "--ctx", type=int, default=256)
     parser.add_argument("--powerinfer-main", type=Path, help="the `main` of a PowerInfer engine CUDA build")
+    parser.add_argument("--budgets", default="", help="comma-separated GiB: also the split at each of these budgets")
     args = parser.parse_args()
+    try:
+        budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"--budgets {args.budgets!r}: give GiB as numbers, comma-separated (4,8)") from None
     if args.powerinfer_main is not None and (problem := engine_main_problem(args.powerinfer_main)):
         print(problem, file=sys.stderr)
         raise SystemExit(2)
@@ -138,13 +150,16 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     threads = os.cpu_count() or 1
     for name in args.models.split(","):
-        model = bench_model(args.work, name)
+        slice_name, depth = DEEP.get(name, (name, 0))
+        model = bench_model(args.work, slice_name)
         root = model.powerinfer.parent
         if not (root / "activation" / "activation_0.pt").exists():
             corpus = root / "corpus.txt"
             corpus.write_text(synth_corpus(1, 400_000, "calibrate"))
             profile_activations(model.model_dir, corpus, root / "activation", tokens=16384, seq_len=256,
                                 device="cuda" if cuda else "cpu")  # fmt: skip
+        if depth:
+            model = deep_model(model, args.work / name, name, depth)
         tokenizer = GGUFTokenizer(open_model(model.powerinfer).metadata)
         prompt = bench_prompt(tokenizer, 32)
         prompt_ids = tokenizer.encode(prompt)
@@ -166,6 +181,7 @@ def main() -> None:
                 ("all FFN ours", "whole-ours", whole, "static", None, True),
                 ("all FFN ours, no graphs", "whole-ours", whole, "static", None, False),
                 ("all-CPU ours", "cpu", None, "static", None, False),
+                *((f"split ours static, {b:g} GiB", f"split-ours-{b:g}", b, "static", None, True) for b in budgets),
             ]
             for label, directory, budget, schedule, in_kernel, graphs in rows:
                 path = placed(v.powerinfer, args.work / "gpu" / v.name.replace(" ", "-"), directory)
@@ -188,13 +204,18 @@ def main() -> None:
                     ("split engine, our plan", v.powerinfer, "split-ours", ("--vram-budget", f"{split:.4f}")),
                     ("all FFN engine", v.powerinfer, "whole-engine", ("--vram-budget", f"{whole:.4f}")),
                     ("dense all-GPU engine", v.dense, "dense-engine", ("-ngl", "99")),
+                    *(
+                        (f"split engine, own plan, {b:g} GiB", v.powerinfer, f"split-engine-{b:g}",
+                         ("--vram-budget", f"{b:g}"))
+                        for b in budgets
+                    ),  # fmt: skip
                 ]
                 for label, file, directory, extra in engine_rows:
                     path = placed(file, args.work / "gpu" / v.name.replace(" ", "-"), directory)
                     timers[f"{v.name}|{label}"] = powerinfer_decoder(
                         args.powerinfer_main, path, prompt, args.tokens, threads, args.ctx, extra
                     )
-        if cuda:
+        if cuda and not depth:
             timers[f"{model.name}|transformers eager, GPU f16"] = transformers_decoder(
                 model.model_dir, prompt_ids, args.tokens, torch.float16, "cuda"
             )
@@ -220,7 +241,9 @@ def main() -> None:
             if key in peaks:
                 measured, budget = peaks[key][0](), peaks[key][1]
                 peak = f"{measured:.3f} / {budget:.3f}" if measured is not None else f"- / {budget:.3f}"
-            peer = {"split ours static": "split engine, own plan", "all FFN ours": "all FFN engine"}.get(label)
+            peers = {"split ours static": "split engine, own plan", "all FFN ours": "all FFN engine"}
+            peers |= {f"split ours static, {b:g} GiB": f"split engine, own plan, {b:g} GiB" for b in budgets}
+            peer = peers.get(label)
             versus = best.get(f"{file}|{peer}") if peer else None
             ratio = f"{tps / versus.decode:.2f}x" if versus is not None and not math.isnan(tps) else ""
             table.add_row(file, label, "failed" if key in failed else f"{tps:.1f}", peak, ratio)

@@ -11,7 +11,8 @@
 # Without --powerinfer-src the engine's rows are left out; without a GPU everything runs on a simulated GPU side.
 #
 #   bench/gpu_check.sh [--wheels DIR] [--powerinfer-src DIR] [--build DIR] [--work DIR] [--rounds N] [--tokens N]
-#                      [--models LIST] [--quant Q4_0|none]
+#                      [--models LIST] [--quant Q4_0|none] [--budgets GIB,...]
+# A 7B's full depth is a run of its own: --models 7b --budgets 4,8 --quant none (its f16 files take 27 GB of disk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -23,6 +24,7 @@ ROUNDS=3
 TOKENS=64
 MODELS=7b-slice
 QUANT=Q4_0
+BUDGETS=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --wheels) WHEELS="$2"; shift 2 ;;
@@ -33,8 +35,9 @@ while [[ $# -gt 0 ]]; do
     --tokens) TOKENS="$2"; shift 2 ;;
     --models) MODELS="$2"; shift 2 ;;
     --quant) QUANT="$2"; shift 2 ;;
+    --budgets) BUDGETS="$2"; shift 2 ;;
     *) echo "usage: $0 [--wheels DIR] [--powerinfer-src DIR] [--build DIR] [--work DIR] [--rounds N]" \
-            "[--tokens N] [--models LIST] [--quant Q4_0|none]" >&2; exit 2 ;;
+            "[--tokens N] [--models LIST] [--quant Q4_0|none] [--budgets GIB,...]" >&2; exit 2 ;;
   esac
 done
 started=$SECONDS
@@ -91,6 +94,6 @@ stage "bench/gpu.py"
 QUANTIZED=()
 if [[ "$QUANT" != none ]]; then QUANTIZED=(--quant "$QUANT"); fi
 "$PY" bench/gpu.py --models "$MODELS" "${QUANTIZED[@]}" --rounds "$ROUNDS" --tokens "$TOKENS" --work "$WORK" \
-  "${MAIN[@]}"
+  --budgets "$BUDGETS" "${MAIN[@]}"
 stage "done"
 exit "${status:-0}"
