@@ -13,14 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from decode import BenchModel
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
 
 from qinfer.core.names import Key, Tensor, split_tensor_name, tensor_name
 from qinfer.formats.activation_files import SUMMARY_FILE, count_basis, read_activations, write_activations
 from qinfer.formats.gguf_reader import metadata, open_gguf
 from qinfer.formats.gguf_writer import TensorPlan, write_gguf
 
-FLOAT_TYPES = {GGMLQuantizationType.F32: np.dtype(np.float32), GGMLQuantizationType.F16: np.dtype(np.float16)}
 # Keys the writer sets itself, or that this tool sets.
 OWN_KEYS = (Key.ARCHITECTURE, Key.ALIGNMENT)
 
@@ -39,9 +38,9 @@ def deepen_gguf(src: Path, dst: Path, layers: int) -> None:
     shared: list[TensorPlan] = []
     by_layer: dict[int, list[tuple[str, str, TensorPlan]]] = {}
     for t in reader.tensors:
-        dtype = FLOAT_TYPES.get(t.tensor_type, np.dtype(np.uint8))
-        shape = tuple(int(n) for n in t.data.shape)
-        raw = None if t.tensor_type in FLOAT_TYPES else t.tensor_type
+        # The reader's view gives each type's numpy form: elements for float and integer types, bytes for blocks.
+        dtype, shape = t.data.dtype, tuple(int(n) for n in t.data.shape)
+        raw = t.tensor_type if dtype == np.uint8 else None
         plan = TensorPlan(t.name, shape, dtype, partial(_read, src, t.data_offset, dtype, shape), raw)
         parts = split_tensor_name(t.name)
         if parts is None or parts[0] is None:

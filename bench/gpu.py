@@ -139,9 +139,11 @@ def main() -> None:
     parser.add_argument("--budgets", default="", help="comma-separated GiB: also the split at each of these budgets")
     args = parser.parse_args()
     try:
-        budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+        budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
     except ValueError:
-        raise SystemExit(f"--budgets {args.budgets!r}: give GiB as numbers, comma-separated (4,8)") from None
+        budgets = [math.nan]
+    if not all(math.isfinite(b) and b > 0 for b in budgets):
+        raise SystemExit(f"--budgets {args.budgets!r}: give positive GiB, comma-separated (4,8)")
     if args.powerinfer_main is not None and (problem := engine_main_problem(args.powerinfer_main)):
         print(problem, file=sys.stderr)
         raise SystemExit(2)

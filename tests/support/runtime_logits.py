@@ -25,6 +25,15 @@ def our_logits(path: Path, ids: list[int], ffn: str, split: int = 5) -> torch.Te
     return torch.cat(parts)
 
 
+def last_logits(path: Path, ids: list[int], ffn: str) -> torch.Tensor:
+    """`ids` as one prompt, asking for its last token's logits alone, as the engine does: past the last layer's
+    attention only that token runs."""
+    forward = load_forward(open_model(path), RuntimeOptions(ffn=ffn)).forward
+    cache = KVCache(forward.cfg, 64, types=F32_KV)
+    with torch.inference_mode():
+        return forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), cache, [len(ids) - 1])[0]
+
+
 def reference_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
     """transformers' logits for `ids`, in float32, through the checkpoint's own model class."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1049,12 +1049,12 @@ int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64
 #if LANES > 1
 /* The F16 product of many tokens (a prompt, a wide batch) as a blocked matrix product: a tile of GEMM_ROWS rows by
  * GEMM_TOKENS tokens keeps its GEMM_ROWS * GEMM_TOKENS sums in registers, so each row vector converted and each
- * input vector loaded serves several products. The rows go GEMM_BLOCK_ROWS at a time past each token tile, whose
- * inputs stay in the first-level cache while they pass: from GEMM_PROMPT_TOKENS tokens the columns go
- * GEMM_PROMPT_K at a time (a tile of four tokens' inputs is then 32 KiB), below it GEMM_K at a time, which reads
- * each row in fewer pieces where the rows' bytes rather than the arithmetic set the pace. A tile loads its tokens'
- * inputs first and then converts one row at a time, so it holds the sums, the inputs and one row: AVX2's 4 x 3
- * tile fits its 16 registers so.
+ * input vector loaded serves several products. The rows go GEMM_BLOCK_ROWS at a time (fewer in a matrix too small
+ * for every thread to take several blocks) past each token tile, whose inputs stay in the first-level cache while
+ * they pass: from GEMM_PROMPT_TOKENS tokens the columns go GEMM_PROMPT_K at a time (a tile of four tokens' inputs
+ * is then 32 KiB), below it GEMM_K at a time, which reads each row in fewer pieces where the rows' bytes rather
+ * than the arithmetic set the pace. A tile loads its tokens' inputs first and then converts one row at a time, so
+ * it holds the sums, the inputs and one row: AVX2's 4 x 3 tile fits its 16 registers so.
  *
  * Measured on Zen 5 (products of 3-136 tokens with 4096 x 4096, 11008 x 4096 and 4096 x 11008 rows, two
  * threads): AVX-512's 6 x 4 leads (5 x 5: 0.96x, 4 x 6: 0.82x, 3 x 8: 0.7x); the row blocks, the 2048 columns and
@@ -1076,7 +1076,10 @@ int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64
 #define GEMM_K 4096
 #define GEMM_PROMPT_K 2048
 #define GEMM_PROMPT_TOKENS 48
-#define GEMM_BLOCK_ROWS 48 /* 4096 and 11008 rows in blocks two threads share evenly */
+#define GEMM_BLOCK_ROWS 48
+/* A thread takes at least this many blocks where rows allow: 1024 rows on 16 threads, in blocks of 48, would keep
+ * a third of the threads idle for the last block. */
+#define GEMM_BLOCKS_PER_THREAD 4
 
 #if LANES == 16
 /* The sums of four vectors, a lane each: a tree whose shuffles the four share (14 instructions, where four vsum
@@ -1120,13 +1123,16 @@ static inline __attribute__((always_inline)) void f16_gemm_tile(const uint16_t *
  * rest. */
 static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float *x, int64_t n, int64_t tokens,
                      float *out) {
-    int64_t blocks = (rows + GEMM_BLOCK_ROWS - 1) / GEMM_BLOCK_ROWS, whole = n / LANES * LANES;
+    int64_t share = (rows + GEMM_BLOCKS_PER_THREAD * omp_get_num_threads() - 1) /
+                    (GEMM_BLOCKS_PER_THREAD * omp_get_num_threads());
+    int64_t block_rows = share < GEMM_BLOCK_ROWS ? (share + GEMM_ROWS - 1) / GEMM_ROWS * GEMM_ROWS : GEMM_BLOCK_ROWS;
+    int64_t blocks = (rows + block_rows - 1) / block_rows, whole = n / LANES * LANES;
     int64_t k_step = tokens >= GEMM_PROMPT_TOKENS ? GEMM_PROMPT_K : GEMM_K;
     for (int64_t k0 = 0; k0 == 0 || k0 < whole; k0 += k_step) {
         int64_t k1 = k0 + k_step < whole ? k0 + k_step : whole, last = k1 == whole;
 #pragma omp for schedule(static)
         for (int64_t block = 0; block < blocks; block++) {
-            int64_t b0 = block * GEMM_BLOCK_ROWS, b1 = rows - b0 > GEMM_BLOCK_ROWS ? b0 + GEMM_BLOCK_ROWS : rows;
+            int64_t b0 = block * block_rows, b1 = rows - b0 > block_rows ? b0 + block_rows : rows;
             for (int64_t t0 = 0; t0 < tokens; t0 += GEMM_TOKENS) {
                 const float *xt[GEMM_TOKENS];
                 for (int t = 0; t < GEMM_TOKENS; t++) xt[t] = x + (t0 + t < tokens ? t0 + t : tokens - 1) * n;

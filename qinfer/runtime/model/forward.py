@@ -173,7 +173,7 @@ class TransformerForward:
         the decode tokens through the runner's decode path (the predictor's neurons, where it is sparse), so that
         what a stream decodes does not depend on the prompts that share its steps."""
         if keep == []:
-            return x  # no row: every runner would compute an empty FFN
+            return x  # [0, E]: by_part would join no part's output, and a runner need not handle no tokens
         if not step.parts:
             return self.ffn(i, x, h, prefill)
         return by_part(step, lambda part, rows: self.ffn(i, x[rows], h[rows], not part.batch.one_per_slot), keep)
@@ -213,8 +213,9 @@ class TransformerForward:
                 h = self.native.run(i, h, call, cache)
             return self.head(h if rows is None else h[rows])
         # Past the last layer's attention only the rows asked for are needed, so a prompt's FFN there runs for its
-        # last token alone (llama.cpp cuts its graph the same way).
-        keep = rows if rows is not None and rows == sorted(set(rows)) else None
+        # last token alone (llama.cpp cuts its graph the same way). by_part maps kept rows to the step's parts as
+        # increasing, non-negative indices; other `rows` are taken from the whole layer's output.
+        keep = rows if rows is not None and rows == sorted(set(rows)) and min(rows, default=0) >= 0 else None
         last = self.cfg.layers - 1
         for i in range(self.cfg.layers):
             h = self.block(i, h, step, cache, prefill, keep if i == last else None)

@@ -303,13 +303,14 @@ def test_inputs_quantize_as_roundf(tokens: int) -> None:
 
 @needs_compiler
 @pytest.mark.parametrize("rows", [13, 101])
-@pytest.mark.parametrize("cols", [100, 4100])
-@pytest.mark.parametrize("tokens", [4, 7, 40, 53])
+@pytest.mark.parametrize("cols", [100, 4100, 8200])
+@pytest.mark.parametrize("tokens", [3, 4, 7, 40, 53])
 def test_the_blocked_f16_product_matches_float64(kernel_build: str, tokens: int, cols: int, rows: int) -> None:
-    """F16 rows against many tokens go through the blocked product (tiles of rows by tokens, rows in blocks of 48,
-    columns 4096 at a time, or 2048 from 48 tokens), whose edges repeat a row or a token: row counts off the tile
-    within one block and past two, token counts off the tile, columns off the vector width and past one or two
-    blocks of columns. A build without SIMD leaves more than a block of tokens to torch."""
+    """F16 rows against many tokens go through the blocked product (tiles of rows by tokens, from 3 tokens under
+    AVX2 and 4 under AVX-512, rows in blocks of up to 48, columns 4096 at a time, or 2048 from 48 tokens), whose
+    edges repeat a row or a token: row counts off the tile within one block and past two, token counts off the
+    tile, columns off the vector width and past one, two or four blocks of columns. A build without SIMD leaves
+    more than a block of tokens to torch."""
     w = _half_rows(rows, cols, cols + 8, 23)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(24))
     out = row_kernels.matvec(x, w)

@@ -25,7 +25,7 @@ from qinfer.prep.synth.falcon import FalconShape, build_synth_falcon
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.model.model_file import open_model
 from tests.runtime.kernels.test_decode_layer import assert_native_batch_matches_torch, forward_for
-from tests.support.runtime_logits import our_logits
+from tests.support.runtime_logits import last_logits, our_logits
 
 SHAPE = FalconShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=2, vocab=512)
 TEXT = "The dog ran fast,\nand the cat  slept. 42 times!"
@@ -60,6 +60,14 @@ def test_logits_match_transformers(
     ids, expected = reference
     assert len(ids) > 12 and expected.abs().mean() > 0.1
     assert (our_logits(falcon[kind], ids, ffn) - expected).abs().max().item() < 1e-3
+
+
+def test_a_prompts_last_token_alone_matches_transformers(
+    falcon: dict[str, Path], reference: tuple[list[int], torch.Tensor]
+) -> None:
+    """The parallel block cut to the last token past its attention: both branches and the residual of that row."""
+    ids, expected = reference
+    assert (last_logits(falcon["pi-f32"], ids, "dense") - expected[-1]).abs().max().item() < 1e-3
 
 
 def test_file_layout_follows_llama_cpp(falcon: dict[str, Path]) -> None:

@@ -34,7 +34,7 @@ from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.runtime.kernels.test_decode_layer import assert_native_batch_matches_torch, forward_for
 from tests.support.fake_activation import write_power_law_activation
-from tests.support.runtime_logits import our_logits
+from tests.support.runtime_logits import last_logits, our_logits
 
 SHAPE = OPTShape()
 TEXT = "The dog ran fast,\nand the cat  slept. 42 times!"
@@ -102,6 +102,14 @@ def test_logits_match_transformers(opt: dict[str, Path], model: str, kind: str, 
     expected = reference(opt[model], ids)
     assert len(ids) > 12 and expected.abs().mean() > 0.1
     assert (our_logits(opt[kind], ids, ffn) - expected).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize(("model", "kind"), [("model", "pi-f32"), ("biased", "biased-pi")])
+def test_a_prompts_last_token_alone_matches_transformers(opt: dict[str, Path], model: str, kind: str) -> None:
+    """The block cut to the last token past its attention, with down's bias added to that row alone."""
+    ids = GGUFTokenizer(open_model(opt[kind]).metadata).encode(TEXT)
+    expected = reference(opt[model], ids)[-1]
+    assert (last_logits(opt[kind], ids, "dense") - expected).abs().max().item() < 1e-3
 
 
 def test_tokenizer_ids_equal_transformers(opt: dict[str, Path]) -> None:
