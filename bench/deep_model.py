@@ -13,15 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from decode import BenchModel
-from gguf import GGUFValueType, GGUFWriter
+from gguf import GGUFWriter
 
 from qinfer.core.names import Key, Tensor, split_tensor_name, tensor_name
 from qinfer.formats.activation_files import SUMMARY_FILE, count_basis, read_activations, write_activations
 from qinfer.formats.gguf_reader import metadata, open_gguf
-from qinfer.formats.gguf_writer import TensorPlan, write_gguf
-
-# Keys the writer sets itself, or that this tool sets.
-OWN_KEYS = (Key.ARCHITECTURE, Key.ALIGNMENT)
+from qinfer.formats.gguf_writer import TensorPlan, copy_metadata, write_gguf
 
 
 def _read(path: Path, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -54,18 +51,8 @@ def deepen_gguf(src: Path, dst: Path, layers: int) -> None:
             plans.append(TensorPlan(name, plan.shape, plan.dtype, plan.load, plan.raw_type))
 
     def add_metadata(writer: GGUFWriter) -> None:
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF.") or field.name in OWN_KEYS:
-                continue
-            if field.name == block_count:
-                writer.add_uint32(block_count, layers)
-                continue
-            kind = field.types[0]
-            sub_type = field.types[-1] if kind == GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
-        alignment = reader.get_field(Key.ALIGNMENT)
-        if alignment is not None:
-            writer.add_custom_alignment(int(alignment.contents()))
+        copy_metadata(reader, writer, (block_count,))
+        writer.add_uint32(block_count, layers)
 
     write_gguf(dst, arch, add_metadata, plans, powerinfer=reader.is_powerinfer)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
+from qinfer.core.names import Key
 from qinfer.formats.atomic_file import atomic_output
 from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC
 from qinfer.formats.gguf_reader import check_layout
@@ -32,6 +33,20 @@ class TensorPlan:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def copy_metadata(reader: GGUFReader, writer: GGUFWriter, skip: Collection[str] = ()) -> None:
+    """Every key of `reader` as it is, but its header's, the architecture (which the writer sets itself) and `skip`;
+    its alignment as the writer's own."""
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in (Key.ARCHITECTURE, Key.ALIGNMENT, *skip):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    alignment = reader.get_field(Key.ALIGNMENT)
+    if alignment is not None:
+        writer.add_custom_alignment(int(alignment.contents()))
 
 
 def write_gguf(

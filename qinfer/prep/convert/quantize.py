@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quant_shape_to_byte_shape
 
 from qinfer.core.errors import UserError
@@ -27,7 +27,7 @@ from qinfer.core.model_check import check_model, tensor_entries
 from qinfer.core.names import ROUTERS, WEIGHT, Key, Tensor, split_tensor_name, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
 from qinfer.formats.gguf_reader import metadata, open_gguf
-from qinfer.formats.gguf_writer import TensorPlan, write_gguf
+from qinfer.formats.gguf_writer import TensorPlan, copy_metadata, write_gguf
 from qinfer.prep.convert.quant_blocks import quantize_q4_0, quantize_q8_0
 
 QType = GGMLQuantizationType
@@ -37,13 +37,8 @@ OUTPUT_TYPE = QType.Q8_0
 QUANTIZATION_VERSION = 2
 _FLOAT_TYPES = {QType.F32: np.dtype(np.float32), QType.F16: np.dtype(np.float16)}
 _QUANTIZERS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {QType.Q4_0: quantize_q4_0, QType.Q8_0: quantize_q8_0}
-# Keys the writer or this tool sets itself; everything else is copied as it is.
-_OWN_KEYS = (
-    Key.ARCHITECTURE,
-    Key.FILE_TYPE,
-    Key.QUANTIZATION_VERSION,
-    Key.ALIGNMENT,
-)
+# Keys this tool sets itself; everything else is copied as it is.
+_OWN_KEYS = (Key.FILE_TYPE, Key.QUANTIZATION_VERSION)
 
 
 @dataclass(frozen=True)
@@ -114,15 +109,7 @@ def _plan(path: Path, reader: GGUFReader, target: QType) -> tuple[list[TensorPla
 
 def _metadata_writer(reader: GGUFReader, file_type: int) -> Callable[[GGUFWriter], None]:
     def add(writer: GGUFWriter) -> None:
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF.") or field.name in _OWN_KEYS:
-                continue
-            kind = field.types[0]
-            sub_type = field.types[-1] if kind == GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
-        alignment = reader.get_field(Key.ALIGNMENT)
-        if alignment is not None:
-            writer.add_custom_alignment(int(alignment.contents()))
+        copy_metadata(reader, writer, _OWN_KEYS)
         writer.add_file_type(file_type)
         writer.add_quantization_version(QUANTIZATION_VERSION)
 
