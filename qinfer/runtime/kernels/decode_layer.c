@@ -473,7 +473,7 @@ static void times_up_tile(const dims *d, const layer *w, const scratch *s, const
     for (int64_t t = 0; t < n; t++)
         for (int64_t r = 0; r < rows; r++) {
             float *g = s->g + (t0 + t) * count + k0 + r, up = out[t * QX_ROWS + r];
-            if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+            if (*g != 0.0f) *g *= up_factor(d->form, up);
         }
 }
 #endif
@@ -486,7 +486,7 @@ static void times_up_row(const dims *d, const layer *w, const scratch *s, const 
     masked_row(w->up.type, row, next, s->x, a, d->hidden, t0, n, s->g + k, count, u, 1);
     for (int64_t t = t0; t < t0 + n; t++) {
         float *g = s->g + t * count + k, up = u[t - t0];
-        if (*g != 0.0f) *g *= d->form == FORM_GATED_RELU_UP && up < 0.0f ? 0.0f : up;
+        if (*g != 0.0f) *g *= up_factor(d->form, up);
     }
 }
 

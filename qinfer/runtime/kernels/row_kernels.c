@@ -47,6 +47,9 @@ static inline float gate_act(int form, float g) {
     return g > 0.0f ? g : 0.0f;
 }
 
+/* What up's product u multiplies a gated neuron's activation by: relu(u) for FORM_GATED_RELU_UP, else u. */
+static inline float up_factor(int form, float u) { return form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u; }
+
 #if INT_AVX2
 /* The sum of the eight floats of v (the AVX2 vector sum, and the integer kernels' too under AVX-512). */
 static inline float hsum256(__m256 v) {
@@ -446,8 +449,8 @@ static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int
  * the last-level cache), two Zen 5 threads: 1 token 0.99-1.09x, 2 tokens 1.4-1.9x, 4 tokens 2.0-2.6x, 16 tokens
  * 2.6-2.8x. A whole matrix's products of QG_MIN_TOKENS tokens and more go to the blocked product (q_gemm) instead,
  * which is quicker from about 24 tokens; a selection's rows, which it cannot take, come here up to QX_MAX_TOKENS - 1
- * tokens. Q8_0 rows, twice the bytes of weights, stay on the row kernel for
- * one token, which reads them at memory speed already. */
+ * tokens. Q8_0 rows, twice the bytes of weights, stay on the row kernel for one token, which reads them at memory
+ * speed already. */
 #define QX_ROWS 16
 #define QX_TOKENS 16
 #define QX_MAX_TOKENS 48
@@ -899,7 +902,7 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
                 float g = gate_act(form, f);
                 if (g == 0.0f) continue;
                 float u = dot_row(up_type, up_row, next_row, x, &xq, t, n);
-                *a = g * (form == FORM_GATED_RELU_UP && u < 0.0f ? 0.0f : u);
+                *a = g * up_factor(form, u);
             }
         }
         add_weighted_rows(down, down_stride, down_type, ids, k, act, tokens, n, out);
