@@ -28,7 +28,7 @@ import torch
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
 from qinfer.core.step_budget import DEFAULT_PREFILL_CHUNK
-from qinfer.runtime.engine.sampling import NonFiniteLogits, SamplingParams, sample_next
+from qinfer.runtime.engine.sampling import NonFiniteLogits, SamplingParams, sample_next, unusable_rows
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import make_kv_cache, non_finite_cause
@@ -265,7 +265,10 @@ class Engine:
             seqs[slot].tokens += chunk
         # logits[i] is the sequence's in slot sampled[i].
         order = sorted(range(len(sampled)), key=sampled.__getitem__)
-        return [self._sample(sampled[i], logits[i]) for i in order]
+        # The greedy choices of the whole batch in two reductions: a row's own checks and argmax took tens of
+        # microseconds of dispatch each (a 32-sequence step of the tiny model: 1.6 ms of its 4.6).
+        greedy = torch.where(unusable_rows(logits), -1, logits.argmax(-1)).tolist()
+        return [self._sample(sampled[i], logits[i], greedy[i]) for i in order]
 
     def _chunks(self) -> list[tuple[int, list[int]]]:
         """The prompt tokens this step computes, by slot: of the prompts not yet in the cache, oldest first, as many
@@ -282,14 +285,18 @@ class Engine:
                 break
         return chunks
 
-    def _sample(self, slot: int, logits: torch.Tensor) -> StepOutput:
-        """The next token of the sequence in `slot` from its logits; the sequence ends where it should."""
+    def _sample(self, slot: int, logits: torch.Tensor, greedy: int) -> StepOutput:
+        """The next token of the sequence in `slot` from its logits, whose argmax is `greedy` (-1 where they are
+        unusable); the sequence ends where it should."""
         seq = self._active[slot]
         constraint = seq.request.constraint
         try:
-            if constraint is not None:
-                logits = constraint.mask(logits)
-            token = sample_next(logits, seq.request.sampling, seq.generator)
+            if constraint is None and seq.request.sampling.greedy and greedy >= 0:
+                token = greedy
+            else:
+                if constraint is not None:
+                    logits = constraint.mask(logits)
+                token = sample_next(logits, seq.request.sampling, seq.generator)
             ends = token in self.tokenizer.end_ids and not seq.request.ignore_eos
             if constraint is not None and not ends:
                 constraint.advance(token)

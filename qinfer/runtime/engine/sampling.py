@@ -15,12 +15,16 @@ class NonFiniteLogits(ValueError):
     """No token can be chosen from the logits; the caller, who holds the KV cache, says why (non_finite_cause)."""
 
 
+def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of logits (the last dimension): whether it holds NaN or +inf, or nothing finite, what no token and no
+    perplexity may be made of. One reduction tells all three: a row's max is NaN where the row holds a NaN, +inf
+    where it holds +inf, and -inf where nothing in it is finite."""
+    return ~torch.isfinite(logits.amax(-1))
+
+
 def unusable(logits: torch.Tensor) -> bool:
-    """Logits (1-D, or a row per token) holding NaN or +inf, or a row with nothing finite: what no token, and no
-    perplexity, may be made of."""
-    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
-        return True
-    return not bool(torch.isfinite(logits).any(-1).all())
+    """Whether logits (1-D, or a row per token) hold an unusable row (unusable_rows)."""
+    return bool(unusable_rows(logits).any())
 
 
 @dataclass(frozen=True)

@@ -1427,6 +1427,16 @@ int32_t qinfer_f16_blocked(void) {
 #endif
 }
 
+/* Ends the calling thread's OpenMP team (its next parallel region makes a new one). libgomp counts the threads
+ * of every thread's team, and where they outnumber the CPUs its barriers wait asleep rather than spinning: a thread
+ * that loaded a model and hands the kernels to another (the server's engine thread) would otherwise leave its idle
+ * team counted and make each of the other's barriers a sleep and a wake (the tiny model's decode step: 1.2-2.3 ms
+ * against 0.2). Weak, so that an OpenMP older than 5.0 only leaves the team as it is. */
+#pragma weak omp_pause_resource_all
+void qinfer_release_threads(void) {
+    if (omp_pause_resource_all) omp_pause_resource_all(omp_pause_soft);
+}
+
 /* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n]: each row is read once for all of them. */
 int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const float *x, int64_t n,
                   int64_t tokens, float *out, int threads) {

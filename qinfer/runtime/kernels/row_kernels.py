@@ -240,6 +240,17 @@ def enabled() -> bool:
     return os.environ.get("QINFER_NATIVE", "1") != "0" and kernel() is not None
 
 
+def release_threads() -> None:
+    """End the calling thread's idle OpenMP team, for a thread that hands the kernels to another for good (the
+    server's, after loading the model): where two threads' teams together outnumber the cores, OpenMP's barriers
+    sleep instead of spinning, a wake each (qinfer_release_threads says what it cost). A library built from other
+    sources (bench/decode.py --before-kernels) may lack it; its team then stays."""
+    release = getattr(kernel(), "qinfer_release_threads", None) if enabled() else None
+    if release is not None:
+        release.restype = None
+        release()
+
+
 def _takes(x: torch.Tensor, max_tokens: int | None = None) -> bool:
     """Whether the kernels take these inputs at all: CPU tokens (few enough, where a limit is given), and the
     kernels on and built."""

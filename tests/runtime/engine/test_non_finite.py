@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGUFReader
 
 from qinfer.runtime.engine.engine import Engine, Request
-from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.engine.sampling import SamplingParams, unusable, unusable_rows
 from qinfer.runtime.engine.worker import EngineWorker
 from qinfer.runtime.server.app import create_app
 from qinfer.runtime.server.thread import serve_in_thread
@@ -51,6 +52,19 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("text") / "text.txt"
     path.write_text("Once upon a time there was a little fox who lived in the woods. " * 40)
     return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unusable_rows_are_those_with_nan_or_plus_inf_or_nothing_finite(dtype: torch.dtype) -> None:
+    rows = torch.randn(7, 4099).to(dtype)
+    rows[1, 4098] = float("nan")
+    rows[2, 0] = float("inf")
+    rows[3] = float("-inf")
+    rows[4, ::2] = float("-inf")  # -inf is a token ruled out, not a broken row
+    rows[5, 17], rows[5, 18] = float("nan"), float("-inf")
+    rows[6, 100], rows[6, 101] = float("inf"), float("nan")
+    assert unusable_rows(rows).tolist() == [False, True, True, True, False, True, True]
+    assert unusable(rows) and unusable(rows[3]) and not unusable(rows[[0, 4]]) and not unusable(rows[4])
 
 
 @pytest.mark.parametrize("temp", ["0", "0.8"])

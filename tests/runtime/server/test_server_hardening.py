@@ -357,6 +357,41 @@ def test_nan_logits_end_only_their_own_sequence(model: Path, reference: Engine) 
     assert tokens == generate(reference, PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
 
 
+@pytest.mark.parametrize("spoil", ["nan", "inf", "nothing finite"])
+def test_a_greedy_rows_unusable_logits_end_only_its_sequence(
+    model: Path, reference: Engine, monkeypatch: pytest.MonkeyPatch, spoil: str
+) -> None:
+    """A step takes its greedy choices for the whole batch at once: a row that gives none still fails its own
+    sequence alone, as one sampled with a constraint does above."""
+    engine = Engine.open(model, slots=2, ctx_size=CTX)
+    forward = engine.forward.forward
+
+    def spoiled(*args: Any) -> torch.Tensor:
+        logits = forward(*args)
+        if logits.shape[0] == 2:  # while both run, the later slot's row is the last
+            if spoil == "nothing finite":
+                logits[-1] = float("-inf")
+            else:
+                logits[-1, 7] = float(spoil)
+        return logits
+
+    monkeypatch.setattr(engine.forward, "forward", spoiled)
+    good = engine.submit(Request(engine.tokenizer.encode(PROMPTS[0]), 8, GREEDY, ignore_eos=True))
+    bad = engine.submit(Request(engine.tokenizer.encode(PROMPTS[1]), 8, GREEDY, ignore_eos=True))
+    assert good < bad
+    tokens: list[int] = []
+    failed = []
+    while engine.active_slots():
+        for out in engine.step():
+            if out.slot == bad:
+                failed.append(out)
+            elif out.token is not None:
+                tokens.append(out.token)
+    assert [(o.token, o.finished, o.reason) for o in failed] == [(None, True, "error")]
+    assert failed[0].error is not None and failed[0].error.startswith("sampling failed:")
+    assert tokens == generate(reference, PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
+
+
 def test_every_error_has_openai_shape(local: Local, monkeypatch: pytest.MonkeyPatch) -> None:
     url = local.url
     status, body, _ = _call(f"{url}/no-such-route")
