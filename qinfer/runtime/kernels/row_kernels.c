@@ -1181,6 +1181,8 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
 #define QG_TOKENS 4
 #define QG_CHUNK 4096 /* 8 KiB of a 2-row tile */
 #define QG_OFFSET 0
+/* Q4_0 weights are stored as their nibbles (weight + 8), unsigned, as maddubs takes them: see qg_tile_q4. */
+#define QG_Q4_OFFSET 8
 #else
 #define QG_ROWS 2
 #define QG_TOKENS 2
@@ -1197,12 +1199,15 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
 #define QG_MIN_TOKENS (TOKEN_BLOCK + 1)
 #endif
 
-/* Block `blk` as 32 bytes, weight + QG_OFFSET in column order. */
+#ifndef QG_Q4_OFFSET
+#define QG_Q4_OFFSET QG_OFFSET
+#endif
+/* Block `blk` as 32 bytes in column order, weight + QG_Q4_OFFSET for Q4_0, weight + QG_OFFSET for Q8_0. */
 static inline void qg_unpack_block(int type, const uint8_t *blk, uint8_t *o) {
 #if INT_AVX2
     if (type == Q4_0) {
         __m128i v = _mm_loadu_si128((const __m128i *)(blk + 2)), low = _mm_set1_epi8(15);
-        __m128i offset = _mm_set1_epi8((char)(QG_OFFSET - 8));
+        __m128i offset = _mm_set1_epi8((char)(QG_Q4_OFFSET - 8));
         _mm_storeu_si128((__m128i *)o, _mm_add_epi8(_mm_and_si128(v, low), offset));
         _mm_storeu_si128((__m128i *)(o + QK / 2), _mm_add_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), low), offset));
     } else {
@@ -1211,8 +1216,8 @@ static inline void qg_unpack_block(int type, const uint8_t *blk, uint8_t *o) {
 #else
     for (int i = 0; i < QK / 2; i++) {
         if (type == Q4_0) {
-            o[i] = (uint8_t)((blk[2 + i] & 15) - 8 + QG_OFFSET);
-            o[i + QK / 2] = (uint8_t)((blk[2 + i] >> 4) - 8 + QG_OFFSET);
+            o[i] = (uint8_t)((blk[2 + i] & 15) - 8 + QG_Q4_OFFSET);
+            o[i + QK / 2] = (uint8_t)((blk[2 + i] >> 4) - 8 + QG_Q4_OFFSET);
         } else {
             o[i] = (uint8_t)((int8_t)blk[2 + i] + QG_OFFSET);
             o[i + QK / 2] = (uint8_t)((int8_t)blk[2 + QK / 2 + i] + QG_OFFSET);
@@ -1278,8 +1283,8 @@ static void qg_unpack(int type, const uint8_t *const rows[QG_ROWS], int64_t b0, 
 #endif
 
 #if INT_AVX2 && !INT_AVX512
-/* One block per vector; the signed weights' products go through unsigned_dot32 as in dot_q8_q8 (|w| times x with
- * w's sign). The input's block sums (qs) are for AVX-512's offset. */
+/* Q8_0's tile (Q4_0 takes qg_tile_q4): one block per vector; the signed weights' products go through unsigned_dot32
+ * as in dot_q8_q8 (|w| times x with w's sign). The input's block sums (qs) are for the offsets of the other tiles. */
 static inline __attribute__((always_inline)) void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS],
                                                          const float *const d[QG_TOKENS],
                                                          const int32_t *const qs[QG_TOKENS], int64_t blocks,
@@ -1307,6 +1312,74 @@ static inline __attribute__((always_inline)) void qg_tile(const uint8_t *w, cons
     }
     for (int r = 0; r < QG_ROWS; r++)
         for (int t = 0; t < QG_TOKENS; t++) sums[t][r] = hsum256(acc[r][t]);
+}
+
+/* qg_tile for Q4_0, two blocks at a time, with the weights unsigned (0..15): maddubs takes them as they are, with
+ * no sign operations, and the blocks' 16-bit pair sums are added (hadd) before they are widened, so that one
+ * widening, conversion, scaling and sum serve two blocks. A 16-bit lane then sums at most 4 * 15 * 127, exact; a
+ * lane of the widened sums holds, per 128-bit half, two partial sums of the first block and two of the second,
+ * whose scales `pairs` lays out alike. The offset comes off at the end: 8 times the input's block sums (qs), scaled,
+ * eight blocks at a time. An odd last block goes one byte at a time. 4096 x 4096, 11008 x 4096 and 4096 x 11008
+ * against 136 and 514 tokens, two Zen 5 threads in AVX2: 1.15-1.19x qg_tile (the pairs alone, signed: 1.06-1.10x;
+ * unsigned weights alone, one block at a time: 0.91-0.96x). */
+static inline __attribute__((always_inline)) void qg_tile_q4(const uint8_t *w, const float *s,
+                                                            const int8_t *const q[QG_TOKENS],
+                                                            const float *const d[QG_TOKENS],
+                                                            const int32_t *const qs[QG_TOKENS], int64_t blocks,
+                                                            float sums[QG_TOKENS][QG_ROWS]) {
+    const __m256i ones = _mm256_set1_epi16(1), pairs = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
+    __m256 acc[QG_ROWS][QG_TOKENS];
+    for (int r = 0; r < QG_ROWS; r++)
+        for (int t = 0; t < QG_TOKENS; t++) acc[r][t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        __m256i w0[QG_ROWS], w1[QG_ROWS];
+        __m256 dw[QG_ROWS];
+        for (int r = 0; r < QG_ROWS; r++) {
+            w0[r] = _mm256_loadu_si256((const __m256i *)(w + r * QG_CHUNK + b * QK));
+            w1[r] = _mm256_loadu_si256((const __m256i *)(w + r * QG_CHUNK + (b + 1) * QK));
+            dw[r] = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(s + r * (QG_CHUNK / QK) + b)))),
+                pairs);
+        }
+        for (int t = 0; t < QG_TOKENS; t++) {
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(q[t] + b * QK));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(q[t] + (b + 1) * QK));
+            __m256 dx = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(d[t] + b)))), pairs);
+            for (int r = 0; r < QG_ROWS; r++) {
+                __m256i m0 = _mm256_maddubs_epi16(w0[r], x0);
+                __m256i m1 = _mm256_maddubs_epi16(w1[r], x1);
+                __m256i p = _mm256_madd_epi16(_mm256_hadd_epi16(m0, m1), ones);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[r], dx), acc[r][t]);
+            }
+        }
+    }
+    int64_t c8 = 0;
+    for (; c8 + 8 <= b; c8 += 8) {
+        for (int t = 0; t < QG_TOKENS; t++) {
+            __m256 c = _mm256_mul_ps(_mm256_loadu_ps(d[t] + c8),
+                                     _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qs[t] + c8))));
+            c = _mm256_mul_ps(c, _mm256_set1_ps(-(float)QG_Q4_OFFSET));
+            for (int r = 0; r < QG_ROWS; r++)
+                acc[r][t] = _mm256_fmadd_ps(c, _mm256_loadu_ps(s + r * (QG_CHUNK / QK) + c8), acc[r][t]);
+        }
+    }
+    for (int r = 0; r < QG_ROWS; r++) {
+        for (int t = 0; t < QG_TOKENS; t++) {
+            float sum = hsum256(acc[r][t]);
+            for (int64_t c = c8; c < b; c++)
+                sum -= QG_Q4_OFFSET * s[r * (QG_CHUNK / QK) + c] * d[t][c] * (float)qs[t][c];
+            if (b < blocks) {
+                const uint8_t *wb = w + r * QG_CHUNK + b * QK;
+                const int8_t *xb = q[t] + b * QK;
+                int32_t dot = 0;
+                for (int i = 0; i < QK; i++) dot += (wb[i] - QG_Q4_OFFSET) * xb[i];
+                sum += s[r * (QG_CHUNK / QK) + b] * d[t][b] * (float)dot;
+            }
+            sums[t][r] = sum;
+        }
+    }
 }
 #elif !INT_AVX512
 /* The scalar reference of the SIMD tiles: the same integer block sums, the same float scaling. */
@@ -1359,7 +1432,12 @@ static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, con
                         qs[t] = xq->sum + tt * nb + c0;
                     }
                     _Alignas(64) float sums[QG_TOKENS][QG_ROWS];
-                    qg_tile(wbuf, sbuf, q, d, qs, c1 - c0, sums);
+#if INT_AVX2 && !INT_AVX512
+                    if (type == Q4_0)
+                        qg_tile_q4(wbuf, sbuf, q, d, qs, c1 - c0, sums);
+                    else
+#endif
+                        qg_tile(wbuf, sbuf, q, d, qs, c1 - c0, sums);
                     for (int t = 0; t < QG_TOKENS && t0 + t < tb1; t++) {
                         float *o = out + (t0 + t) * rows + r0;
                         for (int r = 0; r < QG_ROWS && r0 + r < rows; r++) o[r] = c0 == 0 ? sums[t][r] : o[r] + sums[t][r];
