@@ -18,7 +18,9 @@ class NonFiniteLogits(ValueError):
 def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
     """Per row of logits (the last dimension): whether it holds NaN or +inf, or nothing finite, what no token and no
     perplexity may be made of. One reduction tells all three: a row's max is NaN where the row holds a NaN, +inf
-    where it holds +inf, and -inf where nothing in it is finite."""
+    where it holds +inf, and -inf where nothing in it is finite (an empty row has no max, and nothing finite)."""
+    if logits.shape[-1] == 0:
+        return torch.ones(logits.shape[:-1], dtype=torch.bool)
     return ~torch.isfinite(logits.amax(-1))
 
 

@@ -1168,7 +1168,8 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
  * float) QG_CHUNK columns at a time into a buffer that stays in the first-level cache while every token tile of a
  * token block passes by it, and the token block's quantized inputs stay in the second-level cache while every row
  * tile passes by them; the rows are read from memory once per token block. Each kernel below computes the same
- * sums: per block, the integer dot of the 32 weights with the 32 quantized inputs, times both scales. */
+ * sums: per block, the integer dot of the 32 weights with the 32 quantized inputs, times both scales (AVX2's Q4_0
+ * tile takes the weights' offset off the scaled sums rather than each block's). */
 #define QG_CACHED (1024 * 1024) /* bytes of quantized inputs a token block keeps in the second-level cache */
 #if INT_AVX512
 #define QG_ROWS 16 /* a vector's lanes */
@@ -1177,7 +1178,7 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
 /* The weights are stored plus 128: VNNI multiplies unsigned bytes by signed ones. */
 #define QG_OFFSET 128
 #elif INT_AVX2
-#define QG_ROWS 2   /* 8 sums, 2 weights and 2 scales, an input and its scale: 14 of AVX2's 16 registers */
+#define QG_ROWS 2   /* qg_tile: 8 sums, 2 weights and 2 scales, an input and its scale: 14 of AVX2's 16 registers */
 #define QG_TOKENS 4
 #define QG_CHUNK 4096 /* 8 KiB of a 2-row tile */
 #define QG_OFFSET 0
@@ -1339,14 +1340,14 @@ static inline __attribute__((always_inline)) void qg_tile_q4(const uint8_t *w, c
             w0[r] = _mm256_loadu_si256((const __m256i *)(w + r * QG_CHUNK + b * QK));
             w1[r] = _mm256_loadu_si256((const __m256i *)(w + r * QG_CHUNK + (b + 1) * QK));
             dw[r] = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(s + r * (QG_CHUNK / QK) + b)))),
+                _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(s + r * (QG_CHUNK / QK) + b)))),
                 pairs);
         }
         for (int t = 0; t < QG_TOKENS; t++) {
             __m256i x0 = _mm256_loadu_si256((const __m256i *)(q[t] + b * QK));
             __m256i x1 = _mm256_loadu_si256((const __m256i *)(q[t] + (b + 1) * QK));
             __m256 dx = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(d[t] + b)))), pairs);
+                _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(d[t] + b)))), pairs);
             for (int r = 0; r < QG_ROWS; r++) {
                 __m256i m0 = _mm256_maddubs_epi16(w0[r], x0);
                 __m256i m1 = _mm256_maddubs_epi16(w1[r], x1);
@@ -1382,7 +1383,7 @@ static inline __attribute__((always_inline)) void qg_tile_q4(const uint8_t *w, c
     }
 }
 #elif !INT_AVX512
-/* The scalar reference of the SIMD tiles: the same integer block sums, the same float scaling. */
+/* The scalar reference of the SIMD tiles: the same integer block sums, scaled block by block. */
 static void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_TOKENS], const float *const d[QG_TOKENS],
                     const int32_t *const qs[QG_TOKENS], int64_t blocks, float sums[QG_TOKENS][QG_ROWS]) {
     (void)qs;
@@ -1505,15 +1506,20 @@ int32_t qinfer_f16_blocked(void) {
 #endif
 }
 
-/* Ends the calling thread's OpenMP team (its next parallel region makes a new one). libgomp counts the threads
- * of every thread's team, and where they outnumber the CPUs its barriers wait asleep rather than spinning: a thread
- * that loaded a model and hands the kernels to another (the server's engine thread) would otherwise leave its idle
- * team counted and make each of the other's barriers a sleep and a wake (the tiny model's decode step: 1.2-2.3 ms
- * against 0.2). Weak, so that an OpenMP older than 5.0 only leaves the team as it is. */
+/* Ends the calling thread's idle OpenMP team in libgomp, whose OpenMP 5.0 pause frees the caller's threads alone
+ * (its next parallel region makes a new team). libgomp counts the threads of every thread's team, and where they
+ * outnumber the CPUs its barriers wait asleep rather than spinning: a thread that loaded a model and hands the
+ * kernels to another (the server's engine thread) would otherwise leave its idle team counted and make each of the
+ * other's barriers a sleep and a wake (the tiny model's decode step: 1.2-2.3 ms against 0.2). Compilers older than
+ * the pause (GCC 9, clang 8) build it as nothing; so does a runtime without it, through the weak reference. */
+#if (defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 9)
 #pragma weak omp_pause_resource_all
 void qinfer_release_threads(void) {
     if (omp_pause_resource_all) omp_pause_resource_all(omp_pause_soft);
 }
+#else
+void qinfer_release_threads(void) {}
+#endif
 
 /* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n]: each row is read once for all of them. */
 int qinfer_matvec(const uint8_t *w, int64_t stride, int type, const int64_t shape[2], const float *x, int64_t n,

@@ -232,6 +232,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qinfer_f16_blocked.restype = ctypes.c_int32
     lib.qinfer_abi.argtypes = [p]
     lib.qinfer_abi.restype = i64
+    if (release := getattr(lib, "qinfer_release_threads", None)) is not None:
+        release.argtypes = []
+        release.restype = None
     for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec, lib.qinfer_moe_ffn):
         entry.restype = i32
 
@@ -243,11 +246,12 @@ def enabled() -> bool:
 def release_threads() -> None:
     """End the calling thread's idle OpenMP team, for a thread that hands the kernels to another for good (the
     server's, after loading the model): where two threads' teams together outnumber the cores, OpenMP's barriers
-    sleep instead of spinning, a wake each (qinfer_release_threads says what it cost). A library built from other
-    sources (bench/decode.py --before-kernels) may lack it; its team then stays."""
+    sleep instead of spinning, a wake each (qinfer_release_threads says what it cost). Torch's parallel ops share the
+    team where torch's OpenMP is the kernels' (libgomp under one name, as in PyPI's wheels); a torch with a runtime of
+    its own keeps its team. A library built from other sources (bench/decode.py --before-kernels) may lack the
+    entry point; its team then stays."""
     release = getattr(kernel(), "qinfer_release_threads", None) if enabled() else None
     if release is not None:
-        release.restype = None
         release()
 
 

@@ -255,7 +255,8 @@ def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: objec
 def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype: GGMLQuantizationType, tokens: int,
                                                        cols: int) -> None:  # fmt: skip
     """Quantized rows against more than 16 tokens go through the blocked integer product (from 24 under AVX-512
-    VNNI), exact to float32 sums of the same integer block products: 37 rows (off every row tile), token counts
+    VNNI), exact to float32 sums of the same integer block products (AVX2's Q4_0 tile takes the weights' offset
+    off the scaled sums, within the same bound): 37 rows (off every row tile), token counts
     off every token tile, 3 blocks and 257 (past several chunks of columns, by one block), and at 8224 columns 130
     tokens, more than one token block (those whose inputs fill 1 MiB)."""
     w = _quantized(37, cols, qtype, 25)
