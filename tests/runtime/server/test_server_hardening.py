@@ -338,12 +338,9 @@ def test_a_sampling_failure_fails_its_own_request_alone(
     _wait_for(lambda: _call(f"{local.url}/health")[1]["busy_slots"] == 0, 3.0)
 
 
-def test_nan_logits_end_only_their_own_sequence(model: Path, reference: Engine) -> None:
-    engine = Engine.open(model, slots=2, ctx_size=CTX)
-    engine.submit(Request(engine.tokenizer.encode(PROMPTS[0]), 8, GREEDY, ignore_eos=True))
-    broken = LogitsHook(lambda logits: torch.full_like(logits, float("nan")))  # what a broken forward would give
-    ids = engine.tokenizer.encode(PROMPTS[1])
-    bad = engine.submit(Request(ids, 8, SamplingParams(1.0, 0, 1.0), ignore_eos=True, constraint=broken))  # type: ignore[arg-type]
+def _assert_only_it_fails(engine: Engine, bad: int, reference: Engine) -> None:
+    """Steps `engine` to the end: the sequence in slot `bad` fails in sampling, the other one (PROMPTS[0], greedy)
+    decodes as alone."""
     tokens: list[int] = []
     failed = []
     while engine.active_slots():
@@ -355,6 +352,15 @@ def test_nan_logits_end_only_their_own_sequence(model: Path, reference: Engine) 
     assert [(o.token, o.finished, o.reason) for o in failed] == [(None, True, "error")]
     assert failed[0].error is not None and failed[0].error.startswith("sampling failed:")
     assert tokens == generate(reference, PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
+
+
+def test_nan_logits_end_only_their_own_sequence(model: Path, reference: Engine) -> None:
+    engine = Engine.open(model, slots=2, ctx_size=CTX)
+    engine.submit(Request(engine.tokenizer.encode(PROMPTS[0]), 8, GREEDY, ignore_eos=True))
+    broken = LogitsHook(lambda logits: torch.full_like(logits, float("nan")))  # what a broken forward would give
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    bad = engine.submit(Request(ids, 8, SamplingParams(1.0, 0, 1.0), ignore_eos=True, constraint=broken))  # type: ignore[arg-type]
+    _assert_only_it_fails(engine, bad, reference)
 
 
 @pytest.mark.parametrize("spoil", ["nan", "inf", "nothing finite"])
@@ -379,17 +385,7 @@ def test_a_greedy_rows_unusable_logits_end_only_its_sequence(
     good = engine.submit(Request(engine.tokenizer.encode(PROMPTS[0]), 8, GREEDY, ignore_eos=True))
     bad = engine.submit(Request(engine.tokenizer.encode(PROMPTS[1]), 8, GREEDY, ignore_eos=True))
     assert good < bad
-    tokens: list[int] = []
-    failed = []
-    while engine.active_slots():
-        for out in engine.step():
-            if out.slot == bad:
-                failed.append(out)
-            elif out.token is not None:
-                tokens.append(out.token)
-    assert [(o.token, o.finished, o.reason) for o in failed] == [(None, True, "error")]
-    assert failed[0].error is not None and failed[0].error.startswith("sampling failed:")
-    assert tokens == generate(reference, PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
+    _assert_only_it_fails(engine, bad, reference)
 
 
 def test_every_error_has_openai_shape(local: Local, monkeypatch: pytest.MonkeyPatch) -> None:
