@@ -1339,15 +1339,14 @@ static inline __attribute__((always_inline)) void qg_tile_q4(const uint8_t *w, c
         for (int r = 0; r < QG_ROWS; r++) {
             w0[r] = _mm256_loadu_si256((const __m256i *)(w + r * QG_CHUNK + b * QK));
             w1[r] = _mm256_loadu_si256((const __m256i *)(w + r * QG_CHUNK + (b + 1) * QK));
-            dw[r] = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(s + r * (QG_CHUNK / QK) + b)))),
-                pairs);
+            __m128i scales = _mm_loadl_epi64((const __m128i *)(s + r * (QG_CHUNK / QK) + b));
+            dw[r] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(scales)), pairs);
         }
         for (int t = 0; t < QG_TOKENS; t++) {
             __m256i x0 = _mm256_loadu_si256((const __m256i *)(q[t] + b * QK));
             __m256i x1 = _mm256_loadu_si256((const __m256i *)(q[t] + (b + 1) * QK));
-            __m256 dx = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(d[t] + b)))), pairs);
+            __m128i scales = _mm_loadl_epi64((const __m128i *)(d[t] + b));
+            __m256 dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(scales)), pairs);
             for (int r = 0; r < QG_ROWS; r++) {
                 __m256i m0 = _mm256_maddubs_epi16(w0[r], x0);
                 __m256i m1 = _mm256_maddubs_epi16(w1[r], x1);
@@ -1511,7 +1510,8 @@ int32_t qinfer_f16_blocked(void) {
  * outnumber the CPUs its barriers wait asleep rather than spinning: a thread that loaded a model and hands the
  * kernels to another (the server's engine thread) would otherwise leave its idle team counted and make each of the
  * other's barriers a sleep and a wake (the tiny model's decode step: 1.2-2.3 ms against 0.2). Compilers older than
- * the pause (GCC 9, clang 8) build it as nothing; so does a runtime without it, through the weak reference. */
+ * the pause (GCC before 9, clang before 8) build it as nothing; so does a runtime without it, through the weak
+ * reference. */
 #if (defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 9)
 #pragma weak omp_pause_resource_all
 void qinfer_release_threads(void) {
