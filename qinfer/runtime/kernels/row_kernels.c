@@ -71,6 +71,7 @@ static inline vec vload_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_
 static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vset(float a) { return _mm512_set1_ps(a); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
@@ -91,6 +92,7 @@ static inline vec vload_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loa
 static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vset(float a) { return _mm256_set1_ps(a); }
 static inline float vsum(vec v) { return hsum256(v); }
@@ -104,7 +106,10 @@ static inline void vload_q4(const uint8_t *p, vec *lo, vec *hi) {
 #define LANES 1
 #endif
 
-static float half_to_float(uint16_t h) {
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000 | (man << 13);
@@ -124,16 +129,10 @@ static float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-
-static inline float block_scale(const uint8_t *block) {
-    uint16_t h = (uint16_t)(block[0] | block[1] << 8);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return half_to_float(h);
 #endif
 }
+
+static inline float block_scale(const uint8_t *block) { return half_to_float((uint16_t)(block[0] | block[1] << 8)); }
 
 static inline int64_t block_bytes(int type) { return type == Q4_0 ? Q4_0_BYTES : Q8_0_BYTES; }
 
@@ -170,7 +169,9 @@ static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int
         a2 = vfma(vload_half(w + i + 2 * LANES), vload(x + i + 2 * LANES), a2);
         a3 = vfma(vload_half(w + i + 3 * LANES), vload(x + i + 3 * LANES), a3);
     }
-    s = vsum(a0) + vsum(a1) + vsum(a2) + vsum(a3);
+    /* A short row (an attention head of 32 or 64) takes the rest a vector at a time, and its sums one reduction. */
+    for (; i + LANES <= n; i += LANES) a0 = vfma(vload_half(w + i), vload(x + i), a0);
+    s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
 #else
     (void)next;
 #endif

@@ -250,6 +250,20 @@ def test_products_over_many_tokens_match_float64(kernel_build: str, qtype: objec
 
 
 @needs_compiler
+@pytest.mark.parametrize("cols", [20, 32, 48, 64, 80, 100])
+def test_short_f16_rows_match_float64(cols: int) -> None:
+    """One token against F16 rows as short as an attention head's (the cache's rows take the same dot product):
+    below, at and past four vectors, a vector at a time and then lane by lane, with subnormal halves in the last
+    columns."""
+    w = _half_rows(9, cols, cols, 29)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(30))
+    out = row_kernels.matvec(x, w)
+    assert out is not None and out.shape == (1, 9)
+    ref = x.double() @ w.double().T
+    assert (out.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+@needs_compiler
 @pytest.mark.parametrize("qtype", [Q4, Q8])
 @pytest.mark.parametrize(("tokens", "cols"), [(17, 96), (27, 96), (49, 96), (17, 8224), (57, 8224), (130, 8224)])
 def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype: GGMLQuantizationType, tokens: int,
