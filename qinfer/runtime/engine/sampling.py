@@ -24,6 +24,15 @@ def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(-1))
 
 
+def greedy_rows(logits: torch.Tensor) -> list[int]:
+    """Per row of logits [N, V]: its argmax (the first, on ties), or -1 where the row is unusable (unusable_rows). One
+    max gives both, the row's largest value and where it lies: half the dispatch of a check and an argmax."""
+    if logits.shape[-1] == 0:
+        return [-1] * logits.shape[0]
+    top, where = logits.max(-1)
+    return torch.where(torch.isfinite(top), where, -1).tolist()
+
+
 def unusable(logits: torch.Tensor) -> bool:
     """Whether logits (1-D, or a row per token) hold an unusable row (unusable_rows)."""
     return bool(unusable_rows(logits).any())

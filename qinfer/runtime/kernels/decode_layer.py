@@ -127,17 +127,6 @@ class Positions(Protocol):
     def positions(self) -> torch.Tensor: ...
 
 
-class StepRows(Protocol):
-    """A forward call's step (kv/batch.py's Step): its batch and rope's tables."""
-
-    @property
-    def batch(self) -> Positions: ...
-    @property
-    def cos(self) -> torch.Tensor | None: ...
-    @property
-    def sin(self) -> torch.Tensor | None: ...
-
-
 class CacheRows(Protocol):
     """A KV cache (kv/cache.py): K and V as [layers, slots, kv_heads, rows, row] in the element types `types`;
     `rows_by_position` where row p of a slot holds position p (the full cache), else a window cache (WindowRows)."""
@@ -329,11 +318,15 @@ class DecodeLayers:
             **{name: v.data_ptr() for name, v in rows.items()},
         )  # fmt: skip
 
-    def takes(self, h: torch.Tensor, step: StepRows, cache: CacheRows, runner: object) -> bool:
+    def takes(
+        self, h: torch.Tensor, batch: Positions, cos: torch.Tensor | None, cache: CacheRows, runner: object
+    ) -> bool:
         """Whether this forward call is one the kernel computes: one token of each of one or more sequences, each in
-        its own slot of the cache (a decode step), all on the CPU, with the FFN runner the layers were described for
-        (a runner swapped in later, to record or to test, gets the torch path)."""
-        slots = step.batch.slots
+        its own slot of the cache (a decode step), all on the CPU, with rope's tables where the model has rope
+        (`cos`), and with the FFN runner the layers were described for (a runner swapped in later, to record or to
+        test, gets the torch path)."""
+        # A step's few slots as a list: the range and distinctness checks in torch took 9 us of dispatch.
+        slots = batch.slots.tolist()
         return (
             runner is self.runner
             and h.device.type == "cpu"
@@ -342,9 +335,11 @@ class DecodeLayers:
             and cache.k.device.type == "cpu"
             and cache.types.k in CACHE_CODES
             and cache.types.v in CACHE_CODES
-            and (step.cos is not None) == (self.cfg.rope_dim > 0)
-            and bool(((slots >= 0) & (slots < cache.k.shape[1])).all())
-            and (h.shape[0] == 1 or slots.unique().numel() == h.shape[0])
+            and (cos is not None) == (self.cfg.rope_dim > 0)
+            and len(slots) == h.shape[0] > 0
+            and min(slots) >= 0
+            and max(slots) < cache.k.shape[1]
+            and len(set(slots)) == len(slots)
             and row_kernels.enabled()
         )
 
@@ -362,9 +357,12 @@ class DecodeLayers:
         for name, buffer in self._buffers.items():
             setattr(self._scratch, name, buffer.data_ptr())
 
-    def begin(self, step: StepRows, cache: CacheRows) -> NativeStep:
-        """What every layer of this call shares: the scratch sized for it, the tokens' slots and positions."""
-        n = step.batch.slots.shape[0]
+    def begin(
+        self, batch: Positions, cos: torch.Tensor | None, sin: torch.Tensor | None, cache: CacheRows
+    ) -> NativeStep:
+        """What every layer of this call shares: the scratch sized for it, the tokens' slots and positions, and rope's
+        tables."""
+        n = batch.slots.shape[0]
         if cache.ctx != self.dims.ctx or n > self.dims.tokens:
             self._scratch_for(cache.ctx, max(n, self.dims.tokens))
         self.dims.k_type, self.dims.v_type = CACHE_CODES[cache.types.k], CACHE_CODES[cache.types.v]
@@ -374,10 +372,10 @@ class DecodeLayers:
         self.dims.recent = 0 if window is None else window.split.recent
         self.dims.decay = 1.0 if window is None else window.decay
         return NativeStep(
-            step.batch.slots.to(torch.int64).contiguous(),
-            step.batch.positions.to(torch.int64).contiguous(),
-            None if step.cos is None else step.cos.float().contiguous(),
-            None if step.sin is None else step.sin.float().contiguous(),
+            batch.slots.to(torch.int64).contiguous(),
+            batch.positions.to(torch.int64).contiguous(),
+            None if cos is None else cos.float().contiguous(),
+            None if sin is None else sin.float().contiguous(),
         )
 
     def run(self, i: int, h: torch.Tensor, call: NativeStep, cache: CacheRows) -> torch.Tensor:

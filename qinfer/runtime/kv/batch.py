@@ -31,6 +31,8 @@ class TokenBatch:
 
     @classmethod
     def join(cls, batches: list[TokenBatch]) -> TokenBatch:
+        if len(batches) == 1:
+            return batches[0]  # a step of decode tokens alone: nothing to concatenate
         return cls(*(torch.cat([getattr(b, name) for b in batches]) for name in ("tokens", "positions", "slots")))
 
     def __getitem__(self, rows: slice) -> TokenBatch:

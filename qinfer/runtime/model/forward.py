@@ -181,17 +181,20 @@ class TransformerForward:
     def embed_tokens(self, batch: TokenBatch) -> torch.Tensor:
         return self.embed[batch.tokens].float().to(self.device)
 
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rope's cos/sin tables at `positions`, on their device; (None, None) for a model without rope."""
+        return rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
+
     def step(self, batch: TokenBatch) -> Step:
         positions = batch.positions.to(self.device)
-        cos, sin = rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
-        return batch_step(batch, positions, self.cfg.sliding_window, cos, sin)
+        return batch_step(batch, positions, self.cfg.sliding_window, *self.rope(positions))
 
     def fixed_step(self, batch: TokenBatch, rows: int) -> Step:
         """The `Step` of a decode batch already on the device, over all `rows` of the cache (kv/batch.Step.fixed):
         made from the device's values alone, so that a CUDA graph can replay it."""
         positions = batch.positions
-        cos, sin = rope_tables(self.inv_freq, positions) if self.inv_freq is not None else (None, None)
-        return Step(batch, positions, rows_mask(positions, rows, self.cfg.sliding_window), cos, sin, fixed=True)
+        mask = rows_mask(positions, rows, self.cfg.sliding_window)
+        return Step(batch, positions, mask, *self.rope(positions), fixed=True)
 
     def forward(self, batch: TokenBatch, cache: Cache, rows: list[int] | None = None) -> torch.Tensor:
         """Logits [T, V] for the batch's tokens, appending their keys and values to `cache`; with `rows`, [len(rows),
@@ -204,14 +207,17 @@ class TransformerForward:
             if logits is not None:
                 return logits if rows is None else logits[rows]
         h = self.embed_tokens(batch)
+        if self.native is not None:
+            # The layer step needs no Step: its masks and parts serve the torch path alone.
+            cos, sin = self.rope(batch.positions)
+            if self.native.takes(h, batch, cos, cache, self.ffn):
+                call = self.native.begin(batch, cos, sin, cache)
+                for i in range(self.cfg.layers):
+                    h = self.native.run(i, h, call, cache)
+                return self.head(h if rows is None else h[rows])
         step = self.step(batch)
         # Several tokens of one sequence (a prompt or its chunk): dense matmuls pay off (per part: feed_forward).
         prefill = not batch.one_per_slot
-        if self.native is not None and self.native.takes(h, step, cache, self.ffn):
-            call = self.native.begin(step, cache)
-            for i in range(self.cfg.layers):
-                h = self.native.run(i, h, call, cache)
-            return self.head(h if rows is None else h[rows])
         # Past the last layer's attention only the rows asked for are needed, so a prompt's FFN there runs for its
         # last token alone (llama.cpp cuts its graph the same way). by_part maps kept rows to the step's parts as
         # increasing, non-negative indices; other `rows` are taken from the whole layer's output.

@@ -16,7 +16,7 @@ import torch
 from gguf import GGUFReader
 
 from qinfer.runtime.engine.engine import Engine, Request
-from qinfer.runtime.engine.sampling import SamplingParams, unusable, unusable_rows
+from qinfer.runtime.engine.sampling import SamplingParams, greedy_rows, unusable, unusable_rows
 from qinfer.runtime.engine.worker import EngineWorker
 from qinfer.runtime.server.app import create_app
 from qinfer.runtime.server.thread import serve_in_thread
@@ -65,6 +65,14 @@ def test_unusable_rows_are_those_with_nan_or_plus_inf_or_nothing_finite(dtype: t
     rows[6, 100], rows[6, 101] = float("inf"), float("nan")
     assert unusable_rows(rows).tolist() == [False, True, True, True, False, True, True]
     assert unusable(rows) and unusable(rows[3]) and not unusable(rows[[0, 4]]) and not unusable(rows[4])
+    expected = rows.float().argmax(-1).tolist()
+    assert greedy_rows(rows) == [expected[0], -1, -1, -1, expected[4], -1, -1]
+    assert greedy_rows(rows[:, :0]) == [-1] * 7
+
+
+def test_greedy_rows_take_the_first_of_tied_maxima() -> None:
+    rows = torch.tensor([[1.0, 3.0, 3.0, float("-inf")], [float("-inf"), 2.0, 0.0, 2.0]])
+    assert greedy_rows(rows) == [1, 1]
 
 
 @pytest.mark.parametrize("temp", ["0", "0.8"])
