@@ -32,6 +32,10 @@ SHUTTING_DOWN = "the server is shutting down; send the request again once it is 
 class Job(Sequence):
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    # Whether the reader takes the text piece by piece (a stream, or a whole response cut at stop strings); else only
+    # the finished text is sent, and the event loop is not woken for each token.
+    every_piece: bool = True
+    unsent: str = ""
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -71,10 +75,11 @@ class EngineWorker:
         signal handler (it sets a flag)."""
         self.closing.set()
 
-    def submit(self, request: Request) -> Job:
-        """Queue `request`; call from the event loop that reads the job's events."""
+    def submit(self, request: Request, every_piece: bool = True) -> Job:
+        """Queue `request`; call from the event loop that reads the job's events: one per piece of text, or with
+        `every_piece` False the text in one event once it is finished."""
         output = TokenText(self.engine.tokenizer.decode, request.prompt_ids)
-        job = Job(request, output, loop=asyncio.get_running_loop())
+        job = Job(request, output, loop=asyncio.get_running_loop(), every_piece=every_piece)
         self._incoming.put(job)
         return job
 
@@ -110,9 +115,10 @@ class EngineWorker:
                 job, out = done.sequence, done.out
                 if out is None:
                     event = Event("", True, "error", 0, str(done.refused))
-                elif done.piece or out.finished:
-                    event = Event(done.piece, out.finished, out.reason, len(job.output.tokens), out.error)
+                elif out.finished or (done.piece and job.every_piece):
+                    event = Event(job.unsent + done.piece, out.finished, out.reason, len(job.output.tokens), out.error)
                 else:
+                    job.unsent += done.piece
                     continue
                 events.setdefault(job.loop, []).append((job, event))
             # A step's events go to each event loop in one call: a wake of the loop per job took a tenth of the

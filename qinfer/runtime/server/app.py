@@ -474,7 +474,9 @@ class _Routes:
         # A rendered chat template holds the BOS its model wants, as transformers tokenizes it.
         add_bos = False if chat and self.template is not None else None
         param = "messages" if chat else "prompt"
-        job, prompt_tokens = await submit(self.worker, body, prompt, add_bos, constraint, param)
+        # A whole response without stop strings needs the finished text alone.
+        every_piece = body.stream or bool(stops)
+        job, prompt_tokens = await submit(self.worker, body, prompt, add_bos, constraint, param, every_piece)
         head = response_head(self.model_id, chat, body.stream)
         completion = Completion(
             job, prompt_tokens, chat, body.stream, stops, head, self.counters, tools or [], bool(forced)
@@ -491,8 +493,10 @@ async def submit(
     add_bos: bool | None = None,
     constraint: Constraint | None = None,
     param: str = "prompt",
+    every_piece: bool = True,
 ) -> tuple[Job, int]:
-    """Queue the request on the engine; return its job and the prompt's length in tokens."""
+    """Queue the request on the engine (its text piece by piece, or finished alone: EngineWorker.submit); return
+    its job and the prompt's length in tokens."""
     if worker.closing.is_set():
         raise ApiError(503, SHUTTING_DOWN, "server_error")
     check_length(worker, prompt, param)
@@ -505,7 +509,7 @@ async def submit(
     max_tokens = min(body.max_tokens or room, room)
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     request = EngineRequest(ids, max_tokens, body.sampling(), seed, body.ignore_eos, constraint)
-    return worker.submit(request), len(ids)
+    return worker.submit(request, every_piece), len(ids)
 
 
 def check_length(worker: EngineWorker, text: str, param: str) -> None:

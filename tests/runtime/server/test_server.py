@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -14,10 +15,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from qinfer.runtime.engine.engine import Engine
+from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.generate import generate
 from qinfer.runtime.engine.sampling import SamplingParams
-from qinfer.runtime.engine.worker import EngineWorker
+from qinfer.runtime.engine.worker import EngineWorker, Event
 from qinfer.runtime.server.app import StopScanner, create_app
 from qinfer.runtime.server.openai_schema import ChatMessage, chat_prompt
 from qinfer.runtime.server.thread import serve_in_thread
@@ -203,6 +204,34 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(model: Path) -> Non
             model="tiny", prompt=PROMPTS[1], max_tokens=3, extra_body={"ignore_eos": True}
         )
         assert after.choices[0].finish_reason == "length"
+
+
+def test_a_whole_response_without_stop_strings_is_one_event(model: Path) -> None:
+    """A reader of the finished text alone is not woken for each token: its job's one event holds the text a
+    streamed job of the same request gets piece by piece."""
+    engine = Engine.open(model, slots=2, ctx_size=CTX)
+    worker = EngineWorker(engine)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+
+    async def read(every_piece: bool) -> list[Event]:
+        job = worker.submit(Request(ids, 12, GREEDY, ignore_eos=True), every_piece)
+        events = [await job.events.get()]
+        while not events[-1].finished:
+            events.append(await job.events.get())
+        return events
+
+    async def both() -> tuple[list[Event], list[Event]]:
+        return await asyncio.gather(read(False), read(True))
+
+    worker.start()
+    try:
+        whole, pieces = asyncio.run(both())
+    finally:
+        worker.stop(10)
+    assert len(whole) == 1 and len(pieces) > 1
+    assert whole[0].text == "".join(e.text for e in pieces) == _expected(engine, PROMPTS[0], 12)
+    assert whole[0].completion_tokens == pieces[-1].completion_tokens == 12
+    assert whole[0].reason == pieces[-1].reason == "length"
 
 
 def test_stop_strings_cut_the_text_even_across_pieces() -> None:
