@@ -72,6 +72,8 @@ static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vset(float a) { return _mm512_set1_ps(a); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
@@ -93,6 +95,8 @@ static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vset(float a) { return _mm256_set1_ps(a); }
 static inline float vsum(vec v) { return hsum256(v); }
