@@ -310,40 +310,43 @@ static void cache_axpy(int type, float *out, float a, const uint8_t *row, int64_
  * expf gives a subnormal: nothing beside the largest score's 1), and keep NaN. expf one score at a time took a
  * tenth of a 32-sequence decode step of a small model. */
 #define EXP_LOW -87.33654f /* below this, exp(x) is no longer a normal float */
+#if defined(__AVX512F__)
+/* max(a, b) is b where either is NaN (the instruction's rule), so NaN passes through max(bound, x). */
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec vround(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* 2^n for whole n in float's normal exponent range, built from the exponent bits. */
+static inline vec vpow2(vec n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+/* y where x >= bound (or NaN), else 0. */
+static inline vec vzero_below(vec y, vec x, float bound) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_NLT_UQ), y);
+}
+#elif LANES == 8
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec vround(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vpow2(vec n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vec vzero_below(vec y, vec x, float bound) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_NLT_UQ), y);
+}
+#endif
 #if LANES > 1
-/* exp(r) for r within ln2 / 2 of 0: Cephes' polynomial. */
-static inline vec exp_rest(vec r) {
+/* exp(x) for x <= 0 (or NaN): x = n ln2 + r with r within ln2 / 2 of 0 (ln2 in two parts, so that n ln2 is exact),
+ * then Cephes' polynomial for exp(r), times 2^n. */
+static inline vec vexp_nonpositive(vec x) {
+    vec in_range = vmax(vset(EXP_LOW), x);
+    vec n = vround(vmul(in_range, vset(1.44269504088896341f)));
+    vec r = vfma(n, vset(-0.693359375f), in_range);
+    r = vfma(n, vset(2.12194440e-4f), r);
     vec y = vfma(vset(1.9875691500e-4f), r, vset(1.3981999507e-3f));
     y = vfma(y, r, vset(8.3334519073e-3f));
     y = vfma(y, r, vset(4.1665795894e-2f));
     y = vfma(y, r, vset(1.6666665459e-1f));
     y = vfma(y, r, vset(5.0000001201e-1f));
-    return vadd(vfma(y, vmul(r, r), r), vset(1.0f));
-}
-#endif
-#if defined(__AVX512F__)
-static inline __m512 vexp_nonpositive(__m512 x) {
-    __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LOW), _CMP_LT_OQ);
-    x = _mm512_max_ps(_mm512_set1_ps(EXP_LOW), x); /* NaN passes: max returns its second operand */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = exp_rest(r);
-    __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps((__mmask16)~low, _mm512_mul_ps(y, _mm512_castsi512_ps(pow2)));
-}
-#elif LANES == 8
-static inline __m256 vexp_nonpositive(__m256 x) {
-    __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LOW), _CMP_LT_OQ);
-    x = _mm256_max_ps(_mm256_set1_ps(EXP_LOW), x);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = exp_rest(r);
-    __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(low, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)));
+    y = vadd(vfma(y, vmul(r, r), r), vset(1.0f));
+    return vzero_below(vmul(y, vpow2(n)), x, EXP_LOW);
 }
 #endif
 
