@@ -35,7 +35,7 @@ class Job(Sequence):
     # Whether the reader takes the text piece by piece (a stream, or a whole response cut at stop strings); else only
     # the finished text is sent, and the event loop is not woken for each token.
     every_piece: bool = True
-    unsent: str = ""
+    unsent: list[str] = field(default_factory=list)  # joined once: a string grown a token at a time is quadratic
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -116,9 +116,10 @@ class EngineWorker:
                 if out is None:
                     event = Event("", True, "error", 0, str(done.refused))
                 elif out.finished or (done.piece and job.every_piece):
-                    event = Event(job.unsent + done.piece, out.finished, out.reason, len(job.output.tokens), out.error)
+                    text = "".join([*job.unsent, done.piece])
+                    event = Event(text, out.finished, out.reason, len(job.output.tokens), out.error)
                 else:
-                    job.unsent += done.piece
+                    job.unsent.append(done.piece)
                     continue
                 events.setdefault(job.loop, []).append((job, event))
             # A step's events go to each event loop in one call: a wake of the loop per job took a tenth of the

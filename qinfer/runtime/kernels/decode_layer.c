@@ -427,6 +427,8 @@ static void attend_window(const dims *d, const layer *w, const scratch *s, int64
                 sc[r] = visible ? cache_dot(d->k_type, kc + r * k_bytes, q, hd) * scale : -INFINITY;
                 top = fmaxf(top, sc[r]);
             }
+            /* libm's expf, one row at a time: a subnormal probability is a mass the torch path keeps, and the
+             * masses choose which row goes (exp_shifted gives 0 there). */
             for (int64_t r = 0; r <= rows; r++) total += sc[r] = expf(sc[r] - top);
             memset(o, 0, (size_t)hd * sizeof(float));
             for (int64_t r = 0; r < rows; r++) {

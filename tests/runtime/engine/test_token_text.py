@@ -48,7 +48,37 @@ def test_pieces_join_into_the_text_and_each_decodes_a_window(
     assert max(decoded[: 2 * len(new)]) <= CONTEXT_TOKENS + 4
 
 
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+@pytest.mark.parametrize("case", ["byte tokens end the prompt", "special tokens end it", "a special token is new",
+                                  "the prompt is one token"])  # fmt: skip
+def test_pieces_join_into_the_text_at_the_edges(tokenizers: dict[str, GGUFTokenizer], kind: str, case: str) -> None:
+    """Where the prompt's last tokens decode to nothing or begin inside a character, the window reaches back to
+    text; a special token among the new ones adds nothing."""
+    tokenizer = tokenizers[kind]
+    prompt = tokenizer.encode(PROMPT + ("a🙂🙂🙂" if case == "byte tokens end the prompt" else ""))
+    new = tokenizer.encode(" a🙂🙂 then x", add_bos=False)
+    if case == "byte tokens end the prompt":
+        # New byte tokens straight after the prompt's: an emoji's tokens, as they follow a letter.
+        letter, emoji = tokenizer.encode("a", add_bos=False), tokenizer.encode("a🙂", add_bos=False)
+        assert emoji[: len(letter)] == letter
+        new = emoji[len(letter) :] + new
+    special = tokenizer.eos_id
+    assert special is not None
+    if case == "special tokens end it":
+        prompt += [special] * (CONTEXT_TOKENS + 2)
+    elif case == "a special token is new":
+        new = new[:3] + [special] + new[3:]
+    elif case == "the prompt is one token":
+        prompt = prompt[:1]
+    output = TokenText(tokenizer.decode, prompt)
+    pieces = [output.add(token, finished=i == len(new) - 1) for i, token in enumerate(new)]
+    assert "".join(pieces) == tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)) :]
+    assert "\ufffd" not in "".join(pieces)
+
+
 def test_a_token_that_adds_no_text_yet_is_held_back_until_it_does() -> None:
-    text = {1: "a", 2: "b", 3: "", 4: "c"}
-    output = TokenText(lambda ids: "".join(text[i] for i in ids), [1])
-    assert [output.add(2), output.add(3), output.add(4), output.add(None, finished=True)] == ["b", "", "c", ""]
+    """A decode that drops its text's leading space, as SentencePiece's does: the token that adds nothing stays in
+    the window until the next adds text, whose space then comes through."""
+    text = {1: " a", 2: "", 3: " b"}
+    output = TokenText(lambda ids: "".join(text[i] for i in ids).removeprefix(" "), [1])
+    assert [output.add(2), output.add(3), output.add(None, finished=True)] == ["", " b", ""]

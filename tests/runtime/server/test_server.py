@@ -206,6 +206,19 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(model: Path) -> Non
         assert after.choices[0].finish_reason == "length"
 
 
+def test_a_whole_response_stops_early_at_a_stop_string(client: openai.OpenAI, reference: Engine) -> None:
+    """A whole response with stop strings still reads its text piece by piece: generation ends at the stop string,
+    not at max_tokens."""
+    expected = _expected(reference, PROMPTS[1], 24)
+    stop = expected[len(expected) // 3 :][:4]
+    whole = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0.0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    assert whole.choices[0].text == expected[: expected.index(stop)]
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.usage is not None and whole.usage.completion_tokens < 24
+
+
 def test_a_whole_response_without_stop_strings_is_one_event(model: Path) -> None:
     """A reader of the finished text alone is not woken for each token: its job's one event holds the text a
     streamed job of the same request gets piece by piece."""
