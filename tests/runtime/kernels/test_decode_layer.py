@@ -20,7 +20,7 @@ from qinfer.core.kv_policy import KVPolicy, KVTypes
 from qinfer.formats.predictor_dir import FC1, FC2
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
-from qinfer.prep.synth.build import SynthReport
+from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth
 from qinfer.prep.synth.corpus import synth_corpus
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.engine.perplexity import perplexity
@@ -192,6 +192,26 @@ def test_f16_layers_give_the_torch_paths_logits(
     assert calls == list(range(forward.cfg.layers)) * (len(IDS) - 3)
     reference = decode(forward, False)
     assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+@pytest.fixture(scope="module")
+def heads_of_160(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer dense f16 model with two heads of 160 over one kv head: wider than one pass of the attention's
+    value sums (eight vectors), ending in a part of one (AVX2: 8 + 8 + 4 vectors; AVX-512: 8 + 2)."""
+    out = tmp_path_factory.mktemp("heads160")
+    shape = SynthShape(layers=1, hidden=320, ffn=256, heads=2, kv_heads=1, vocab=512, context=128, predictor_rank=32)
+    model = build_synth(out / "synth", shape, seed=3, train_steps=0)
+    return convert(model.model_dir, out / "wide.gguf", None, "f16").outfile
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
+def test_wide_heads_give_the_torch_paths_logits(heads_of_160: Path, kv: str) -> None:
+    forward = forward_for(heads_of_160, "dense")
+    types = KVTypes(kv, kv)
+    native, _ = decode_together(forward, True, 3, together=True, types=types)
+    reference, _ = decode_together(forward, False, 3, together=True, types=types)
+    for mine, theirs in zip(native, reference, strict=True):
+        assert (mine - theirs).abs().max() <= 1e-4 * theirs.abs().max()
 
 
 def test_a_later_slot_and_mixed_predictor_ranks(gguf_files: dict[str, Path], mixed_ranks: Path) -> None:
