@@ -117,9 +117,11 @@ class EngineWorker:
                     event = Event("", True, "error", 0, str(done.refused))
                 elif out.finished or (done.piece and job.every_piece):
                     text = "".join([*job.unsent, done.piece])
+                    job.unsent.clear()
                     event = Event(text, out.finished, out.reason, len(job.output.tokens), out.error)
                 else:
-                    job.unsent.append(done.piece)
+                    if done.piece:
+                        job.unsent.append(done.piece)
                     continue
                 events.setdefault(job.loop, []).append((job, event))
             # A step's events go to each event loop in one call: a wake of the loop per job took a tenth of the
