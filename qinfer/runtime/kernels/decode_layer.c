@@ -310,28 +310,6 @@ static void cache_axpy(int type, float *out, float a, const uint8_t *row, int64_
  * expf gives a subnormal: nothing beside the largest score's 1), and keep NaN. expf one score at a time took a
  * tenth of a 32-sequence decode step of a small model. */
 #define EXP_LOW -87.33654f /* below this, exp(x) is no longer a normal float */
-#if defined(__AVX512F__)
-/* max(a, b) is b where either is NaN (the instruction's rule), so NaN passes through max(bound, x). */
-static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-static inline vec vround(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-/* 2^n for whole n in float's normal exponent range, built from the exponent bits. */
-static inline vec vpow2(vec n) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
-/* y where x >= bound (or NaN), else 0. */
-static inline vec vzero_below(vec y, vec x, float bound) {
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_NLT_UQ), y);
-}
-#elif LANES == 8
-static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-static inline vec vround(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vec vpow2(vec n) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-}
-static inline vec vzero_below(vec y, vec x, float bound) {
-    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_NLT_UQ), y);
-}
-#endif
 #if LANES > 1
 /* exp(x) for x <= 0 (or NaN): x = n ln2 + r with r within ln2 / 2 of 0 (ln2 in two parts, so that n ln2 is exact),
  * then Cephes' polynomial for exp(r), times 2^n. */

@@ -74,6 +74,17 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+/* max(a, b) is b where either is NaN (the instruction's rule), so NaN passes through max(bound, x). */
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec vround(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* 2^n for whole n in float's normal exponent range, built from the exponent bits. */
+static inline vec vpow2(vec n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+/* y where x >= bound (or NaN), else 0. */
+static inline vec vzero_below(vec y, vec x, float bound) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_NLT_UQ), y);
+}
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vset(float a) { return _mm512_set1_ps(a); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
@@ -97,6 +108,14 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec vround(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vpow2(vec n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vec vzero_below(vec y, vec x, float bound) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_NLT_UQ), y);
+}
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vset(float a) { return _mm256_set1_ps(a); }
 static inline float vsum(vec v) { return hsum256(v); }
