@@ -37,7 +37,7 @@ PROFILE_TOKENS ?= 20000
 TINY_VRAM ?= 0.2518
 TINY_CTX ?= 256
 
-.PHONY: all setup test test-floor lint clean tiny model FORCE
+.PHONY: all setup setup-floor test test-floor lint clean tiny model FORCE
 
 ifeq ($(MODEL),)
 all: tiny
@@ -66,7 +66,9 @@ $(FLOOR_BIN)/.installed: pyproject.toml .ci/floor_constraints.py
 	$(FLOOR_BIN)/pip install -q -c $(FLOOR_VENV)/floors.txt -e '.[serve,dev]'
 	touch $@
 
-test-floor: $(FLOOR_BIN)/.installed
+setup-floor: $(FLOOR_BIN)/.installed
+
+test-floor: setup-floor
 	@echo "floor environment: $$($(FLOOR_BIN)/python --version)," \
 		$$($(FLOOR_BIN)/pip list --format=freeze 2>/dev/null | grep -iE "^($$(cut -d= -f1 $(FLOOR_VENV)/floors.txt | sed 's/-/[-_]/g' | paste -sd'|'))==")
 	$(FLOOR_BIN)/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
