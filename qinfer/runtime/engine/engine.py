@@ -28,6 +28,7 @@ import torch
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, KVPolicy, KVTypes
 from qinfer.core.step_budget import DEFAULT_PREFILL_CHUNK
+from qinfer.runtime.engine.heap import keep_freed_memory
 from qinfer.runtime.engine.sampling import NonFiniteLogits, SamplingParams, greedy_rows, sample_next
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.batch import TokenBatch
@@ -140,7 +141,9 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> Engine:
         """Load a GGUF and set up its runtime (see loader.RuntimeOptions for the FFN, GPU and KV settings); the
-        context as loader.fit_context gives it (None: 512 or the model's own where shorter, 0: the model's own)."""
+        context as loader.fit_context gives it (None: 512 or the model's own where shorter, 0: the model's own).
+        The process's malloc keeps freed blocks from then on (heap.py)."""
+        keep_freed_memory()
         model = open_model(model_path)
         ctx, clamped = fit_context(model, ctx_size)
         options = RuntimeOptions(
