@@ -286,13 +286,13 @@ class HybridRunner:
         out = sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, cold[:, ids] if x.shape[0] > 1 else None)
         self.last[layer] = LayerSplit(int((picked & self.resident[layer]).any(0).sum()), int(ids.numel()), 0)
         if self.dynamic:
-            self.last[layer].moved = self._choose_promotions(layer, active_ids(picked))
+            self.last[layer].moved = self._choose_promotions(layer, picked.any(0))
         return out
 
     def _choose_promotions(self, layer: int, selected: torch.Tensor) -> int:
-        """The neuron cache sees this step's selected neuron ids and may choose swaps (how many it returns); the host
-        counts them resident from the layer's next device work on, which waits for their rows (`promote`,
-        `await_promoted`)."""
+        """The neuron cache sees which neurons this step selected (bool [F]) and may choose swaps (how many it
+        returns); the host counts them resident from the layer's next device work on, which waits for their rows
+        (`promote`, `await_promoted`)."""
         cache = self.caches[layer]
         cache.observe(selected)
         if not cache.due():
@@ -388,6 +388,6 @@ class HybridRunner:
         out = out + future.result().to(self.device)
         self.last[layer] = LayerSplit(int(dev_pos.numel()) + int(shipped.numel()), int(cpu_pos.numel()), move)
         if self.dynamic:
-            self._choose_promotions(layer, ids)
+            self._choose_promotions(layer, mask.any(0))
             self.promote(layer)  # now (on a GPU's side stream, which the layer's next call waits for)
         return out

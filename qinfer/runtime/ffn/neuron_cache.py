@@ -44,9 +44,9 @@ class NeuronCache:
         return int((self.slot_neuron >= 0).sum())
 
     def observe(self, selected: torch.Tensor) -> None:
-        """One decode step's selected neuron ids."""
-        self.scores.mul_(self.policy.decay)
-        self.scores[selected] += 1.0 - self.policy.decay
+        """One decode step's selection: bool [neurons], the neurons some token selected. A mask rather than their ids,
+        which would cost a gather of them first (11-25 us a layer, against 3 for the mask's any, AMD EPYC Zen 5)."""
+        self.scores.mul_(self.policy.decay).add_(selected, alpha=1.0 - self.policy.decay)
         self.steps += 1
 
     def due(self) -> bool:

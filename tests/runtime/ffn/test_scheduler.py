@@ -13,6 +13,14 @@ from tests.support.devices import device
 POLICY = CachePolicy(decay=0.8, margin=0.15, max_swaps=4, period=1)
 
 
+def selection(*ids: int | torch.Tensor, neurons: int) -> torch.Tensor:
+    """The bool mask over `neurons` that selects `ids`."""
+    mask = torch.zeros(neurons, dtype=torch.bool)
+    for i in ids:
+        mask[i] = True
+    return mask
+
+
 def _consistent(cache: NeuronCache) -> None:
     occupied = cache.slot_neuron[cache.slot_neuron >= 0]
     assert occupied.unique().numel() == occupied.numel()
@@ -22,12 +30,20 @@ def _consistent(cache: NeuronCache) -> None:
             assert int(cache.neuron_slot[neuron]) == slot
 
 
+def test_a_step_decays_every_score_and_adds_to_the_selected_ones() -> None:
+    cache = NeuronCache(5, 2, torch.tensor([0]), POLICY)
+    expected = cache.scores * POLICY.decay
+    expected[[1, 3]] += 1.0 - POLICY.decay
+    cache.observe(selection(1, 3, neurons=5))
+    assert torch.allclose(cache.scores, expected) and cache.scores[1] > 0 and cache.scores[0] > 0
+
+
 def test_cache_never_exceeds_its_slots_under_random_activity() -> None:
     g = torch.Generator().manual_seed(0)
     cache = NeuronCache(200, 24, torch.arange(0, 40, 2), POLICY)
     for step in range(300):
         hot = torch.randperm(200, generator=g)[: 10 + step % 50]
-        cache.observe(hot)
+        cache.observe(selection(hot, neurons=200))
         slots, neurons = cache.rebalance()
         assert slots.numel() == neurons.numel() <= POLICY.max_swaps
         assert cache.resident <= cache.capacity == 24
@@ -38,7 +54,7 @@ def test_cache_never_exceeds_its_slots_under_random_activity() -> None:
 def test_hot_neurons_fill_free_slots_then_displace_cold_ones() -> None:
     cache = NeuronCache(100, 6, torch.tensor([0, 1, 2, 3]), POLICY)
     for _ in range(10):
-        cache.observe(torch.tensor([0, 1, 50, 51, 52, 53]))
+        cache.observe(selection(0, 1, 50, 51, 52, 53, neurons=100))
         cache.rebalance()
     resident = set(cache.slot_neuron.tolist())
     # 50..53 are hot: two took the free slots, two replaced the now-cold planned neurons 2 and 3; 0 and 1 stay.
@@ -49,11 +65,11 @@ def test_hysteresis_keeps_equally_hot_neurons_from_swapping_back_and_forth() -> 
     cache = NeuronCache(10, 2, torch.tensor([0, 1]), POLICY)
     for step in range(200):
         # Four neurons share the work equally, two at a time: none is hotter than a resident one by the margin.
-        cache.observe(torch.tensor([0, 2]) if step % 2 else torch.tensor([1, 3]))
+        cache.observe(selection(0, 2, neurons=10) if step % 2 else selection(1, 3, neurons=10))
         cache.rebalance()
     assert cache.swaps == 0
     for _ in range(20):
-        cache.observe(torch.tensor([2, 3]))
+        cache.observe(selection(2, 3, neurons=10))
         cache.rebalance()
     assert set(cache.slot_neuron.tolist()) == {2, 3}
     assert cache.swaps == 2
