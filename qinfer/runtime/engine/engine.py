@@ -142,8 +142,7 @@ class Engine:
     ) -> Engine:
         """Load a GGUF and set up its runtime (see loader.RuntimeOptions for the FFN, GPU and KV settings); the
         context as loader.fit_context gives it (None: 512 or the model's own where shorter, 0: the model's own).
-        The process's malloc keeps freed blocks from then on (heap.py)."""
-        keep_freed_memory()
+        Once it is loaded, the process's malloc keeps freed blocks (heap.py): loading's own are handed back."""
         model = open_model(model_path)
         ctx, clamped = fit_context(model, ctx_size)
         options = RuntimeOptions(
@@ -157,6 +156,7 @@ class Engine:
             kv_types=kv_types,
         )
         loaded = load_forward(model, options, slots=slots, ctx_size=ctx)
+        keep_freed_memory()
         tokenizer = GGUFTokenizer(model.metadata)
         device = loaded.forward.device
         engine = cls(

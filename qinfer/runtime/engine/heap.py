@@ -11,6 +11,7 @@ is freed: the process holds on to its peak, as llama.cpp's buffers, sized once, 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 # mallopt's parameters (malloc.h).
@@ -20,14 +21,22 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 # Free memory at the heap's top that stays in the process.
 TRIM_THRESHOLD = 1 << 30
+# Set to 0, the process's malloc is left as it is.
+VARIABLE = "QINFER_KEEP_FREED_MEMORY"
+# glibc's own settings: where a user made them, they stand.
+GLIBC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 def keep_freed_memory() -> bool:
-    """Set the process's malloc to keep freed blocks (glibc on Linux; elsewhere nothing changes). Whether it did."""
-    if not sys.platform.startswith("linux"):
+    """Set the process's malloc to keep freed blocks: glibc on Linux, unless VARIABLE is 0 or the user set glibc's
+    malloc settings (GLIBC_SETTINGS, GLIBC_TUNABLES); elsewhere nothing changes. Whether both settings took."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    chosen = any(name in os.environ for name in GLIBC_SETTINGS) or "glibc.malloc" in tunables
+    if not sys.platform.startswith("linux") or os.environ.get(VARIABLE, "1") == "0" or chosen:
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    taken = [mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD), mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)]
+    return all(taken)

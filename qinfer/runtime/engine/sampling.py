@@ -26,9 +26,9 @@ def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_rows(logits: torch.Tensor) -> list[int]:
-    """Per row of logits [N, V]: its argmax (the first, on ties), or -1 where the row is unusable (unusable_rows): the
-    largest value is NaN, +inf or -inf exactly there. numpy's argmax: torch's max over a row of 128,256 logits took
-    70 us, numpy's 5 (AMD EPYC Zen 5)."""
+    """Per row of CPU logits [N, V]: its argmax (the first, on ties), or -1 where the row is unusable (unusable_rows):
+    the largest value is NaN, +inf or -inf exactly there. numpy's argmax: torch's max over a row of 128,256 logits
+    took 70 us, numpy's 5 (AMD EPYC Zen 5)."""
     if logits.shape[-1] == 0:
         return [-1] * logits.shape[0]
     rows = logits.float().numpy()
@@ -67,7 +67,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 
 def draw(probs: torch.Tensor, uniform: float) -> int:
-    """The index of 1-D `probs` (summing to 1, or nearly) where `uniform` (in [0, 1)) falls in their running sum: an
+    """The index of 1-D CPU `probs` (summing to 1, or nearly) where `uniform` (in [0, 1)) falls in their running sum: an
     index drawn with its probability, for a uniform number drawn. torch.multinomial took 2 ms over 128,256 tokens,
     this 0.15."""
     cdf = probs.cumsum(0, dtype=torch.float64).numpy()
@@ -81,25 +81,33 @@ NUCLEUS_FEW = 256
 
 
 def candidates(scores: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The scores that top-k and then top-p (nucleus) filtering keep of 1-D `scores`, with their token ids (None:
-    every token, in order). Top-p keeps the smallest run of the most likely tokens whose probability reaches top_p
-    (the token that crosses it stays in, and so does the most likely one), the probabilities being a softmax over the
-    top k. Without a top k below NUCLEUS_FEW the run is sought among that many first, and among all where it goes
-    past them. torch's sort of 128,256 scores took 8.8 ms and its top 256 0.2; numpy's sort 1.2."""
+    """The scores that top-k and then top-p (nucleus) filtering keep of 1-D CPU `scores`, most likely first, with
+    their token ids (None: every token, in order). Top-k keeps exactly k, scores tied with the k-th included or not
+    as the top-k finds them (as llama.cpp's does). Top-p keeps the smallest run of the most likely tokens whose
+    probability reaches top_p, the token that crosses it included, the probabilities being a softmax over the top k.
+    Without a top k the run is sought among the NUCLEUS_FEW most likely first, and among all where it goes past them:
+    torch's sort of 128,256 scores took 8.8 ms, its top 256 0.2 and numpy's sort 1.2."""
     n = scores.numel()
     k = top_k if 0 < top_k < n else n
     if top_p >= 1.0:
         return (scores, None) if k == n else torch.topk(scores, k)
-    total = torch.logsumexp(scores, 0) if k == n else None
-    for m in (k,) if k <= NUCLEUS_FEW or k < n else (NUCLEUS_FEW, n):
-        if m <= NUCLEUS_FEW:
-            values, ids = torch.topk(scores, m)
-        else:
-            ids = torch.from_numpy(np.argsort(-scores.numpy())[:m])
-            values = scores[ids]
-        probs = (values - (torch.logsumexp(values, 0) if total is None else total)).exp()
-        # In falling order, the tokens kept are those before which less than top_p of the probability lies.
-        kept = max(1, int((probs.cumsum(0) - probs < top_p).sum()))
-        if kept < m or m == k:
-            break
+    if k < n or k <= NUCLEUS_FEW:
+        values, ids = torch.topk(scores, k)
+        return _nucleus(values, ids, torch.logsumexp(values, 0), top_p)
+    total = torch.logsumexp(scores, 0)
+    values, ids = _nucleus(*torch.topk(scores, NUCLEUS_FEW), total, top_p)
+    if len(values) < NUCLEUS_FEW:
+        return values, ids
+    ids = torch.from_numpy(np.argsort(-scores.numpy()))
+    return _nucleus(scores[ids], ids, total, top_p)
+
+
+def _nucleus(
+    values: torch.Tensor, ids: torch.Tensor, total: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run of `values` (falling, with their `ids`) that top-p keeps, their probabilities exp(value - total)."""
+    probs = (values - total).exp()
+    # The tokens kept are those before which less than top_p lies; the most likely always stays, for a top_p so
+    # small that float32 makes it 0.
+    kept = max(1, int((probs.cumsum(0) - probs < top_p).sum()))
     return values[:kept], ids[:kept]

@@ -36,6 +36,13 @@ def test_candidates_are_what_a_sort_of_every_token_keeps(n: int, spread: float, 
             assert values.tolist() == sorted(values.tolist(), reverse=True)
 
 
+def test_top_k_keeps_exactly_k_of_scores_tied_at_the_kth() -> None:
+    values, ids = candidates(torch.tensor([1.0, 2.0, 2.0, 2.0, 0.0]), 2, 1.0)
+    assert values.tolist() == [2.0, 2.0] and ids is not None and set(ids.tolist()) < {1, 2, 3}
+    values, ids = candidates(torch.tensor([1.0, 2.0, 2.0, 2.0, 0.0]), 2, 0.9)
+    assert values.tolist() == [2.0, 2.0] and ids is not None and set(ids.tolist()) < {1, 2, 3}
+
+
 def test_a_nucleus_past_the_first_few_tokens_is_found_among_all() -> None:
     # Equal scores: top_p = 0.5 keeps half of them, far more than NUCLEUS_FEW.
     n = 8 * NUCLEUS_FEW
