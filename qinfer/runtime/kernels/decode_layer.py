@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -183,6 +183,8 @@ class DecodeLayers:
         self.schedule: Schedule | None = schedule
         self._scratch = Scratch()
         self._buffers: dict[str, torch.Tensor] = {}  # what the scratch points into
+        # Where the kernel finds them: each layer's call passes the same two.
+        self._dims_at, self._scratch_at = ctypes.addressof(dims), ctypes.addressof(self._scratch)
 
     @classmethod
     def build(
@@ -366,11 +368,16 @@ class DecodeLayers:
         self.dims.sinks = 0 if window is None else window.split.sinks
         self.dims.recent = 0 if window is None else window.split.recent
         self.dims.decay = 1.0 if window is None else window.decay
+        k, v = cache.k, cache.v
         return NativeStep(
             batch.slots.to(torch.int64).contiguous(),
             batch.positions.to(torch.int64).contiguous(),
             None if cos is None else cos.float().contiguous(),
             None if sin is None else sin.float().contiguous(),
+            row_kernels.kernel().qinfer_decode_layer,  # type: ignore[union-attr]
+            torch.get_num_threads(),
+            (k.data_ptr(), k.stride(0) * k.element_size()),
+            (v.data_ptr(), v.stride(0) * v.element_size()),
         )
 
     def run(self, i: int, h: torch.Tensor, call: NativeStep, cache: CacheRows) -> torch.Tensor:
@@ -383,16 +390,15 @@ class DecodeLayers:
             self.dims.sparse = int(self.schedule is None or self.schedule.sparse(i, tokens))
         layer = self.layers[i]
         # The cache is [layers, slots, kv_heads, rows, row]: this layer's block.
-        layer.k_cache = cache.k[i].data_ptr()
-        layer.v_cache = cache.v[i].data_ptr()
+        layer.k_cache = call.k_cache[0] + i * call.k_cache[1]
+        layer.v_cache = call.v_cache[0] + i * call.v_cache[1]
         window = None if cache.rows_by_position else cast(WindowRows, cache)
         layer.pos_cache = None if window is None else window.pos[i].data_ptr()
         layer.mass_cache = None if window is None else window.mass[i].data_ptr()
-        status = row_kernels.kernel().qinfer_decode_layer(  # type: ignore[union-attr]
-            ctypes.addressof(layer), ctypes.addressof(self.dims), ctypes.addressof(self._scratch), h.data_ptr(),
-            tokens, call.positions.data_ptr(), call.slots.data_ptr(), cache.k.shape[1],
-            None if call.cos is None else call.cos.data_ptr(), None if call.sin is None else call.sin.data_ptr(),
-            torch.get_num_threads(),
+        status = call.decode_layer(
+            ctypes.addressof(layer), self._dims_at, self._scratch_at, h.data_ptr(), tokens, call.positions.data_ptr(),
+            call.slots.data_ptr(), cache.k.shape[1], None if call.cos is None else call.cos.data_ptr(),
+            None if call.sin is None else call.sin.data_ptr(), call.threads,
         )  # fmt: skip
         if status == -3:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
@@ -418,3 +424,9 @@ class NativeStep:
     positions: torch.Tensor
     cos: torch.Tensor | None
     sin: torch.Tensor | None
+    # What every layer's call shares, found once: the kernel's entry point, its threads, and the K and V caches'
+    # addresses with the bytes from one layer's block to the next.
+    decode_layer: Any
+    threads: int
+    k_cache: tuple[int, int]
+    v_cache: tuple[int, int]
