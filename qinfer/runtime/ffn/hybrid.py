@@ -238,6 +238,12 @@ class HybridRunner:
             act[:, cache.slot_neuron[cache.slot_neuron >= 0]] = 0
             return weighted_row_sum(act, w.down_t)
 
+        # The CPU part runs on the thread that does the host's decode work. On another, it would leave an idle
+        # OpenMP team beside that thread's, and where the two teams outnumber the cores their barriers sleep: the
+        # kernels' host part of a layer took 84 us instead of 42 after a prompt (7b-slice, 50 neurons, 2 threads).
+        if self.in_kernel:
+            device = s.dense(w.form, x)  # queued first: the device computes it meanwhile
+            return device + cpu_part().to(self.device)
         future = self.pool.submit(cpu_part)
         return s.dense(w.form, x) + future.result().to(self.device)
 

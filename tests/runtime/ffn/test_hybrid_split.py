@@ -123,6 +123,33 @@ def test_in_kernel_split_logits_match_cpu_logits(model: Path, rows: str, monkeyp
     assert sum(s.device for s in runner.last) > 0 and sum(s.cpu for s in runner.last) > 0
 
 
+def test_in_kernel_split_computes_a_prompt_on_the_calling_thread(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' split does its host work on the calling thread, so a prompt's CPU part runs there too: on a
+    thread of its own it left an idle OpenMP team beside the caller's, whose barriers then slept (a wake each) where
+    the two teams outnumber the cores, and each decode step's host part took twice as long."""
+    import threading
+
+    import qinfer.runtime.ffn.hybrid as hybrid
+
+    budget = _budget_gib(model, 1, 0.4)
+    on = "cuda" if torch.cuda.is_available() else "cpu"
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="static", device=on)
+    runner = _hybrid(split)
+    runner.in_kernel = True
+    computed_on = []
+
+    def activations(*args: object) -> torch.Tensor:
+        computed_on.append(threading.get_ident())
+        return hybrid_activations(*args)
+
+    hybrid_activations = hybrid.activations
+    monkeypatch.setattr(hybrid, "activations", activations)
+    ids = torch.tensor(split.tokenizer.encode(PROMPTS[1]))
+    with torch.inference_mode():
+        split.forward(ids, 0, KVCache(split.forward.cfg, 96, device=split.forward.device, types=F32_KV))
+    assert computed_on and set(computed_on) == {threading.get_ident()}
+
+
 def test_in_kernel_split_decodes_several_sequences(model: Path) -> None:
     """Three sequences in one step, each token's selection its own inside the kernels: each decodes its greedy
     tokens as all on the CPU. The synth predictors are exact, so a stricter threshold than the file's leaves out
@@ -318,7 +345,6 @@ def test_run_command_plans_on_the_spot_and_decodes_in_parallel(model: Path) -> N
     assert stale.returncode == 2 and stale.stderr.strip().count("\n") == 0
     assert "stale" in stale.stderr and "--reset-gpu-index" in stale.stderr
     assert run_in_process(*args[:-1], "0.5", "--parallel", "2", "--reset-gpu-index").returncode == 0
-
 
 
 def test_run_command_without_activation_statistics_names_the_profile_command(model: Path) -> None:
