@@ -293,3 +293,23 @@ def test_qinfer_serve_command_answers_on_loopback_by_default(model: Path) -> Non
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_qinfer_serve_freezes_what_it_loaded_before_it_serves(model: Path) -> None:
+    """A full collection in a server must not walk the imports, the model and the tokenizer (tens of milliseconds
+    with every thread stopped): what exists when it starts serving is frozen."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, uvicorn\n"
+        "uvicorn.Server.run = lambda self, *a, **k: print('frozen', gc.get_freeze_count(), len(gc.get_objects()))\n"
+        "from qinfer.cli.main import main\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "serve", "-m", str(model), "--port", "1"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    frozen, tracked = (int(n) for n in done.stdout.split()[-2:])
+    assert frozen > 100_000 and tracked < frozen / 100
