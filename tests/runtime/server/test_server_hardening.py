@@ -31,7 +31,7 @@ from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.generate import generate
 from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.engine.worker import EngineWorker
-from qinfer.runtime.server.app import DEFAULT_OPTIONS, ServerOptions, create_app
+from qinfer.runtime.server.app import DEFAULT_OPTIONS, INLINE_TOKENIZE_CHARS, ServerOptions, create_app
 from qinfer.runtime.server.thread import serve_in_thread
 from tests.runtime.server.test_server import CTX, GREEDY, PROMPTS, _expected, _wait_for
 from tests.support.logits_hook import LogitsHook
@@ -270,15 +270,18 @@ def test_health_answers_at_once_while_a_prompt_tokenizes(local: Local, monkeypat
     started, release = threading.Event(), threading.Event()
 
     def long_encode(text: str, add_bos: bool | None = None) -> list[int]:
-        # A long prompt's tokenization, lasting until the test has asked for /health.
+        # A long prompt's tokenization, lasting until the test has asked for /health; its ids, a short one's, fit
+        # the context.
         started.set()
         release.wait(10)
-        return encode(text, add_bos)
+        return encode(PROMPTS[0], add_bos)
 
     monkeypatch.setattr(tokenizer, "encode", long_encode)
     latencies = []
+    # Short prompts are tokenized on the event loop itself, in less time than a thread's round trip.
+    long_prompt = PROMPTS[0] + " and so on" * (INLINE_TOKENIZE_CHARS // 10)
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(_completion, local.url, PROMPTS[0], {"max_tokens": 2})
+        pending = pool.submit(_completion, local.url, long_prompt, {"max_tokens": 2})
         assert started.wait(10)
         for _ in range(10):
             start = time.monotonic()
