@@ -48,11 +48,14 @@ from qinfer.prep.synth.corpus import synth_corpus
 from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.ffn.hybrid import HybridRunner
+from qinfer.runtime.kernels.row_kernels import release_threads
 from qinfer.runtime.model.model_file import open_model
 
 SPLIT_SHARE, WHOLE_SHARE = 0.35, 1.05  # of the FFN's bytes, beside the dense parts
 # Models made by repeating a slice's layers: name -> (the slice, the layer count).
 DEEP = {"7b": ("7b-slice", 32)}
+# Every split opened here. On torch's path a split's CPU part runs on its own thread, whose OpenMP team stays.
+SPLITS: list[HybridRunner] = []
 
 
 def machine() -> str:
@@ -99,14 +102,17 @@ def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | No
     device = ("cuda" if cuda else "cpu") if budget is not None else None
     engine = Engine.open(path, ctx_size=ctx, vram_budget_gib=budget, schedule=schedule, device=device)
     runner = engine.runtime.forward.ffn if engine.runtime is not None else None
-    if in_kernel is not None and isinstance(runner, HybridRunner):
-        runner.in_kernel = in_kernel
+    if isinstance(runner, HybridRunner):
+        SPLITS.append(runner)
+        if in_kernel is not None:
+            runner.in_kernel = in_kernel
     if not graphs:
         engine.forward.graphs = None
     peaks: list[float] = []
     timed = engine_decoder(engine, prompt_ids, n)
 
     def tps() -> Speed:
+        end_idle_teams()
         speed = timed()
         if cuda and not peaks:
             peaks.append((torch.cuda.max_memory_allocated() - base) / GIB)
@@ -121,6 +127,17 @@ def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | No
         return f"graphs for batch sizes {sorted(steps.steps)}" if steps.steps else "no step was graphed"
 
     return Ours(tps, lambda: peaks[0] if peaks else None, graphed)
+
+
+def end_idle_teams() -> None:
+    """End the OpenMP teams this process's threads keep (the main thread's, and each torch-path split's CPU
+    thread's) before a configuration is timed; it makes its own again. The idle teams of the configurations opened
+    beside it would outnumber the cores, and libgomp then makes every team's barriers sleep instead of spinning, a
+    wake each, which a user running one engine does not see."""
+    release_threads()
+    for runner in SPLITS:
+        if not runner.in_kernel:
+            runner.pool.submit(release_threads).result()
 
 
 def _failing() -> Speed:
