@@ -31,6 +31,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,8 +55,8 @@ from qinfer.runtime.model.model_file import open_model
 SPLIT_SHARE, WHOLE_SHARE = 0.35, 1.05  # of the FFN's bytes, beside the dense parts
 # Models made by repeating a slice's layers: name -> (the slice, the layer count).
 DEEP = {"7b": ("7b-slice", 32)}
-# Every split opened here. On torch's path a split's CPU part runs on its own thread, whose OpenMP team stays.
-SPLITS: list[HybridRunner] = []
+# The CPU threads of the torch-path splits opened here: a split's CPU part runs on its own, whose OpenMP team stays.
+CPU_PARTS: list[ThreadPoolExecutor] = []
 
 
 def machine() -> str:
@@ -91,7 +92,6 @@ class Ours:
     graphs: Callable[[], str | None]  # how its steps ran: replayed from graphs, or why not
 
 
-
 def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | None, schedule: str,
          in_kernel: bool | None = None, graphs: bool = True) -> Ours:  # fmt: skip
     cuda = torch.cuda.is_available()
@@ -103,9 +103,10 @@ def ours(path: Path, prompt_ids: list[int], n: int, ctx: int, budget: float | No
     engine = Engine.open(path, ctx_size=ctx, vram_budget_gib=budget, schedule=schedule, device=device)
     runner = engine.runtime.forward.ffn if engine.runtime is not None else None
     if isinstance(runner, HybridRunner):
-        SPLITS.append(runner)
         if in_kernel is not None:
             runner.in_kernel = in_kernel
+        if not runner.in_kernel:
+            CPU_PARTS.append(runner.pool)
     if not graphs:
         engine.forward.graphs = None
     peaks: list[float] = []
@@ -135,9 +136,8 @@ def end_idle_teams() -> None:
     beside it would outnumber the cores, and libgomp then makes every team's barriers sleep instead of spinning, a
     wake each, which a user running one engine does not see."""
     release_threads()
-    for runner in SPLITS:
-        if not runner.in_kernel:
-            runner.pool.submit(release_threads).result()
+    for pool in CPU_PARTS:
+        pool.submit(release_threads).result()
 
 
 def _failing() -> Speed:

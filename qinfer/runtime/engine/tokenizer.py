@@ -136,13 +136,18 @@ class GGUFTokenizer:
         # llama.cpp's rule for a file that does not say: SentencePiece vocabularies add BOS, BPE ones do not.
         self.add_bos: bool = bool(meta.get(Key.ADD_BOS, kind == "llama"))
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, keep_gil: bool = False) -> list[int]:
         """Ids of `text`, with BOS first where the file asks for it (or `add_bos` says); special tokens written in
-        the text (a chat template's) are read as those tokens."""
+        the text (a chat template's) are read as those tokens. `keep_gil`: tokenize without letting go of the GIL,
+        for a short text on a server's event loop, which would otherwise wait to take it back from a busy engine
+        thread."""
         require_utf8(text)
         # encode_batch releases the GIL while it works (encode does not), so a server's event loop keeps answering
         # while a long prompt is tokenized in a worker thread.
-        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        if keep_gil:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.add_bos if add_bos is None else add_bos
         return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
 

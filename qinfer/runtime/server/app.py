@@ -50,10 +50,13 @@ from qinfer.runtime.server.template_process import RendererBusy, TemplateProcess
 MIN_BODY_BYTES_PER_S = 64 * 1024
 # How often a non-streamed request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
-# The longest text tokenized on the event loop itself (about 0.1 ms); longer ones go to a thread.
+# The longest text tokenized on the event loop itself, in less time than a thread's round trip (two wakes) takes:
+# 1,000 characters in 0.1 ms. Longer ones go to a thread.
 INLINE_TOKENIZE_CHARS = 1024
-# Response ids and default seeds: unique, not secret. Seeded from the system once, and a generator of its own, so
-# that code reseeding `random` cannot repeat them.
+# Response ids and default seeds: unique, not secret. The system's generator lets go of the GIL, and the event loop
+# then waited to take it back from the busy engine thread (py-spy found it there for 0.4 ms a request, the tiny
+# model at one client). Seeded from the system once, and a generator of its own, so that code reseeding `random`
+# cannot repeat them.
 DRAWS = random.Random()
 # Sent with errors that leave part of the request unread, so that the rest is never read.
 CLOSE = {"Connection": "close"}
@@ -406,7 +409,7 @@ class _Routes:
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, object]:
         check_length(self.worker, body.content, "content")
-        return {"tokens": await tokenize(self.worker, body.content, None if body.add_special else False)}
+        return {"tokens": await token_ids(self.worker, body.content, None if body.add_special else False)}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, object]:
         tokenizer = self.worker.engine.tokenizer
@@ -503,7 +506,7 @@ async def submit(
     if worker.closing.is_set():
         raise ApiError(503, SHUTTING_DOWN, "server_error")
     check_length(worker, prompt, param)
-    ids = await tokenize(worker, prompt, add_bos)
+    ids = await token_ids(worker, prompt, add_bos)
     ctx_size = worker.engine.ctx_size
     room = ctx_size - len(ids)
     if room < 1:
@@ -514,13 +517,12 @@ async def submit(
     return worker.submit(request, every_piece), len(ids)
 
 
-async def tokenize(worker: EngineWorker, text: str, add_bos: bool | None) -> list[int]:
-    """The text's token ids. A long text takes seconds to tokenize, which on the event loop would stall every other
-    client meanwhile, so it goes to a thread; a short one is tokenized in place, in less time than the thread's
-    round trip (two wakes) takes: 1,000 characters in 0.1 ms."""
+async def token_ids(worker: EngineWorker, text: str, add_bos: bool | None) -> list[int]:
+    """The text's token ids: a short one's (INLINE_TOKENIZE_CHARS) on the event loop, holding the GIL; a long one's
+    on a thread, since it takes seconds, which on the event loop would stall every other client meanwhile."""
     tokenizer = worker.engine.tokenizer
     if len(text) <= INLINE_TOKENIZE_CHARS:
-        return tokenizer.encode(text, add_bos)
+        return tokenizer.encode(text, add_bos, keep_gil=True)
     return await asyncio.to_thread(tokenizer.encode, text, add_bos)
 
 
@@ -539,9 +541,7 @@ def check_length(worker: EngineWorker, text: str, param: str) -> None:
 
 
 def response_head(model_id: str, chat: bool, stream: bool) -> dict[str, object]:
-    """The fields every response and chunk of one completion starts with. The id comes from DRAWS: the system's
-    generator lets go of the GIL, and the event loop then waited to take it back from the engine thread (py-spy
-    found it there for 0.4 ms a request, the tiny model at one client, when it was drawn after the submit)."""
+    """The fields every response and chunk of one completion starts with."""
     return {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{DRAWS.getrandbits(128):032x}",
         "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else ""),

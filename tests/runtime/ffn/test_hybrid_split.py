@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.generate import generate, generate_many
 from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.ffn import hybrid
 from qinfer.runtime.ffn.hybrid import HybridRunner
 from qinfer.runtime.ffn.neuron_cache import CachePolicy
 from qinfer.runtime.ffn.split_cost import SplitCosts
@@ -127,16 +129,12 @@ def test_in_kernel_split_computes_a_prompt_on_the_calling_thread(model: Path, mo
     """The kernels' split does its host work on the calling thread, so a prompt's CPU part runs there too: on a
     thread of its own it left an idle OpenMP team beside the caller's, whose barriers then slept (a wake each) where
     the two teams outnumber the cores, and each decode step's host part took twice as long."""
-    import threading
-
-    import qinfer.runtime.ffn.hybrid as hybrid
-
     budget = _budget_gib(model, 1, 0.4)
     on = "cuda" if torch.cuda.is_available() else "cpu"
     split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="static", device=on)
     runner = _hybrid(split)
     runner.in_kernel = True
-    computed_on = []
+    computed_on: list[int] = []
 
     def activations(*args: object) -> torch.Tensor:
         computed_on.append(threading.get_ident())
@@ -147,7 +145,8 @@ def test_in_kernel_split_computes_a_prompt_on_the_calling_thread(model: Path, mo
     ids = torch.tensor(split.tokenizer.encode(PROMPTS[1]))
     with torch.inference_mode():
         split.forward(ids, 0, KVCache(split.forward.cfg, 96, device=split.forward.device, types=F32_KV))
-    assert computed_on and set(computed_on) == {threading.get_ident()}
+    # Each layer's device part and CPU part, both on this thread.
+    assert len(computed_on) == 2 * split.forward.cfg.layers and set(computed_on) == {threading.get_ident()}
 
 
 def test_in_kernel_split_decodes_several_sequences(model: Path) -> None:

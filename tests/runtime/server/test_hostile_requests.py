@@ -45,9 +45,9 @@ def test_a_prompt_longer_than_any_context_is_refused_before_it_is_tokenized(
     calls: list[int] = []
     encode = GGUFTokenizer.encode
 
-    def counted(self: GGUFTokenizer, text: str, add_bos: bool | None = None) -> list[int]:
+    def counted(self: GGUFTokenizer, text: str, add_bos: bool | None = None, keep_gil: bool = False) -> list[int]:
         calls.append(len(text))
-        return encode(self, text, add_bos)
+        return encode(self, text, add_bos, keep_gil)
 
     monkeypatch.setattr(GGUFTokenizer, "encode", counted)
     huge = "a " * (limit // 2 + 1)

@@ -308,7 +308,10 @@ def test_qinfer_serve_freezes_what_it_loaded_before_it_serves(model: Path) -> No
         "main()\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, "serve", "-m", str(model), "--port", "1"], capture_output=True, text=True
+        [sys.executable, "-c", code, "serve", "-m", str(model), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     frozen, tracked = (int(n) for n in done.stdout.split()[-2:])

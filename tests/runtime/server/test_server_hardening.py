@@ -280,6 +280,7 @@ def test_health_answers_at_once_while_a_prompt_tokenizes(local: Local, monkeypat
     latencies = []
     # Short prompts are tokenized on the event loop itself, in less time than a thread's round trip.
     long_prompt = PROMPTS[0] + " and so on" * (INLINE_TOKENIZE_CHARS // 10)
+    assert len(long_prompt) <= CTX * tokenizer.max_token_chars, "the server would refuse it before tokenizing"
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_completion, local.url, long_prompt, {"max_tokens": 2})
         assert started.wait(10)
