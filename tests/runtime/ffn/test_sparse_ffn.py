@@ -77,7 +77,9 @@ def test_oracle_model_matches_dense_model(gguf_files: dict[str, Path]) -> None:
     with torch.inference_mode():
         dense(ids[:3], 0, a), oracle(ids[:3], 0, b)
         for j in range(3, len(ids)):
-            assert torch.allclose(oracle(ids[j : j + 1], j, b), dense(ids[j : j + 1], j, a), rtol=0, atol=1e-5)
+            # Float32 sums in other orders: logits of about 5 moved by up to 1.2e-5 with AVX2's kernels, 1e-6
+            # with AVX-512's (AMD EPYC Zen 5).
+            assert torch.allclose(oracle(ids[j : j + 1], j, b), dense(ids[j : j + 1], j, a), rtol=0, atol=5e-5)
     assert _greedy(oracle, gguf_files["pi-f32"]) == _greedy(dense, gguf_files["pi-f32"])
 
 
