@@ -31,6 +31,7 @@ from qinfer.runtime.ffn.sparse import (
     gate_mask,
     predicted_mask,
     predictor_scores,
+    selected_rows,
     sparse_rows,
 )
 from qinfer.runtime.ffn.split_cost import SplitCosts, balance
@@ -287,10 +288,8 @@ class HybridRunner:
         if picked is None:
             # A calibrated model's gate (over every row), or the predictor of a layer with no GPU rows.
             picked = gate_mask(w, x) if h is None else predicted_mask(w, h, self.threshold)
-        cold = picked & ~self.resident[layer]
-        ids = active_ids(cold)
-        out = sparse_rows(w.form, x, w.gate, w.up, w.down_t, ids, cold[:, ids] if x.shape[0] > 1 else None)
-        self.last[layer] = LayerSplit(int((picked & self.resident[layer]).any(0).sum()), int(ids.numel()), 0)
+        out, cold, resident = selected_rows(w.form, x, w.gate, w.up, w.down_t, picked, self.resident[layer])
+        self.last[layer] = LayerSplit(resident, cold, 0)
         if self.dynamic:
             self.last[layer].moved = self._choose_promotions(layer, picked.any(0))
         return out

@@ -105,6 +105,27 @@ def sparse_rows(
     return weighted_row_sum(act, down_t, ids)
 
 
+def selected_rows(
+    form: FfnForm,
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    up: torch.Tensor,
+    down_t: torch.Tensor,
+    selected: torch.Tensor,
+    skip: torch.Tensor,
+) -> tuple[torch.Tensor, int, int]:
+    """FFN output [T, E] of the neurons some token selects (bool [T, F]) and `skip` (bool [F]) leaves out, each
+    token using only its own; with how many neurons that is, and how many selected ones were skipped. The kernel
+    lists them itself: the same passes over the masks in torch cost a GPU/CPU split's host part about 20 us a
+    layer."""
+    if (done := row_kernels.selected_ffn(form, x, gate, up, down_t, selected, skip)) is not None:
+        return done
+    left = selected & ~skip
+    ids = torch.nonzero(left.any(0)).flatten()
+    out = sparse_rows(form, x, gate, up, down_t, ids, left[:, ids] if x.shape[0] > 1 else None)
+    return out, int(ids.numel()), int((selected & skip).any(0).sum())
+
+
 def predictor_scores(w: FFNWeights, h: torch.Tensor) -> torch.Tensor:
     """The predictor's score of each neuron for each token of h [T, E]: fc2(relu(fc1(h))), float32 [T, F]."""
     if w.fc1 is None or w.fc2 is None:

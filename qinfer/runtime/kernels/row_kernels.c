@@ -935,6 +935,45 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
     return 0;
 }
 
+/* qinfer_sparse_ffn over the neurons some token selects (selected [tokens, f], a byte each) and `skip` [f] (NULL:
+ * none) leaves out, each token summing only its own: what a GPU/CPU split's host computes of a layer, found here
+ * rather than by the caller's passes over the masks. counts: the neurons computed, and the selected ones skipped. */
+int qinfer_selected_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const int64_t gate_shape[2],
+                        const uint8_t *up, int64_t up_stride, int up_type, const int64_t up_shape[2],
+                        const uint8_t *down, int64_t down_stride, int down_type, const int64_t down_shape[2],
+                        const float *x, int64_t n, int64_t tokens, const uint8_t *selected, const uint8_t *skip,
+                        int64_t f, int form, float *out, int64_t counts[2], int threads) {
+    if (f < 1 || tokens < 1) return -1;
+    int64_t *ids = malloc((size_t)f * sizeof *ids);
+    uint8_t *mask = tokens > 1 ? malloc((size_t)(tokens * f)) : NULL;
+    float *act = malloc((size_t)(tokens * f) * sizeof *act);
+    int status = -2;
+    if (ids && act && (tokens == 1 || mask)) {
+        int64_t k = 0, skipped = 0;
+        for (int64_t i = 0; i < f; i++) {
+            int any = 0;
+            for (int64_t t = 0; t < tokens; t++) any |= selected[t * f + i];
+            if (!any) continue;
+            if (skip && skip[i])
+                skipped++;
+            else
+                ids[k++] = i;
+        }
+        /* One token: every neuron listed is its own. */
+        for (int64_t t = 0; mask && t < tokens; t++)
+            for (int64_t j = 0; j < k; j++) mask[t * k + j] = selected[t * f + ids[j]] != 0;
+        counts[0] = k;
+        counts[1] = skipped;
+        status = qinfer_sparse_ffn(gate, gate_stride, gate_type, gate_shape, up, up_stride, up_type, up_shape, down,
+                                   down_stride, down_type, down_shape, x, n, tokens, ids, k, mask, form, act, out,
+                                   threads);
+    }
+    free(ids);
+    free(mask);
+    free(act);
+    return status;
+}
+
 /* An expert's rows go EXPERT_TILE at a time: sixteen Q4_0 rows in one pass (qx_rows, which takes Q8_0 only from two
  * tokens, where a pair has one), where the build has it. */
 #define EXPERT_TILE 16

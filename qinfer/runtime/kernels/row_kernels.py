@@ -221,6 +221,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qinfer_sparse_ffn.argtypes = [
         p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, p, i32, p, p, i32
     ]  # fmt: skip
+    lib.qinfer_selected_ffn.argtypes = [
+        p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, p, i64, i32, p, p, i32
+    ]  # fmt: skip
     lib.qinfer_weighted_rows.argtypes = [p, i64, i32, s, p, i64, p, i64, i64, p, i32]
     lib.qinfer_moe_ffn.argtypes = [p, i32, p, i32, p, i32, p, p, p, i64, p, p, i64, p, p, i32]
     lib.qinfer_matvec.argtypes = [p, i64, i32, s, p, i64, i64, p, i32]
@@ -235,7 +238,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     if (release := getattr(lib, "qinfer_release_threads", None)) is not None:
         release.argtypes = []
         release.restype = None
-    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec, lib.qinfer_moe_ffn):
+    for entry in (
+        lib.qinfer_sparse_ffn, lib.qinfer_selected_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec,
+        lib.qinfer_moe_ffn,
+    ):  # fmt: skip
         entry.restype = i32
 
 
@@ -297,26 +303,62 @@ def sparse_ffn(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """FFN output [T, E] float32 of neurons `ids` for the CPU tokens x [T, E], each using only the neurons its
-    row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (off, too many tokens, a
-    device, float32 rows, a gated form without its gate, biases)."""
-    if form.biased or (gate is None) == form.gated or not _takes(x, TOKEN_BLOCK):
+    row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (_ffn_rows)."""
+    rows = _ffn_rows(form, x, gate, up, down_t)
+    if rows is None:
         return None
     tokens = x.shape[0]
-    layouts = [layout(t) for t in (up if gate is None else gate, up, down_t)]
-    if any(lay is None for lay in layouts):
-        return None
-    (g, gs, gt, gshape), (u, us, ut, ushape), (d, ds, dt, dshape) = layouts  # type: ignore[misc]
     xf = x.float().contiguous()
     ids64 = ids.to(torch.int64).contiguous()
     keep = None if mask is None else mask.to("cpu", torch.uint8).contiguous()
     act = torch.empty(tokens, ids64.numel())
     out = torch.empty(tokens, down_t.shape[1])
     check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
-        g, gs, gt, gshape, u, us, ut, ushape, d, ds, dt, dshape, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(),
-        ids64.numel(), None if keep is None else keep.data_ptr(), form_code(form), act.data_ptr(),
-        out.data_ptr(), torch.get_num_threads(),
+        *rows, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(), ids64.numel(),
+        None if keep is None else keep.data_ptr(), form_code(form), act.data_ptr(), out.data_ptr(),
+        torch.get_num_threads(),
     ))  # fmt: skip
     return out
+
+
+def selected_ffn(
+    form: FfnForm,
+    x: torch.Tensor,
+    gate: Weight | None,
+    up: Weight,
+    down_t: Weight,
+    selected: torch.Tensor,
+    skip: torch.Tensor | None,
+) -> tuple[torch.Tensor, int, int] | None:
+    """sparse_ffn over the neurons some token selects (bool [T, F]) and `skip` (bool [F]; None: none) leaves out,
+    each token using only its own, listed by the kernel; with how many neurons it computed and how many selected
+    ones it skipped. None where the kernel does not apply (_ffn_rows)."""
+    rows = _ffn_rows(form, x, gate, up, down_t)
+    if rows is None:
+        return None
+    tokens, f = selected.shape
+    xf = x.float().contiguous()
+    picks = selected.to("cpu", torch.bool).contiguous()
+    left = None if skip is None else skip.to("cpu", torch.bool).contiguous()
+    out = torch.empty(tokens, down_t.shape[1])
+    counts = (ctypes.c_int64 * 2)()
+    check(kernel().qinfer_selected_ffn(  # type: ignore[union-attr]
+        *rows, xf.data_ptr(), x.shape[1], tokens, picks.data_ptr(), None if left is None else left.data_ptr(), f,
+        form_code(form), out.data_ptr(), counts, torch.get_num_threads(),
+    ))  # fmt: skip
+    return out, counts[0], counts[1]
+
+
+def _ffn_rows(form: FfnForm, x: torch.Tensor, gate: Weight | None, up: Weight, down_t: Weight) -> list[object] | None:
+    """The first product's, up's and down's (address, stride, type, shape), in the FFN kernels' argument order, or
+    None where those kernels do not take these inputs (off, too many tokens, a device, float32 rows, a gated form
+    without its gate, biases)."""
+    if form.biased or (gate is None) == form.gated or not _takes(x, TOKEN_BLOCK):
+        return None
+    layouts = [layout(t) for t in (up if gate is None else gate, up, down_t)]
+    if any(lay is None for lay in layouts):
+        return None
+    return [field for lay in layouts for field in lay]  # type: ignore[union-attr]
 
 
 def stack_layout(t: Weight) -> tuple[int, int, int, int] | None:

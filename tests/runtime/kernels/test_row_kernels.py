@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, quants
 
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
-from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, sparse_rows
+from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, selected_rows, sparse_rows
 from qinfer.runtime.kernels import quant_rows, row_kernels
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix
 from qinfer.runtime.kernels.weight_rows import linear
@@ -385,6 +385,57 @@ def test_several_tokens_each_with_their_own_neurons(qtype: object, variant: str)
     for t in (0, 1, 3):
         ref = _reference(variant, x[t : t + 1], gate, up, down_t, ids[mask[t]])
         assert (out[t].double() - ref[0]).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize("qtype", [None, Q4])
+@pytest.mark.parametrize("variant", ["llama", "bamboo", "falcon"])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_selected_neurons_less_the_skipped_match_float64(qtype: object, variant: str, tokens: int) -> None:
+    """A split's host part: the kernel lists the neurons some token selects and the device does not hold, each token
+    summing only its own (one token selects none), and counts what it computed and what it skipped."""
+    rows, cols = 45, 96
+
+    def weight(seed: int) -> torch.Tensor | QuantizedMatrix:
+        return _half_rows(rows, cols, cols, seed) if qtype is None else _quantized(rows, cols, qtype, seed)  # type: ignore[arg-type]
+
+    gate, up, down_t = weight(0), weight(1), weight(2)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, cols, generator=g)
+    selected = torch.rand(tokens, rows, generator=g) < 0.4
+    selected[-1] = tokens == 1  # a batch's last token selects nothing; one token alone selects every neuron
+    skip = torch.rand(rows, generator=g) < 0.3
+    form = ARCHITECTURES[variant].ffn
+    done = row_kernels.selected_ffn(form, x, None if variant == "falcon" else gate, up, down_t, selected, skip)
+    assert done is not None
+    out, computed, skipped = done
+    listed = selected.any(0)
+    assert (computed, skipped) == (int((listed & ~skip).sum()), int((listed & skip).sum()))
+    assert computed > 0 and skipped > 0
+    for t in range(tokens):
+        ids = torch.nonzero(selected[t] & ~skip).flatten()
+        if ids.numel() == 0:
+            assert not out[t].any()
+            continue
+        ref = _reference(variant, x[t : t + 1], gate, up, down_t, ids)
+        assert (out[t].double() - ref[0]).abs().max() <= 1e-5 * ref.abs().max()
+    # Without the kernel, torch's path computes the same neurons and counts.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QINFER_NATIVE", "0")
+        assert row_kernels.selected_ffn(form, x, gate, up, down_t, selected, skip) is None
+        fallback, *counts = selected_rows(form, x, None if variant == "falcon" else gate, up, down_t, selected, skip)
+    assert counts == [computed, skipped]
+    assert torch.allclose(fallback, out, rtol=2e-2, atol=2e-2 * float(out.abs().max()))
+
+
+@needs_compiler
+def test_selected_neurons_past_the_rows_are_refused() -> None:
+    """A selection wider than the rows (a plan or file that does not match the model) reads nothing."""
+    gate, up, down_t = (_half_rows(64, 96, 96, seed) for seed in range(3))
+    selected = torch.zeros(1, 80, dtype=torch.bool)
+    selected[0, 70] = True
+    with pytest.raises(UserError, match="corrupt"):
+        row_kernels.selected_ffn(ARCHITECTURES["llama"].ffn, torch.randn(1, 96), gate, up, down_t, selected, None)
 
 
 @needs_compiler
