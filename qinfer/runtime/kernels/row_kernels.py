@@ -221,9 +221,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qinfer_sparse_ffn.argtypes = [
         p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, p, i32, p, p, i32
     ]  # fmt: skip
-    lib.qinfer_selected_ffn.argtypes = [
-        p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, p, i64, i32, p, p, i32
-    ]  # fmt: skip
     lib.qinfer_weighted_rows.argtypes = [p, i64, i32, s, p, i64, p, i64, i64, p, i32]
     lib.qinfer_moe_ffn.argtypes = [p, i32, p, i32, p, i32, p, p, p, i64, p, p, i64, p, p, i32]
     lib.qinfer_matvec.argtypes = [p, i64, i32, s, p, i64, i64, p, i32]
@@ -238,10 +235,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     if (release := getattr(lib, "qinfer_release_threads", None)) is not None:
         release.argtypes = []
         release.restype = None
-    for entry in (
-        lib.qinfer_sparse_ffn, lib.qinfer_selected_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec,
-        lib.qinfer_moe_ffn,
-    ):  # fmt: skip
+    if (selected := getattr(lib, "qinfer_selected_ffn", None)) is not None:
+        selected.argtypes = [
+            p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, p, i64, i32, p, p, i32
+        ]  # fmt: skip
+        selected.restype = i32
+    for entry in (lib.qinfer_sparse_ffn, lib.qinfer_weighted_rows, lib.qinfer_matvec, lib.qinfer_moe_ffn):
         entry.restype = i32
 
 
@@ -286,7 +285,7 @@ def layout(t: object) -> tuple[int, int, int, ctypes.Array[ctypes.c_int64]] | No
 def check(status: int) -> None:
     """Raise what a kernel's non-zero status means: no memory (-2), or rows that do not fit their shapes."""
     if status == -2:
-        raise MemoryError("the row kernels could not allocate scratch for the quantized activations")
+        raise MemoryError("the row kernels could not allocate their scratch (quantized inputs, lists of neurons)")
     if status != 0:
         raise UserError(
             "a weight tensor is smaller than the model's shape says (its file is corrupt); re-convert the model"
@@ -332,17 +331,21 @@ def selected_ffn(
 ) -> tuple[torch.Tensor, int, int] | None:
     """sparse_ffn over the neurons some token selects (bool [T, F]) and `skip` (bool [F]; None: none) leaves out,
     each token using only its own, listed by the kernel; with how many neurons it computed and how many selected
-    ones it skipped. None where the kernel does not apply (_ffn_rows)."""
+    ones it skipped. None where the kernel does not apply (_ffn_rows, no tokens, or a library built from older
+    sources: bench/decode.py --before-kernels)."""
+    tokens, f = x.shape[0], selected.shape[-1]
+    if selected.shape != (tokens, f) or (skip is not None and skip.shape != (f,)):
+        raise ValueError(f"a selection {tuple(selected.shape)} and skip for {tokens} tokens of {f} neurons")
     rows = _ffn_rows(form, x, gate, up, down_t)
-    if rows is None:
+    entry = getattr(kernel(), "qinfer_selected_ffn", None)
+    if rows is None or tokens == 0 or entry is None:
         return None
-    tokens, f = selected.shape
     xf = x.float().contiguous()
     picks = selected.to("cpu", torch.bool).contiguous()
     left = None if skip is None else skip.to("cpu", torch.bool).contiguous()
     out = torch.empty(tokens, down_t.shape[1])
     counts = (ctypes.c_int64 * 2)()
-    check(kernel().qinfer_selected_ffn(  # type: ignore[union-attr]
+    check(entry(
         *rows, xf.data_ptr(), x.shape[1], tokens, picks.data_ptr(), None if left is None else left.data_ptr(), f,
         form_code(form), out.data_ptr(), counts, torch.get_num_threads(),
     ))  # fmt: skip

@@ -405,8 +405,8 @@ def test_selected_neurons_less_the_skipped_match_float64(qtype: object, variant:
     selected = torch.rand(tokens, rows, generator=g) < 0.4
     selected[-1] = tokens == 1  # a batch's last token selects nothing; one token alone selects every neuron
     skip = torch.rand(rows, generator=g) < 0.3
-    form = ARCHITECTURES[variant].ffn
-    done = row_kernels.selected_ffn(form, x, None if variant == "falcon" else gate, up, down_t, selected, skip)
+    form, first = ARCHITECTURES[variant].ffn, None if variant == "falcon" else gate
+    done = row_kernels.selected_ffn(form, x, first, up, down_t, selected, skip)
     assert done is not None
     out, computed, skipped = done
     listed = selected.any(0)
@@ -422,10 +422,13 @@ def test_selected_neurons_less_the_skipped_match_float64(qtype: object, variant:
     # Without the kernel, torch's path computes the same neurons and counts.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QINFER_NATIVE", "0")
-        assert row_kernels.selected_ffn(form, x, gate, up, down_t, selected, skip) is None
-        fallback, *counts = selected_rows(form, x, None if variant == "falcon" else gate, up, down_t, selected, skip)
+        assert row_kernels.selected_ffn(form, x, first, up, down_t, selected, skip) is None
+        fallback, *counts = selected_rows(form, x, first, up, down_t, selected, skip)
     assert counts == [computed, skipped]
     assert torch.allclose(fallback, out, rtol=2e-2, atol=2e-2 * float(out.abs().max()))
+    # Every selected neuron held elsewhere (a decode step the GPU covers): nothing computed, all of it counted.
+    done = row_kernels.selected_ffn(form, x, first, up, down_t, selected, selected.any(0))
+    assert done is not None and not done[0].any() and done[1:] == (0, int(selected.any(0).sum()))
 
 
 @needs_compiler
