@@ -26,7 +26,8 @@ import torch
 from qinfer.planner.model_layout import read_model_layout
 from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.sampling import SamplingParams
-from qinfer.runtime.ffn.runners import SparseRunner, active_ids, select
+from qinfer.runtime.ffn.runners import SparseRunner, select
+from qinfer.runtime.ffn.sparse import active_ids
 from qinfer.runtime.model.forward import TransformerForward
 
 GIB = 1 << 30

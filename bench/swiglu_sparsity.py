@@ -38,8 +38,7 @@ from qinfer.prep.synth.corpus import synth_corpus
 from qinfer.prep.synth.swiglu import SwigluShape, build_swiglu
 from qinfer.runtime.engine.perplexity import perplexity
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
-from qinfer.runtime.ffn.runners import active_ids
-from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, gate_act, sparse_rows
+from qinfer.runtime.ffn.sparse import FFNWeights, active_ids, dense_ffn, gate_act, sparse_rows
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.model.loader import RuntimeOptions, forward_class, load_forward
 from qinfer.runtime.model.model_file import open_model

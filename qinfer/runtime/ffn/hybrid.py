@@ -24,10 +24,10 @@ from gguf import GGMLQuantizationType
 from qinfer.core.architectures import FfnForm
 from qinfer.core.errors import UserError
 from qinfer.runtime.ffn.neuron_cache import CachePolicy, NeuronCache
-from qinfer.runtime.ffn.runners import active_ids
 from qinfer.runtime.ffn.sparse import (
     FFNWeights,
     activations,
+    active_ids,
     gate_mask,
     predicted_mask,
     predictor_scores,

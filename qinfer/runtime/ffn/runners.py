@@ -9,7 +9,15 @@ from typing import Literal
 import torch
 
 from qinfer.runtime.ffn.schedule import FFNSchedule
-from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, gate_mask, predicted_mask, sparse_rows, true_mask
+from qinfer.runtime.ffn.sparse import (
+    FFNWeights,
+    active_ids,
+    dense_ffn,
+    gate_mask,
+    predicted_mask,
+    sparse_rows,
+    true_mask,
+)
 
 # predictor: fc2(relu(fc1(h))) over the threshold; gate: a calibrated model's |act(gate)| over its layer's threshold;
 # oracle: the true active set (testing).
@@ -34,11 +42,6 @@ def select(w: FFNWeights, x: torch.Tensor, h: torch.Tensor, threshold: float, se
     if selector == "gate":
         return gate_mask(w, x)
     return true_mask(w, x) if selector == "oracle" else predicted_mask(w, h, threshold)
-
-
-def active_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Neurons selected for any token of the batch, ascending."""
-    return torch.nonzero(mask.any(0)).flatten()
 
 
 class SparseRunner:

@@ -105,6 +105,11 @@ def sparse_rows(
     return weighted_row_sum(act, down_t, ids)
 
 
+def active_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Neurons selected for any token of the batch, ascending."""
+    return torch.nonzero(mask.any(0)).flatten()
+
+
 def selected_rows(
     form: FfnForm,
     x: torch.Tensor,
@@ -120,7 +125,7 @@ def selected_rows(
     if (done := row_kernels.selected_ffn(form, x, gate, up, down_t, selected, skip)) is not None:
         return done
     left = selected & ~skip
-    ids = torch.nonzero(left.any(0)).flatten()
+    ids = active_ids(left)
     out = sparse_rows(form, x, gate, up, down_t, ids, left[:, ids] if x.shape[0] > 1 else None)
     return out, int(ids.numel()), int((selected & skip).any(0).sum())
 

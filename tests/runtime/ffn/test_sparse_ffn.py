@@ -15,8 +15,8 @@ from qinfer.runtime.engine.generate import generate
 from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.ffn import runners as ffn_runners
-from qinfer.runtime.ffn.runners import SparseRunner, active_ids, select
-from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, sparse_rows
+from qinfer.runtime.ffn.runners import SparseRunner, select
+from qinfer.runtime.ffn.sparse import FFNWeights, active_ids, dense_ffn, sparse_rows
 from qinfer.runtime.kv.cache import KVCache
 from qinfer.runtime.model.forward import ffn_weights
 from qinfer.runtime.model.llama import LlamaForward
