@@ -4,6 +4,7 @@ the families' parity tests."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,13 +26,22 @@ def our_logits(path: Path, ids: list[int], ffn: str, split: int = 5) -> torch.Te
     return torch.cat(parts)
 
 
-def last_logits(path: Path, ids: list[int], ffn: str) -> torch.Tensor:
+def last_logits(path: Path, ids: list[int], ffn: str) -> tuple[torch.Tensor, list[int]]:
     """`ids` as one prompt, asking for its last token's logits alone, as the engine does: past the last layer's
-    attention only that token runs."""
+    attention only that token runs, and that attention takes its query alone. The logits, and the queries each
+    layer's attention took."""
     forward = load_forward(open_model(path), RuntimeOptions(ffn=ffn)).forward
     cache = KVCache(forward.cfg, 64, types=F32_KV)
+    queries: list[int] = []
+    attend = cache.attend
+
+    def counted(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        queries.append(q.shape[0])
+        return attend(q, *args)
+
+    cache.attend = counted  # type: ignore[method-assign]
     with torch.inference_mode():
-        return forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), cache, [len(ids) - 1])[0]
+        return forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), cache, [len(ids) - 1])[0], queries
 
 
 def reference_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:

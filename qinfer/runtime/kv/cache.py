@@ -18,6 +18,7 @@ from qinfer.runtime.kv.window import WindowKVCache
 # The torch type each cache element type (qinfer.core.kv_policy.CACHE_TYPES) is held in: a q8_0 row is its blocks'
 # bytes (q8_rows.py).
 DTYPES = {"f16": torch.float16, "f32": torch.float32, Q8_0: torch.uint8}
+Rows = list[int] | None  # increasing indices of a step's tokens; None: every one
 
 
 def cache_types(types: KVTypes, device: torch.device | str) -> KVTypes:
@@ -52,21 +53,40 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+    def query_rows(self, step: Step, keep: Rows) -> Rows:
+        """The tokens of `keep` (increasing indices of the step's tokens) where `attend` can take their queries alone,
+        with every token's keys and values: a prompt in one slot of which only some tokens' outputs are needed (the
+        last layer's, below the head; none for a chunk without its prompt's last token). None where every query is
+        needed."""
+        n = step.batch.tokens.shape[0]
+        alone = keep is not None and len(keep) < n and not step.parts and not step.fixed
+        return keep if alone and step.batch.single_sequence else None
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, queries: Rows = None
+    ) -> torch.Tensor:
         """Store k, v [T, kv_heads, d] at the batch's slots and positions, attend q [T, heads, d]; returns
-        [T, heads*d]."""
+        [T, heads*d]. With `queries` (from `query_rows`), q and the result hold those tokens' rows alone."""
+        assert queries is None or self.query_rows(step, queries) == queries
         if step.parts:
             return attend_by_part(self.attend, q, k, v, layer, step)
-        n, batch = q.shape[0], step.batch
+        n, batch = k.shape[0], step.batch
         if not step.fixed and batch.single_sequence:
             slot, start = int(batch.slots[0]), int(batch.positions[0])
             end = start + n
             # A slice write: no index tensors to build or move for the one sequence's consecutive positions.
             self.k[layer, slot, :, start:end] = _stored(self.types.k, k.transpose(0, 1), self.k.dtype)
             self.v[layer, slot, :, start:end] = _stored(self.types.v, v.transpose(0, 1), self.v.dtype)
+            if queries == []:
+                return q.flatten(1)  # [0, heads * d]: no output is needed, only the keys and values stored
             keys = _read(self.types.k, self.k[layer, slot, :, :end], q.dtype)
             values = _read(self.types.v, self.v[layer, slot, :, :end], q.dtype)
-            out = _causal_attention(q.transpose(0, 1), keys, values, step.mask, start).transpose(0, 1)
+            if queries is None:
+                out = _causal_attention(q.transpose(0, 1), keys, values, step.mask, start)
+            else:
+                mask = None if step.mask is None else step.mask[queries]
+                out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
+            out = out.transpose(0, 1)
         else:
             slots = batch.slots.to(self.k.device)
             self.k[layer, slots, :, step.positions] = _stored(self.types.k, k, self.k.dtype)
@@ -82,7 +102,7 @@ class KVCache:
             out = F.scaled_dot_product_attention(
                 q[:, :, None], keys, values, attn_mask=step.mask, enable_gqa=True
             )[:, :, 0]
-        return out.reshape(n, -1)
+        return out.reshape(q.shape[0], -1)
 
 
 # On the CPU a prompt's queries go QUERY_BLOCK at a time, each block over the keys up to its last position alone:

@@ -50,7 +50,13 @@ class WindowKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.mass))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+    def query_rows(self, step: Step, keep: list[int] | None) -> None:
+        """Every query is needed (KVCache.query_rows): each adds to the attention mass that chooses the rows kept."""
+        return None
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, queries: None = None
+    ) -> torch.Tensor:
         """q [T, heads, d], k and v [T, kv_heads, d] at the batch's positions in its slots (a prompt in one slot, or
         one token per slot, or parts of both); returns [T, heads * d] and keeps the chosen rows."""
         if step.parts:

@@ -60,23 +60,36 @@ class FalconForward(TransformerForward):
         self.norm = norm_weights(model, Tensor.OUTPUT_NORM, device=self.device)
         self.output = model.tensor(tensor_name(Tensor.OUTPUT)).to(self.device)
 
-    def attention(self, i: int, x: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
-        cfg, n = self.cfg, x.shape[0]
+    def attention(
+        self, i: int, x: torch.Tensor, step: Step, cache: Cache, queries: list[int] | None = None
+    ) -> torch.Tensor:
+        """Attention's output for the tokens of x [T, E]; with `queries` (Cache.query_rows), for those rows alone:
+        only their queries are projected (by the fused matrix's q rows) and attended, over every token's keys and
+        values."""
+        cfg, n, qkv = self.cfg, x.shape[0], self.attn[i].qkv
         assert step.cos is not None and step.sin is not None
         q_rows, kv_rows = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        q, k, v = linear(x, self.attn[i].qkv).split((q_rows, kv_rows, kv_rows), dim=-1)
-        q = rotate_half(q.reshape(n, cfg.heads, cfg.head_dim), step.cos, step.sin)
+        if queries is None:
+            q, k, v = linear(x, qkv).split((q_rows, kv_rows, kv_rows), dim=-1)
+            cos, sin = step.cos, step.sin
+        else:
+            q = linear(x[queries], row_slice(qkv, 0, q_rows))
+            k, v = linear(x, row_slice(qkv, q_rows, 2 * kv_rows)).split((kv_rows, kv_rows), dim=-1)
+            cos, sin = step.cos[queries], step.sin[queries]
+        q = rotate_half(q.reshape(q.shape[0], cfg.heads, cfg.head_dim), cos, sin)
         k = rotate_half(k.reshape(n, cfg.kv_heads, cfg.head_dim), step.cos, step.sin)
         v = v.reshape(n, cfg.kv_heads, cfg.head_dim)
-        return linear(cache.attend(q, k, v, i, step), self.attn[i].o)
+        return linear(cache.attend(q, k, v, i, step, queries), self.attn[i].o)
 
     def block(
         self, i: int, h: torch.Tensor, step: Step, cache: Cache, prefill: bool, keep: list[int] | None
     ) -> torch.Tensor:
         w, eps = self.attn[i], self.cfg.norm_eps
-        attention = self.attention(i, layer_norm(h, w.attn_norm, eps), step, cache)
+        queries = cache.query_rows(step, keep)
+        attention = self.attention(i, layer_norm(h, w.attn_norm, eps), step, cache, queries)
         if keep is not None:
-            h, attention = h[keep], attention[keep]
+            h = h[keep]
+            attention = attention if queries is not None else attention[keep]
         return h + attention + self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill, keep)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

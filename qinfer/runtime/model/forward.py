@@ -218,9 +218,10 @@ class TransformerForward:
         step = self.step(batch)
         # Several tokens of one sequence (a prompt or its chunk): dense matmuls pay off (per part: feed_forward).
         prefill = not batch.one_per_slot
-        # Past the last layer's attention only the rows asked for are needed, so a prompt's FFN there runs for its
-        # last token alone (llama.cpp cuts its graph the same way). by_part maps kept rows to the step's parts as
-        # increasing, non-negative indices; other `rows` are taken from the whole layer's output.
+        # In the last layer only the rows asked for are needed past the keys and values, so a prompt's FFN there runs
+        # for its last token alone (llama.cpp cuts its graph the same way), and so do its query and attention where
+        # the cache allows (Cache.query_rows). by_part maps kept rows to the step's parts as increasing, non-negative
+        # indices; other `rows` are taken from the whole layer's output.
         keep = rows if rows is not None and rows == sorted(set(rows)) and min(rows, default=0) >= 0 else None
         last = self.cfg.layers - 1
         for i in range(self.cfg.layers):

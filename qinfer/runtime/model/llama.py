@@ -92,21 +92,36 @@ class LlamaForward(TransformerForward):
         output = model.tensors.get(tensor_name(Tensor.OUTPUT))
         self.output = (self.embed if output is None else output).to(self.device)
 
-    def attention(self, i: int, x: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
+    def attention(
+        self, i: int, x: torch.Tensor, step: Step, cache: Cache, queries: list[int] | None = None
+    ) -> torch.Tensor:
+        """Attention's output for the tokens of x [T, E]; with `queries` (Cache.query_rows), for those rows alone:
+        only their queries are projected and attended, over every token's keys and values."""
         cfg, n, w = self.cfg, x.shape[0], self.attn[i]
         assert step.cos is not None and step.sin is not None
-        q = _biased(linear(x, w.q), w.q_bias).view(n, cfg.heads, cfg.head_dim)
+        xq, cos, sin = x, step.cos, step.sin
+        if queries is not None:
+            xq, cos, sin = x[queries], cos[queries], sin[queries]
+        q = _biased(linear(xq, w.q), w.q_bias).view(xq.shape[0], cfg.heads, cfg.head_dim)
         k = _biased(linear(x, w.k), w.k_bias).view(n, cfg.kv_heads, cfg.head_dim)
         v = _biased(linear(x, w.v), w.v_bias).view(n, cfg.kv_heads, cfg.head_dim)
         if w.q_norm is not None and w.k_norm is not None:
             q, k = rms_norm(q, w.q_norm, cfg.norm_eps), rms_norm(k, w.k_norm, cfg.norm_eps)
-        q, k = self.rotate(q, step.cos, step.sin), self.rotate(k, step.cos, step.sin)
-        return linear(cache.attend(q, k, v, i, step), w.o)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, step.cos, step.sin)
+        return linear(cache.attend(q, k, v, i, step, queries), w.o)
 
-    def attention_block(self, i: int, h: torch.Tensor, step: Step, cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i up to its FFN: the residual stream h with attention (on h's RMSNorm) added, and the FFN's input."""
+    def attention_block(
+        self, i: int, h: torch.Tensor, step: Step, cache: Cache, keep: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i up to its FFN: the residual stream h with attention (on h's RMSNorm) added, and the FFN's input;
+        with `keep` (increasing indices of h's rows), both for those tokens alone."""
         w, eps = self.attn[i], self.cfg.norm_eps
-        h = h + self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache)
+        queries = cache.query_rows(step, keep)
+        out = self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache, queries)
+        if keep is not None:
+            h = h[keep]
+            out = out if queries is not None else out[keep]
+        h = h + out
         return h, rms_norm(h, w.ffn_norm, eps)
 
     def block(
@@ -114,9 +129,7 @@ class LlamaForward(TransformerForward):
     ) -> torch.Tensor:
         """Layer i on the residual stream h: attention and then the FFN, each on the RMSNorm of its input and added
         back; the FFN's predictor reads h itself."""
-        h, x = self.attention_block(i, h, step, cache)
-        if keep is not None:
-            h, x = h[keep], x[keep]
+        h, x = self.attention_block(i, h, step, cache, keep)
         return h + self.feed_forward(i, x, h, step, prefill, keep)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

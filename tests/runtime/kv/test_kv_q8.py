@@ -14,7 +14,7 @@ import torch
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import F32_KV, GPU_KV_TYPES, KVPolicy, KVTypes
 from qinfer.runtime.kv.batch import Step, TokenBatch
-from qinfer.runtime.kv.cache import KVCache, cache_types, make_kv_cache
+from qinfer.runtime.kv.cache import KVCache, Rows, cache_types, make_kv_cache
 from qinfer.runtime.kv.q8_rows import dequantize_rows, quantize_rows
 from qinfer.runtime.kv.window import WindowKVCache
 from qinfer.runtime.model.forward import TransformerForward
@@ -81,8 +81,10 @@ def test_memory_is_34_bytes_per_32_values(wide_heads: Path) -> None:
 class RoundedCache(KVCache):
     """An f32 cache whose every row is first rounded through reference_blocks: what a q8_0 cache holds."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
-        return super().attend(q, rounded(k), rounded(v), layer, step)
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, queries: Rows = None
+    ) -> torch.Tensor:
+        return super().attend(q, rounded(k), rounded(v), layer, step, queries)
 
 
 def rounded(x: torch.Tensor) -> torch.Tensor:

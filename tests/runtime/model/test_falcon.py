@@ -67,7 +67,9 @@ def test_a_prompts_last_token_alone_matches_transformers(
 ) -> None:
     """The parallel block cut to the last token past its attention: both branches and the residual of that row."""
     ids, expected = reference
-    assert (last_logits(falcon["pi-f32"], ids, "dense") - expected[-1]).abs().max().item() < 1e-3
+    logits, queries = last_logits(falcon["pi-f32"], ids, "dense")
+    assert (logits - expected[-1]).abs().max().item() < 1e-3
+    assert queries == [len(ids)] * (SHAPE.layers - 1) + [1]
 
 
 def test_file_layout_follows_llama_cpp(falcon: dict[str, Path]) -> None:

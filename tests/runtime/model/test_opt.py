@@ -109,7 +109,9 @@ def test_a_prompts_last_token_alone_matches_transformers(opt: dict[str, Path], m
     """The block cut to the last token past its attention, with down's bias added to that row alone."""
     ids = GGUFTokenizer(open_model(opt[kind]).metadata).encode(TEXT)
     expected = reference(opt[model], ids)[-1]
-    assert (last_logits(opt[kind], ids, "dense") - expected).abs().max().item() < 1e-3
+    logits, queries = last_logits(opt[kind], ids, "dense")
+    assert (logits - expected).abs().max().item() < 1e-3
+    assert queries == [len(ids)] * (SHAPE.layers - 1) + [1]
 
 
 def test_tokenizer_ids_equal_transformers(opt: dict[str, Path]) -> None:

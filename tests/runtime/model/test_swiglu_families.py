@@ -26,7 +26,7 @@ from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.support.cli_in_process import run_in_process
 from tests.support.gguf_rewrite import rewrite_gguf
-from tests.support.runtime_logits import hf_ids, our_logits, reference_logits
+from tests.support.runtime_logits import hf_ids, last_logits, our_logits, reference_logits
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
 TRICKY = [
@@ -82,6 +82,18 @@ def test_logits_match_transformers(swiglu: dict[str, dict[str, Path]], family: s
     expected = reference_logits(swiglu[family]["model"], ids)
     assert expected.abs().max() > 1.0  # large enough that an error of 1e-3 is one in a thousand
     assert (our_logits(swiglu[family]["dense-f32"], ids, "dense") - expected).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prompts_last_token_alone_matches_transformers(swiglu: dict[str, dict[str, Path]], family: str) -> None:
+    """The last layer projects and attends the last token's query alone, over every token's keys and values (a
+    sliding window's mask, q/k/v biases and each family's rope included)."""
+    ids = hf_ids(swiglu[family]["model"], TEXT)
+    expected = reference_logits(swiglu[family]["model"], ids)[-1]
+    logits, queries = last_logits(swiglu[family]["dense-f32"], ids, "dense")
+    assert (logits - expected).abs().max().item() < 1e-3
+    layers = open_model(swiglu[family]["dense-f32"]).config.layers
+    assert queries == [len(ids)] * (layers - 1) + [1]
 
 
 def decode_logits(path: Path, ids: list[int], native: bool) -> torch.Tensor:
