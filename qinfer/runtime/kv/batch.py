@@ -120,14 +120,45 @@ def by_part(
     return torch.cat(outs)
 
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Step], torch.Tensor]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Step, list[int] | None], torch.Tensor]
 
 
 def attend_by_part(
-    attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step
+    attend: Attend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    step: Step,
+    queries: list[int] | None = None,
 ) -> torch.Tensor:
-    """A cache's `attend` over each of the step's parts in turn; the outputs in the batch's order."""
-    return by_part(step, lambda part, rows: attend(q[rows], k[rows], v[rows], layer, part))
+    """A cache's `attend` over each of the step's parts in turn; the outputs in the batch's order. With `queries`
+    (increasing indices of the batch's tokens, whose rows alone q holds), each part attends its own among them: all
+    of its tokens, or where it is one sequence's run (a prompt's chunk), some or none."""
+    outs, start = [], 0
+    for part in step.parts:
+        end = start + part.batch.tokens.shape[0]
+        if queries is None:
+            a, b, mine = start, end, None
+        else:
+            a, b = bisect_left(queries, start), bisect_left(queries, end)
+            mine = None if b - a == end - start else [r - start for r in queries[a:b]]
+        outs.append(attend(q[a:b], k[start:end], v[start:end], layer, part, mine))
+        start = end
+    return torch.cat(outs)
+
+
+def part_queries(step: Step, queries: list[int]) -> bool:
+    """Whether each of the step's parts keeps all of its tokens among `queries`, or is one sequence's run (whose
+    queries `attend_by_part` can take some or none of)."""
+    start = 0
+    for part in step.parts:
+        end = start + part.batch.tokens.shape[0]
+        kept = bisect_left(queries, end) - bisect_left(queries, start)
+        if kept != end - start and not part.batch.single_sequence:
+            return False
+        start = end
+    return True
 
 
 def attention_mask(batch: TokenBatch, device: torch.device, window: int | None = None) -> torch.Tensor | None:

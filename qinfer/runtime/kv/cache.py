@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, F32_KV, GPU_KV_TYPES, Q8_0, KVPolicy, KVTypes
 from qinfer.core.model_spec import ModelSpec
-from qinfer.runtime.kv.batch import Step, attend_by_part
+from qinfer.runtime.kv.batch import Step, attend_by_part, part_queries
 from qinfer.runtime.kv.q8_rows import dequantize_rows, quantize_rows
 from qinfer.runtime.kv.window import WindowKVCache
 
@@ -55,12 +55,13 @@ class KVCache:
 
     def query_rows(self, step: Step, keep: Rows) -> Rows:
         """The tokens of `keep` (increasing indices of the step's tokens) where `attend` can take their queries alone,
-        with every token's keys and values: a prompt in one slot of which only some tokens' outputs are needed (the
-        last layer's, below the head; none for a chunk without its prompt's last token). None where every query is
-        needed."""
-        n = step.batch.tokens.shape[0]
-        alone = keep is not None and len(keep) < n and not step.parts and not step.fixed
-        return keep if alone and step.batch.single_sequence else None
+        with every token's keys and values: a prompt, or prompts' chunks beside decode tokens, of which only some
+        tokens' outputs are needed (the last layer's, below the head; none for a chunk that does not end its
+        prompt). None where every query is needed."""
+        if keep is None or len(keep) == step.batch.tokens.shape[0] or step.fixed:
+            return None
+        alone = part_queries(step, keep) if step.parts else step.batch.single_sequence
+        return keep if alone else None
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, queries: Rows = None
@@ -69,7 +70,7 @@ class KVCache:
         [T, heads*d]. With `queries` (from `query_rows`), q and the result hold those tokens' rows alone."""
         assert queries is None or self.query_rows(step, queries) == queries
         if step.parts:
-            return attend_by_part(self.attend, q, k, v, layer, step)
+            return attend_by_part(self.attend, q, k, v, layer, step, queries)
         n, batch = k.shape[0], step.batch
         if not step.fixed and batch.single_sequence:
             slot, start = int(batch.slots[0]), int(batch.positions[0])

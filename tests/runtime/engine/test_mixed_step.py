@@ -5,13 +5,14 @@ going while a long prompt is computed a budget's worth at a time."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qinfer.core.kv_policy import F32_KV, KVPolicy
 from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.sampling import SamplingParams
-from qinfer.runtime.kv.batch import TokenBatch
+from qinfer.runtime.kv.batch import TokenBatch, batch_step, part_queries
 
 GREEDY = SamplingParams(temperature=0.0)
 RUNNING = ["Once upon a time", "The dog ran fast, and the cat slept."]
@@ -28,9 +29,19 @@ def open_engine(path: Path, slots: int, policy: KVPolicy | None = None, ffn: str
 
 def mixed_equals_alone(path: Path, policy: KVPolicy | None = None, ffn: str = "dense") -> None:
     """Two sequences decode three tokens while a third's prompt goes in three chunks beside them: every decode
-    token's logits, and the prompt's last token's, equal those of each sequence computed alone."""
+    token's logits, and the prompt's last token's, equal those of each sequence computed alone. The last layer
+    attends the queries of the rows asked for alone, except in the window cache, whose row masses need them all."""
     engine = open_engine(path, 3, policy, ffn)
     forward, encode = engine.forward.forward, engine.tokenizer.encode
+    attended: list[tuple[int, int, int]] = []  # each call of the cache's attend: layer, queries, tokens
+    attend = engine.cache.attend
+
+    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, *rest: Any) -> torch.Tensor:
+        attended.append((layer, q.shape[0], k.shape[0]))
+        return attend(q, k, v, layer, *rest)
+
+    engine.cache.attend = counted  # type: ignore[method-assign]
+    last_layer = engine.forward.cfg.layers - 1
     running = [encode(p) for p in RUNNING]
     long = encode(LONG)
     cuts = [0, len(long) // 3, 2 * len(long) // 3, len(long)]
@@ -44,8 +55,12 @@ def mixed_equals_alone(path: Path, policy: KVPolicy | None = None, ffn: str = "d
             decode = TokenBatch.decode([f[-1] for f in fed], [len(ids) + j for ids in running], [0, 1])
             chunk = TokenBatch.prompt(torch.tensor(long[cuts[j] : cuts[j + 1]]), cuts[j], 2)
             rows = [0, 1] + ([1 + cuts[3] - cuts[2]] if j == 2 else [])
+            attended.clear()
             logits = forward(TokenBatch.join([decode, chunk]), engine.cache, rows)
             assert logits.shape[0] == len(rows)
+            tokens = 2 + cuts[j + 1] - cuts[j]
+            queries = tokens if policy is not None and policy.windowed else len(rows)
+            assert [(q, n) for layer, q, n in attended if layer == last_layer and n == tokens] == [(queries, tokens)]
             for s in range(2):
                 decoded[s].append(logits[s])
                 fed[s].append(int(logits[s].argmax()))
@@ -84,6 +99,10 @@ def test_a_batch_splits_into_chunks_and_runs_of_single_tokens() -> None:
         ]
     )
     assert batch.parts() == [(0, 2), (2, 5), (5, 6), (6, 8)]
+    # Some of a chunk's queries, or none, may go alone; of the single tokens of several slots, all or none.
+    step = batch_step(batch, batch.positions, None)
+    assert part_queries(step, [0, 1, 4, 5, 7]) and part_queries(step, [0, 1, 5])
+    assert not part_queries(step, [0, 4, 5, 7])
     assert TokenBatch.decode([1, 2], [5, 9], [0, 3]).parts() == [(0, 2)]
     assert not batch.one_per_slot and TokenBatch.decode([1, 2], [5, 9], [0, 3]).one_per_slot
 
