@@ -29,6 +29,7 @@ from qinfer.runtime.ffn.sparse import (
     activations,
     active_ids,
     gate_mask,
+    kernel_ffn,
     predicted_mask,
     predictor_scores,
     selected_rows,
@@ -230,13 +231,17 @@ class HybridRunner:
         return out.to(x.device)
 
     def _prefill(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Dense on both sides: the device over its slots, the CPU over all rows with resident neurons zeroed."""
-        w, s, cache = self.layers[layer], self.slots[layer], self.caches[layer]
+        """Dense on both sides: the device over its slots, the CPU over the other neurons (in the row kernel, the
+        resident ones left out; else over every row with theirs zeroed)."""
+        w, s, resident = self.layers[layer], self.slots[layer], self.resident[layer]
         x_cpu = x.cpu()
 
         def cpu_part() -> torch.Tensor:
+            out = kernel_ffn(w, x_cpu, torch.nonzero(~resident).flatten())
+            if out is not None:
+                return out
             act = activations(w.form, x_cpu, w.gate, w.up)
-            act[:, cache.slot_neuron[cache.slot_neuron >= 0]] = 0
+            act[:, resident] = 0
             return weighted_row_sum(act, w.down_t)
 
         # The CPU part runs on the thread that does the host's decode work. On another, it would leave an idle

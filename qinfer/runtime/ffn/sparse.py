@@ -68,16 +68,25 @@ def gate_mask(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def dense_ffn(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
-    """Every neuron's output for x [T, E]. Where the row kernel takes the rows (a PowerInfer file's, on the CPU),
-    tokens go through it a chunk at a time with every neuron: the same sum, but a neuron whose gate does not fire
-    for a token costs that token no up or down row, which makes a ReLU model's prompt several times cheaper."""
-    every = torch.arange(w.neurons)
-    chunks = x.split(row_kernels.TOKEN_BLOCK)
-    first = None if w.up_bias is not None else row_kernels.sparse_ffn(w.form, chunks[0], w.gate, w.up, w.down_t, every)
-    if first is None:
-        return weighted_row_sum(activations(w.form, x, w.gate, w.up, w.up_bias), w.down_t)
-    rest = [row_kernels.sparse_ffn(w.form, c, w.gate, w.up, w.down_t, every) for c in chunks[1:]]
-    return torch.cat([first, *rest])  # type: ignore[list-item]
+    """Every neuron's output for x [T, E], through the row kernel where it takes the rows (kernel_ffn)."""
+    out = kernel_ffn(w, x, torch.arange(w.neurons))
+    return out if out is not None else weighted_row_sum(activations(w.form, x, w.gate, w.up, w.up_bias), w.down_t)
+
+
+def kernel_ffn(w: FFNWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """The output of neurons `ids` for many tokens x [T, E] (a prompt), through the row kernel a chunk of tokens at
+    a time (a PowerInfer file's rows, on the CPU), or None where it does not take the rows. Beside a dense product
+    it computes the same sum, but a neuron whose gate does not fire for a token costs that token no up or down row,
+    which makes a ReLU model's prompt several times cheaper, and the neurons left out cost nothing."""
+    if w.up_bias is not None:
+        return None
+    outs = []
+    for chunk in x.split(row_kernels.TOKEN_BLOCK):
+        out = row_kernels.sparse_ffn(w.form, chunk, w.gate, w.up, w.down_t, ids)
+        if out is None:
+            return None
+        outs.append(out)
+    return torch.cat(outs)
 
 
 def sparse_rows(

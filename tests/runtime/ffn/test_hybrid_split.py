@@ -24,6 +24,7 @@ from qinfer.runtime.engine.sampling import SamplingParams
 from qinfer.runtime.ffn import hybrid
 from qinfer.runtime.ffn.hybrid import HybridRunner
 from qinfer.runtime.ffn.neuron_cache import CachePolicy
+from qinfer.runtime.ffn.sparse import dense_ffn
 from qinfer.runtime.ffn.split_cost import SplitCosts
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
@@ -281,6 +282,33 @@ def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[s
     assert [c.resident for c in _hybrid(split).caches] == [64, 0]
     expected = generate(Engine.open(model, ctx_size=96, ffn="sparse"), PROMPTS[1], 8, GREEDY, ignore_eos=True)
     assert generate(split, PROMPTS[1], 8, GREEDY, ignore_eos=True).tokens == expected.tokens
+
+
+def test_a_prompts_cpu_part_leaves_the_resident_neurons_out(
+    tmp_path: Path, gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In f16 rows a prompt's CPU part goes through the row kernel over the neurons the device does not hold alone,
+    and with the device's part it sums every neuron's output."""
+    model = tmp_path / "tiny.powerinfer.gguf"
+    shutil.copy(gguf_files["pi-f16"], model)
+    write_power_law_activation(tmp_path / "activation")
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.4), device="cpu")
+    runner = _hybrid(split)
+    given: list[torch.Tensor] = []
+
+    def kernel_ffn(w: object, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        given.append(ids)
+        return hybrid_kernel_ffn(w, x, ids)
+
+    hybrid_kernel_ffn = hybrid.kernel_ffn
+    monkeypatch.setattr(hybrid, "kernel_ffn", kernel_ffn)
+    x = torch.randn(40, split.forward.cfg.hidden, generator=torch.Generator().manual_seed(0))
+    for layer, w in enumerate(runner.layers):
+        out = runner(layer, x, x, prefill=True)
+        expected = dense_ffn(w, x)
+        assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+        assert torch.equal(given[-1], torch.nonzero(~runner.resident[layer]).flatten())
+        assert 0 < given[-1].numel() < w.neurons
 
 
 def test_neuron_rows_on_device_stay_within_the_budget(model: Path) -> None:
