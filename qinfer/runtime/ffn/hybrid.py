@@ -231,8 +231,9 @@ class HybridRunner:
         return out.to(x.device)
 
     def _prefill(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Dense on both sides: the device over its slots, the CPU over the other neurons (in the row kernel, the
-        resident ones left out; else over every row with theirs zeroed)."""
+        """Every neuron for every token: the device over its slots, densely; the CPU over the neurons not in them,
+        in the row kernel, which skips a token's up and down rows where its gate does not fire (rows it does not
+        take: every row, the resident neurons' activations zeroed)."""
         w, s, resident = self.layers[layer], self.slots[layer], self.resident[layer]
         x_cpu = x.cpu()
 

@@ -4,7 +4,7 @@ every layer of the call shares (`Step`: positions on the device, rope's tables, 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -104,60 +104,57 @@ def batch_step(
     return Step(batch, positions, None, cos, sin, parts=parts)
 
 
-def by_part(
-    step: Step, run: Callable[[Step, slice], torch.Tensor], keep: list[int] | None = None
-) -> torch.Tensor:
-    """run(part, rows) over each of the step's parts in turn, `rows` the part's tokens in the batch; the outputs in
-    the batch's order. With `keep` (increasing indices into the batch), the tensors `run` reads hold those tokens
-    alone: `rows` are then the part's kept tokens among them, and a part with none is skipped."""
-    outs, start = [], 0
+Rows = list[int] | None  # increasing indices of a step's tokens; None: every one
+
+
+def part_ranges(step: Step) -> Iterator[tuple[Step, int, int]]:
+    """Each of the step's parts with the range of its tokens in the batch, start and end."""
+    start = 0
     for part in step.parts:
         end = start + part.batch.tokens.shape[0]
+        yield part, start, end
+        start = end
+
+
+def by_part(step: Step, run: Callable[[Step, slice], torch.Tensor], keep: Rows = None) -> torch.Tensor:
+    """run(part, rows) over each of the step's parts in turn, `rows` the part's tokens in the batch; the outputs in
+    the batch's order. With `keep`, the tensors `run` reads hold those tokens alone: `rows` are then the part's kept
+    tokens among them, and a part with none is skipped."""
+    outs = []
+    for part, start, end in part_ranges(step):
         rows = slice(start, end) if keep is None else slice(bisect_left(keep, start), bisect_left(keep, end))
         if rows.stop > rows.start:
             outs.append(run(part, rows))
-        start = end
     return torch.cat(outs)
 
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Step, list[int] | None], torch.Tensor]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Step, Rows], torch.Tensor]
 
 
 def attend_by_part(
-    attend: Attend,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer: int,
-    step: Step,
-    queries: list[int] | None = None,
+    attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, queries: Rows = None
 ) -> torch.Tensor:
     """A cache's `attend` over each of the step's parts in turn; the outputs in the batch's order. With `queries`
-    (increasing indices of the batch's tokens, whose rows alone q holds), each part attends its own among them: all
-    of its tokens, or where it is one sequence's run (a prompt's chunk), some or none."""
-    outs, start = [], 0
-    for part in step.parts:
-        end = start + part.batch.tokens.shape[0]
+    (the tokens whose rows alone q holds, as `parts_take_queries` allows), each part attends its own among them:
+    all of its tokens, or where it is one sequence's run (a prompt's chunk), some or none."""
+    outs = []
+    for part, start, end in part_ranges(step):
         if queries is None:
             a, b, mine = start, end, None
         else:
             a, b = bisect_left(queries, start), bisect_left(queries, end)
             mine = None if b - a == end - start else [r - start for r in queries[a:b]]
         outs.append(attend(q[a:b], k[start:end], v[start:end], layer, part, mine))
-        start = end
     return torch.cat(outs)
 
 
-def part_queries(step: Step, queries: list[int]) -> bool:
-    """Whether each of the step's parts keeps all of its tokens among `queries`, or is one sequence's run (whose
-    queries `attend_by_part` can take some or none of)."""
-    start = 0
-    for part in step.parts:
-        end = start + part.batch.tokens.shape[0]
+def parts_take_queries(step: Step, queries: list[int]) -> bool:
+    """Whether each of the step's parts keeps all of its tokens among `queries`, or is one sequence's run, whose
+    queries `attend_by_part` can take some or none of (the single tokens of several slots go all together)."""
+    for part, start, end in part_ranges(step):
         kept = bisect_left(queries, end) - bisect_left(queries, start)
         if kept != end - start and not part.batch.single_sequence:
             return False
-        start = end
     return True
 
 

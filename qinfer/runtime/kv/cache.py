@@ -11,14 +11,13 @@ import torch.nn.functional as F
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import DEFAULT_KV_TYPES, F32_KV, GPU_KV_TYPES, Q8_0, KVPolicy, KVTypes
 from qinfer.core.model_spec import ModelSpec
-from qinfer.runtime.kv.batch import Step, attend_by_part, part_queries
+from qinfer.runtime.kv.batch import Rows, Step, attend_by_part, parts_take_queries
 from qinfer.runtime.kv.q8_rows import dequantize_rows, quantize_rows
 from qinfer.runtime.kv.window import WindowKVCache
 
 # The torch type each cache element type (qinfer.core.kv_policy.CACHE_TYPES) is held in: a q8_0 row is its blocks'
 # bytes (q8_rows.py).
 DTYPES = {"f16": torch.float16, "f32": torch.float32, Q8_0: torch.uint8}
-Rows = list[int] | None  # increasing indices of a step's tokens; None: every one
 
 
 def cache_types(types: KVTypes, device: torch.device | str) -> KVTypes:
@@ -60,7 +59,7 @@ class KVCache:
         prompt). None where every query is needed."""
         if keep is None or len(keep) == step.batch.tokens.shape[0] or step.fixed:
             return None
-        alone = part_queries(step, keep) if step.parts else step.batch.single_sequence
+        alone = parts_take_queries(step, keep) if step.parts else step.batch.single_sequence
         return keep if alone else None
 
     def attend(
@@ -82,12 +81,7 @@ class KVCache:
                 return q.flatten(1)  # [0, heads * d]: no output is needed, only the keys and values stored
             keys = _read(self.types.k, self.k[layer, slot, :, :end], q.dtype)
             values = _read(self.types.v, self.v[layer, slot, :, :end], q.dtype)
-            if queries is None:
-                out = _causal_attention(q.transpose(0, 1), keys, values, step.mask, start)
-            else:
-                mask = None if step.mask is None else step.mask[queries]
-                out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
-            out = out.transpose(0, 1)
+            out = _causal_attention(q.transpose(0, 1), keys, values, step.mask, start, queries).transpose(0, 1)
         else:
             slots = batch.slots.to(self.k.device)
             self.k[layer, slots, :, step.positions] = _stored(self.types.k, k, self.k.dtype)
@@ -114,20 +108,23 @@ QUERY_BLOCK = 64
 
 
 def _causal_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, start: int
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, start: int, queries: Rows
 ) -> torch.Tensor:
-    """q [heads, T, d] at positions start.. of one sequence, over its keys and values [kv_heads, start + T, d] under
-    `mask` [T, start + T] (None: every query sees every key)."""
+    """q [heads, T, d] of the tokens `queries` (None: every one) of a run of one sequence's tokens at positions
+    start.., over its keys and values [kv_heads, start + tokens, d] under `mask` [tokens, start + tokens] (None:
+    every query sees every key)."""
     n = q.shape[1]
     if mask is None or n <= QUERY_BLOCK or q.device.type != "cpu":
+        mask = mask if mask is None or queries is None else mask[queries]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
     blocks = []
     for a in range(0, n, QUERY_BLOCK):
         b = min(a + QUERY_BLOCK, n)
-        seen = start + b
+        block = slice(a, b) if queries is None else queries[a:b]
+        seen = start + (b if queries is None else queries[b - 1] + 1)
         blocks.append(
             F.scaled_dot_product_attention(
-                q[:, a:b], keys[:, :seen], values[:, :seen], attn_mask=mask[a:b, :seen], enable_gqa=True
+                q[:, a:b], keys[:, :seen], values[:, :seen], attn_mask=mask[block, :seen], enable_gqa=True
             )
         )
     return torch.cat(blocks, dim=1)

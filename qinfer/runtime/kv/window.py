@@ -20,7 +20,7 @@ import torch
 from qinfer.core.kv_policy import F32_KV, GPU_KV_TYPES, KVPolicy
 from qinfer.core.model_spec import ModelSpec
 from qinfer.runtime.kernels.abi import EMPTY_ROW
-from qinfer.runtime.kv.batch import Step, attend_by_part
+from qinfer.runtime.kv.batch import Rows, Step, attend_by_part
 
 CHUNK = 256
 
@@ -50,15 +50,17 @@ class WindowKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.mass))
 
-    def query_rows(self, step: Step, keep: list[int] | None) -> None:
+    def query_rows(self, step: Step, keep: Rows) -> Rows:
         """Every query is needed (KVCache.query_rows): each adds to the attention mass that chooses the rows kept."""
         return None
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, queries: None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, step: Step, queries: Rows = None
     ) -> torch.Tensor:
         """q [T, heads, d], k and v [T, kv_heads, d] at the batch's positions in its slots (a prompt in one slot, or
-        one token per slot, or parts of both); returns [T, heads * d] and keeps the chosen rows."""
+        one token per slot, or parts of both); returns [T, heads * d] and keeps the chosen rows. `queries` is always
+        None (query_rows)."""
+        assert queries is None
         if step.parts:
             return attend_by_part(self.attend, q, k, v, layer, step)
         positions, slots = step.batch.positions, step.batch.slots

@@ -18,7 +18,7 @@ from qinfer.runtime.kernels.decode_layer import LayerRows
 from qinfer.runtime.kernels.weight_rows import linear, row_slice
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.cache import Cache
-from qinfer.runtime.model.forward import TransformerForward
+from qinfer.runtime.model.forward import TransformerForward, kept_rows
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import Norm, layer_norm, norm_weights
 from qinfer.runtime.model.rope import rotate_half
@@ -87,9 +87,7 @@ class FalconForward(TransformerForward):
         w, eps = self.attn[i], self.cfg.norm_eps
         queries = cache.query_rows(step, keep)
         attention = self.attention(i, layer_norm(h, w.attn_norm, eps), step, cache, queries)
-        if keep is not None:
-            h = h[keep]
-            attention = attention if queries is not None else attention[keep]
+        h, attention = kept_rows(h, attention, keep, queries)
         return h + attention + self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill, keep)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

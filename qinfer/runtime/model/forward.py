@@ -94,6 +94,16 @@ def to_device(weights: Any, device: torch.device) -> Any:
     return replace(weights, **moved)
 
 
+def kept_rows(
+    h: torch.Tensor, out: torch.Tensor, keep: list[int] | None, queries: list[int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual h and attention's output at the rows `keep` alone (every row where None): the output holds those
+    alone already where it was computed for `queries` (Cache.query_rows)."""
+    if keep is None:
+        return h, out
+    return h[keep], out if queries is not None else out[keep]
+
+
 class FFNRunner(Protocol):
     """Computes layer `layer`'s FFN for normalised input x [T, E]; h is the predictor's input
     (docs/formats.md#predictor-directories).

@@ -21,7 +21,7 @@ from qinfer.runtime.kernels.decode_layer import LayerRows
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.cache import Cache
-from qinfer.runtime.model.forward import FFNRunner, TransformerForward
+from qinfer.runtime.model.forward import FFNRunner, TransformerForward, kept_rows
 from qinfer.runtime.model.graph_step import GRAPHS_VARIABLE, GraphSteps
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import rms_norm
@@ -118,9 +118,7 @@ class LlamaForward(TransformerForward):
         w, eps = self.attn[i], self.cfg.norm_eps
         queries = cache.query_rows(step, keep)
         out = self.attention(i, rms_norm(h, w.attn_norm, eps), step, cache, queries)
-        if keep is not None:
-            h = h[keep]
-            out = out if queries is not None else out[keep]
+        h, out = kept_rows(h, out, keep, queries)
         h = h + out
         return h, rms_norm(h, w.ffn_norm, eps)
 

@@ -17,7 +17,7 @@ from qinfer.runtime.kernels.decode_layer import LayerRows
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step, TokenBatch
 from qinfer.runtime.kv.cache import Cache
-from qinfer.runtime.model.forward import TransformerForward, down_bias
+from qinfer.runtime.model.forward import TransformerForward, down_bias, kept_rows
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.norms import Norm, layer_norm, norm_weights
 
@@ -81,16 +81,12 @@ class OPTForward(TransformerForward):
     ) -> torch.Tensor:
         cfg, n, w, eps = self.cfg, h.shape[0], self.attn[i], self.cfg.norm_eps
         x = layer_norm(h, w.attn_norm, eps)
-        # With `keep`, the queries of those tokens alone where the cache allows (Cache.query_rows).
         queries = cache.query_rows(step, keep)
         xq = x if queries is None else x[queries]
         q = affine(xq, w.q).view(xq.shape[0], cfg.heads, cfg.head_dim)
         k = affine(x, w.k).view(n, cfg.kv_heads, cfg.head_dim)
         v = affine(x, w.v).view(n, cfg.kv_heads, cfg.head_dim)
-        out = affine(cache.attend(q, k, v, i, step, queries), w.o)
-        if keep is not None:
-            h = h[keep]
-            out = out if queries is not None else out[keep]
+        h, out = kept_rows(h, affine(cache.attend(q, k, v, i, step, queries), w.o), keep, queries)
         h = h + out
         ffn = self.feed_forward(i, layer_norm(h, w.ffn_norm, eps), h, step, prefill, keep)
         return h + ffn + w.down_bias.float()

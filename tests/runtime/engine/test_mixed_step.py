@@ -12,7 +12,7 @@ import torch
 from qinfer.core.kv_policy import F32_KV, KVPolicy
 from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.sampling import SamplingParams
-from qinfer.runtime.kv.batch import TokenBatch, batch_step, part_queries
+from qinfer.runtime.kv.batch import TokenBatch, batch_step, parts_take_queries
 
 GREEDY = SamplingParams(temperature=0.0)
 RUNNING = ["Once upon a time", "The dog ran fast, and the cat slept."]
@@ -99,10 +99,10 @@ def test_a_batch_splits_into_chunks_and_runs_of_single_tokens() -> None:
         ]
     )
     assert batch.parts() == [(0, 2), (2, 5), (5, 6), (6, 8)]
-    # Some of a chunk's queries, or none, may go alone; of the single tokens of several slots, all or none.
+    # Some of a chunk's queries, or none, may go alone; the single tokens of several slots go all together.
     step = batch_step(batch, batch.positions, None)
-    assert part_queries(step, [0, 1, 4, 5, 7]) and part_queries(step, [0, 1, 5])
-    assert not part_queries(step, [0, 4, 5, 7])
+    assert parts_take_queries(step, [0, 1, 4, 5, 7]) and parts_take_queries(step, [0, 1, 5])
+    assert not parts_take_queries(step, [0, 4, 5, 7]) and not parts_take_queries(step, [4, 5, 7])
     assert TokenBatch.decode([1, 2], [5, 9], [0, 3]).parts() == [(0, 2)]
     assert not batch.one_per_slot and TokenBatch.decode([1, 2], [5, 9], [0, 3]).one_per_slot
 

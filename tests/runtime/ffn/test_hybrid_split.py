@@ -284,31 +284,40 @@ def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[s
     assert generate(split, PROMPTS[1], 8, GREEDY, ignore_eos=True).tokens == expected.tokens
 
 
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
 def test_a_prompts_cpu_part_leaves_the_resident_neurons_out(
-    tmp_path: Path, gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, schedule: str
 ) -> None:
-    """In f16 rows a prompt's CPU part goes through the row kernel over the neurons the device does not hold alone,
-    and with the device's part it sums every neuron's output."""
+    """In f16 rows a prompt's CPU part goes through the row kernel over the neurons not in the device's slots (after
+    the dynamic schedule moved some in), and with the device's part it sums every neuron's output."""
     model = tmp_path / "tiny.powerinfer.gguf"
     shutil.copy(gguf_files["pi-f16"], model)
     write_power_law_activation(tmp_path / "activation")
-    split = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.4), device="cpu")
+    budget = _budget_gib(model, 1, 0.4)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule=schedule, device="cpu")
     runner = _hybrid(split)
+    planned = [c.slot_neuron.clone() for c in runner.caches]
+    generate(split, PROMPTS[1], 24, GREEDY, ignore_eos=True)
+    moved = any(not torch.equal(p, c.slot_neuron) for p, c in zip(planned, runner.caches, strict=True))
+    assert moved == (schedule == "dynamic")
     given: list[torch.Tensor] = []
 
     def kernel_ffn(w: object, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         given.append(ids)
-        return hybrid_kernel_ffn(w, x, ids)
+        out = hybrid_kernel_ffn(w, x, ids)
+        assert out is not None  # the row kernel took the rows
+        return out
 
     hybrid_kernel_ffn = hybrid.kernel_ffn
     monkeypatch.setattr(hybrid, "kernel_ffn", kernel_ffn)
     x = torch.randn(40, split.forward.cfg.hidden, generator=torch.Generator().manual_seed(0))
-    for layer, w in enumerate(runner.layers):
+    for layer, (w, cache) in enumerate(zip(runner.layers, runner.caches, strict=True)):
         out = runner(layer, x, x, prefill=True)
         expected = dense_ffn(w, x)
         assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
-        assert torch.equal(given[-1], torch.nonzero(~runner.resident[layer]).flatten())
+        held = cache.slot_neuron[cache.slot_neuron >= 0]
         assert 0 < given[-1].numel() < w.neurons
+        assert sorted(torch.cat((given[-1], held)).tolist()) == list(range(w.neurons))
 
 
 def test_neuron_rows_on_device_stay_within_the_budget(model: Path) -> None:
