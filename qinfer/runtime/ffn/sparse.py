@@ -78,13 +78,19 @@ def kernel_ffn(w: FFNWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
     a time (a PowerInfer file's rows, on the CPU), or None where it does not take the rows. Beside a dense product
     it computes the same sum, but a neuron whose gate does not fire for a token costs that token no up or down row,
     which makes a ReLU model's prompt several times cheaper, and the neurons left out cost nothing."""
-    if w.up_bias is not None:
+    chunks = x.split(row_kernels.TOKEN_BLOCK)
+    if w.up_bias is not None or not row_kernels.takes_ffn(w.form, chunks[0], w.gate, w.up, w.down_t):
         return None
+    masks: list[torch.Tensor | None] = [None] * len(chunks)
+    if w.gate is not None and w.form.act == "relu" and len(chunks) > 1:
+        # A ReLU gate's product for every token at once in the blocked matrix product, which runs several times as
+        # fast as the row kernel's dot products (a 7B layer's gate, 136 tokens: 37 ms against about 80); the kernel
+        # then computes each token's neurons where that gate fires alone, its product again among them.
+        masks = list((linear(x, w.gate)[:, ids] > 0).split(row_kernels.TOKEN_BLOCK))
     outs = []
-    for chunk in x.split(row_kernels.TOKEN_BLOCK):
-        out = row_kernels.sparse_ffn(w.form, chunk, w.gate, w.up, w.down_t, ids)
-        if out is None:
-            return None
+    for chunk, mask in zip(chunks, masks, strict=True):
+        out = row_kernels.sparse_ffn(w.form, chunk, w.gate, w.up, w.down_t, ids, mask)
+        assert out is not None  # takes_ffn: every chunk is one it takes
         outs.append(out)
     return torch.cat(outs)
 

@@ -352,6 +352,11 @@ def selected_ffn(
     return out, counts[0], counts[1]
 
 
+def takes_ffn(form: FfnForm, x: torch.Tensor, gate: Weight | None, up: Weight, down_t: Weight) -> bool:
+    """Whether sparse_ffn takes these tokens and rows."""
+    return _ffn_rows(form, x, gate, up, down_t) is not None
+
+
 def _ffn_rows(form: FfnForm, x: torch.Tensor, gate: Weight | None, up: Weight, down_t: Weight) -> list[object] | None:
     """The first product's, up's and down's (address, stride, type, shape), in the FFN kernels' argument order, or
     None where those kernels do not take these inputs (off, too many tokens, a device, float32 rows, a gated form

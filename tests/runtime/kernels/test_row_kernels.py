@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, quants
 
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
+from qinfer.runtime.ffn import sparse
 from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, selected_rows, sparse_rows
 from qinfer.runtime.kernels import quant_rows, row_kernels
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix
@@ -339,11 +340,23 @@ def test_the_blocked_f16_product_matches_float64(kernel_build: str, tokens: int,
 
 @needs_compiler
 @pytest.mark.parametrize("qtype", [None, Q4, Q8])
-@pytest.mark.parametrize("variant", ["llama", "falcon"])
-def test_every_neuron_over_a_prompt_is_the_dense_ffn(qtype: object, variant: str) -> None:
+@pytest.mark.parametrize("variant", ["llama", "bamboo", "falcon"])
+def test_every_neuron_over_a_prompt_is_the_dense_ffn(
+    qtype: object, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A prompt's FFN over a PowerInfer file's rows: chunks of 16 tokens through the sparse kernel with every
-    neuron, the first row's product shared by all tokens of a chunk; 20 tokens are a full chunk and a short one."""
+    neuron; 20 tokens are a full chunk and a short one. A ReLU gate's product goes first, for every token in one
+    matrix product, and the kernel computes the neurons it fires alone; without a gate, up's product is shared by
+    all tokens of a chunk."""
     rows, cols, tokens = 45, 96, 20
+    products: list[int] = []
+
+    def counted(x: torch.Tensor, weight: object) -> torch.Tensor:
+        products.append(x.shape[0])
+        return sparse_linear(x, weight)
+
+    sparse_linear = sparse.linear
+    monkeypatch.setattr(sparse, "linear", counted)
 
     def weight(seed: int) -> torch.Tensor | QuantizedMatrix:
         return _half_rows(rows, cols, cols, seed) if qtype is None else _quantized(rows, cols, qtype, seed)  # type: ignore[arg-type]
@@ -356,6 +369,7 @@ def test_every_neuron_over_a_prompt_is_the_dense_ffn(qtype: object, variant: str
     ref = _reference(variant, x, gate, w.up, w.down_t, torch.arange(rows))
     assert out.shape == (tokens, cols)
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert products == ([] if gate is None else [tokens])
 
 
 @needs_compiler
