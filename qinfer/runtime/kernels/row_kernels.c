@@ -867,13 +867,14 @@ static void add_weighted_rows(const uint8_t *down, int64_t down_stride, int down
 }
 
 /* For `tokens` inputs x [tokens, n]: act[t, j] for each selected neuron (0 where mask [tokens, k], if given, leaves
- * neuron j out for token t), then out[t] = sum_j act[t, j] * down_t[ids[j]]. act is caller scratch [tokens, k].
- * Each picked row is read from memory once for all the tokens. */
-int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const int64_t gate_shape[2],
+ * neuron j out for token t), then out[t] = sum_j act[t, j] * down_t[ids[j]]. act is caller scratch [tokens, k],
+ * which with `first_given` holds the first row's product (the gate's, or up's without a gate) for every token and
+ * neuron already. Each picked row is read from memory once for all the tokens. */
+static int sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const int64_t gate_shape[2],
                       const uint8_t *up, int64_t up_stride, int up_type, const int64_t up_shape[2], const uint8_t *down,
                       int64_t down_stride, int down_type, const int64_t down_shape[2], const float *x, int64_t n,
-                      int64_t tokens, const int64_t *ids, int64_t k, const uint8_t *mask, int form, float *act,
-                      float *out, int threads) {
+                      int64_t tokens, const int64_t *ids, int64_t k, const uint8_t *mask, int first_given, int form,
+                      float *act, float *out, int threads) {
     if ((form != FORM_UP && !fits(gate_type, gate_stride, gate_shape[0], gate_shape[1], n, ids, k)) ||
         !fits(up_type, up_stride, up_shape[0], up_shape[1], n, ids, k) ||
         !fits(down_type, down_stride, down_shape[0], down_shape[1], n, ids, k))
@@ -888,7 +889,7 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
     }
     /* Without a mask every token needs the first row's product (the gate's, or up's without a gate): rows go in
      * pairs, one pass over a pair serving all the tokens, and the products wait in act for each token's turn. */
-    int shared = !mask && tokens > 1;
+    int shared = !mask && tokens > 1 && !first_given, given = shared || first_given;
 #pragma omp parallel num_threads(threads)
     {
         if (shared) {
@@ -908,15 +909,17 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
             const uint8_t *row = first + ids[j] * first_stride, *next_row = first + next * first_stride;
             const uint8_t *up_row = up + ids[j] * up_stride;
             /* While the gate's row is summed, its up row is read ahead (a neuron picked to fire mostly does), and
-             * while the up row is summed, the next neuron's gate row. */
+             * while the up row is summed, the next neuron's gate row, or where act holds the gates' products, its
+             * up row. */
             const uint8_t *ahead = form != FORM_UP ? up_row : next_row;
+            const uint8_t *after_up = given ? up + next * up_stride : next_row;
             for (int64_t t = 0; t < tokens; t++) {
                 float *a = act + t * k + j;
                 if (mask && !mask[t * k + j]) {
                     *a = 0.0f;
                     continue;
                 }
-                float f = shared ? *a : dot_row(first_type, row, ahead, x, &xq, t, n);
+                float f = given ? *a : dot_row(first_type, row, ahead, x, &xq, t, n);
                 *a = 0.0f;
                 if (form == FORM_UP) {
                     *a = f > 0.0f ? f : 0.0f;
@@ -925,7 +928,7 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
                 /* A neuron whose gate does not fire contributes nothing: its up and down rows are not read. */
                 float g = gate_act(form, f);
                 if (g == 0.0f) continue;
-                float u = dot_row(up_type, up_row, next_row, x, &xq, t, n);
+                float u = dot_row(up_type, up_row, after_up, x, &xq, t, n);
                 *a = g * up_factor(form, u);
             }
         }
@@ -933,6 +936,26 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
     }
     q8_free(&xq);
     return 0;
+}
+
+int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, const int64_t gate_shape[2],
+                      const uint8_t *up, int64_t up_stride, int up_type, const int64_t up_shape[2], const uint8_t *down,
+                      int64_t down_stride, int down_type, const int64_t down_shape[2], const float *x, int64_t n,
+                      int64_t tokens, const int64_t *ids, int64_t k, const uint8_t *mask, int form, float *act,
+                      float *out, int threads) {
+    return sparse_ffn(gate, gate_stride, gate_type, gate_shape, up, up_stride, up_type, up_shape, down, down_stride,
+                      down_type, down_shape, x, n, tokens, ids, k, mask, 0, form, act, out, threads);
+}
+
+/* qinfer_sparse_ffn whose act [tokens, k] comes holding the first row's product for every token and neuron (a
+ * prompt's gate, from the blocked product): a neuron whose gate does not fire for a token costs it nothing more. */
+int qinfer_sparse_ffn_given(const uint8_t *gate, int64_t gate_stride, int gate_type, const int64_t gate_shape[2],
+                            const uint8_t *up, int64_t up_stride, int up_type, const int64_t up_shape[2],
+                            const uint8_t *down, int64_t down_stride, int down_type, const int64_t down_shape[2],
+                            const float *x, int64_t n, int64_t tokens, const int64_t *ids, int64_t k, int form,
+                            float *act, float *out, int threads) {
+    return sparse_ffn(gate, gate_stride, gate_type, gate_shape, up, up_stride, up_type, up_shape, down, down_stride,
+                      down_type, down_shape, x, n, tokens, ids, k, NULL, 1, form, act, out, threads);
 }
 
 /* qinfer_sparse_ffn over the neurons some token selects (selected [tokens, f], a byte each) and `skip` [f] (NULL:

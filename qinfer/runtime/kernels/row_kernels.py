@@ -235,6 +235,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if (release := getattr(lib, "qinfer_release_threads", None)) is not None:
         release.argtypes = []
         release.restype = None
+    if (given := getattr(lib, "qinfer_sparse_ffn_given", None)) is not None:
+        given.argtypes = [p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, i32, p, p, i32]
+        given.restype = i32
     if (selected := getattr(lib, "qinfer_selected_ffn", None)) is not None:
         selected.argtypes = [
             p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, p, i64, i32, p, p, i32
@@ -300,9 +303,12 @@ def sparse_ffn(
     down_t: Weight,
     ids: torch.Tensor,
     mask: torch.Tensor | None = None,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """FFN output [T, E] float32 of neurons `ids` for the CPU tokens x [T, E], each using only the neurons its
-    row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (_ffn_rows)."""
+    row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (_ffn_rows). `first`
+    [T, len(ids)], instead of a mask: the first row's product (the gate's, or up's without a gate) for every token
+    and neuron, which the kernel then does not compute (takes_first says whether this library takes it)."""
     rows = _ffn_rows(form, x, gate, up, down_t)
     if rows is None:
         return None
@@ -310,14 +316,27 @@ def sparse_ffn(
     xf = x.float().contiguous()
     ids64 = ids.to(torch.int64).contiguous()
     keep = None if mask is None else mask.to("cpu", torch.uint8).contiguous()
-    act = torch.empty(tokens, ids64.numel())
+    # The kernel writes its activations over the products it is given.
+    act = torch.empty(tokens, ids64.numel()) if first is None else first.to(torch.float32, copy=True).contiguous()
     out = torch.empty(tokens, down_t.shape[1])
-    check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
-        *rows, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(), ids64.numel(),
-        None if keep is None else keep.data_ptr(), form_code(form), act.data_ptr(), out.data_ptr(),
-        torch.get_num_threads(),
-    ))  # fmt: skip
+    if first is None:
+        check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
+            *rows, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(), ids64.numel(),
+            None if keep is None else keep.data_ptr(), form_code(form), act.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        ))  # fmt: skip
+    else:
+        check(kernel().qinfer_sparse_ffn_given(  # type: ignore[union-attr]
+            *rows, xf.data_ptr(), x.shape[1], tokens, ids64.data_ptr(), ids64.numel(), form_code(form),
+            act.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        ))  # fmt: skip
     return out
+
+
+def takes_first() -> bool:
+    """Whether sparse_ffn takes the first row's product from its caller: a library built from older sources
+    (bench/decode.py --before-kernels) may lack the entry point."""
+    return enabled() and hasattr(kernel(), "qinfer_sparse_ffn_given")
 
 
 def selected_ffn(

@@ -345,9 +345,9 @@ def test_every_neuron_over_a_prompt_is_the_dense_ffn(
     qtype: object, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prompt's FFN over a PowerInfer file's rows: chunks of 16 tokens through the sparse kernel with every
-    neuron; 20 tokens are a full chunk and a short one. A ReLU gate's product goes first, for every token in one
-    matrix product, and the kernel computes the neurons it fires alone; without a gate, up's product is shared by
-    all tokens of a chunk."""
+    neuron; 20 tokens are a full chunk and a short one. The first row's product (a ReLU gate's, or up's without a
+    gate) goes first, for every token in one matrix product, and the kernel computes only the rest of the neurons
+    it fires."""
     rows, cols, tokens = 45, 96, 20
     products: list[int] = []
 
@@ -369,7 +369,7 @@ def test_every_neuron_over_a_prompt_is_the_dense_ffn(
     ref = _reference(variant, x, gate, w.up, w.down_t, torch.arange(rows))
     assert out.shape == (tokens, cols)
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-    assert products == ([] if gate is None else [tokens])
+    assert products == [tokens]
 
 
 @needs_compiler
