@@ -607,7 +607,8 @@ static void gate_up_of_selected(const dims *d, const layer *w, const scratch *s,
 #pragma omp for schedule(dynamic, 8)
     for (int64_t j = 0; j < count; j++) {
         int64_t id = s->ids[j], next = s->ids[j + 1 < count ? j + 1 : j];
-        /* Read ahead as qinfer_sparse_ffn does: this neuron's up row, then the next one's first row. */
+        /* Read ahead as qinfer_sparse_ffn does where it sums the first rows: this neuron's up row, then the next
+         * one's first row. */
         const uint8_t *first_row = first->data + id * first->stride, *up_row = w->up.data + id * w->up.stride;
         const uint8_t *next_first = first->data + next * first->stride;
         for (int64_t t0 = 0; t0 < tokens; t0 += TOKEN_BLOCK) {

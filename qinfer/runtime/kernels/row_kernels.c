@@ -882,12 +882,15 @@ static int sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
     const uint8_t *first = form != FORM_UP ? gate : up;
     int64_t first_stride = form != FORM_UP ? gate_stride : up_stride;
     int first_type = form != FORM_UP ? gate_type : up_type;
+    /* The input goes to Q8_0 for the quantized rows this call sums: up's of a gated form, and the first rows
+     * where the caller did not give their products. */
     q8_act xq = {0};
-    if (((form != FORM_UP && gate_type != F16) || up_type != F16) && q8_quantize(x, tokens, n, &xq)) {
+    int quantized = (form != FORM_UP && up_type != F16) || (!first_given && first_type != F16);
+    if (quantized && q8_quantize(x, tokens, n, &xq)) {
         q8_free(&xq);
         return -2;
     }
-    /* Without a mask every token needs the first row's product (the gate's, or up's without a gate): rows go in
+    /* Without a mask every token needs the first row's product: the caller gave them all in act, or rows go in
      * pairs, one pass over a pair serving all the tokens, and the products wait in act for each token's turn. */
     int shared = !mask && tokens > 1 && !first_given, given = shared || first_given;
 #pragma omp parallel num_threads(threads)
@@ -948,7 +951,7 @@ int qinfer_sparse_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type, c
 }
 
 /* qinfer_sparse_ffn whose act [tokens, k] comes holding the first row's product for every token and neuron (a
- * prompt's gate, from the blocked product): a neuron whose gate does not fire for a token costs it nothing more. */
+ * prompt's, from the blocked product), and without a mask. */
 int qinfer_sparse_ffn_given(const uint8_t *gate, int64_t gate_stride, int gate_type, const int64_t gate_shape[2],
                             const uint8_t *up, int64_t up_stride, int up_type, const int64_t up_shape[2],
                             const uint8_t *down, int64_t down_stride, int down_type, const int64_t down_shape[2],

@@ -306,18 +306,21 @@ def sparse_ffn(
     first: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """FFN output [T, E] float32 of neurons `ids` for the CPU tokens x [T, E], each using only the neurons its
-    row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (_ffn_rows). `first`
-    [T, len(ids)], instead of a mask: the first row's product (the gate's, or up's without a gate) for every token
-    and neuron, which the kernel then does not compute (takes_first says whether this library takes it)."""
+    row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (_ffn_rows, or `first` to a
+    library without takes_first). `first` [T, len(ids)], instead of a mask: the first row's product (the gate's, or
+    up's without a gate) for every token and neuron, which the kernel then does not compute."""
     rows = _ffn_rows(form, x, gate, up, down_t)
-    if rows is None:
+    if rows is None or (first is not None and not takes_first()):
         return None
     tokens = x.shape[0]
     xf = x.float().contiguous()
     ids64 = ids.to(torch.int64).contiguous()
+    if first is not None and (mask is not None or first.shape != (tokens, ids64.numel())):
+        raise ValueError(f"first products {tuple(first.shape)} for {tokens} tokens and {ids64.numel()} neurons, mask "
+                         f"{mask is not None}: they come as [tokens, neurons], without a mask")  # fmt: skip
     keep = None if mask is None else mask.to("cpu", torch.uint8).contiguous()
     # The kernel writes its activations over the products it is given.
-    act = torch.empty(tokens, ids64.numel()) if first is None else first.to(torch.float32, copy=True).contiguous()
+    act = torch.empty(tokens, ids64.numel()) if first is None else first.to("cpu", torch.float32, copy=True)
     out = torch.empty(tokens, down_t.shape[1])
     if first is None:
         check(kernel().qinfer_sparse_ffn(  # type: ignore[union-attr]
@@ -334,8 +337,8 @@ def sparse_ffn(
 
 
 def takes_first() -> bool:
-    """Whether sparse_ffn takes the first row's product from its caller: a library built from older sources
-    (bench/decode.py --before-kernels) may lack the entry point."""
+    """Whether sparse_ffn takes the first rows' products from its caller (a library built from older sources may
+    lack the entry point)."""
     return enabled() and hasattr(kernel(), "qinfer_sparse_ffn_given")
 
 

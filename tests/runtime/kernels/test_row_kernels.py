@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.errors import UserError
 from qinfer.runtime.ffn import sparse
-from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, selected_rows, sparse_rows
+from qinfer.runtime.ffn.sparse import FFNWeights, dense_ffn, kernel_ffn, selected_rows, sparse_rows
 from qinfer.runtime.kernels import quant_rows, row_kernels
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix
 from qinfer.runtime.kernels.weight_rows import linear
@@ -341,22 +341,30 @@ def test_the_blocked_f16_product_matches_float64(kernel_build: str, tokens: int,
 @needs_compiler
 @pytest.mark.parametrize("qtype", [None, Q4, Q8])
 @pytest.mark.parametrize("variant", ["llama", "bamboo", "falcon"])
-def test_every_neuron_over_a_prompt_is_the_dense_ffn(
-    qtype: object, variant: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("tokens", "neurons"), [(17, "every"), (20, "every"), (40, "few"), (33, "most")])
+def test_a_prompts_neurons_in_the_kernel_match_float64(
+    qtype: object, variant: str, tokens: int, neurons: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt's FFN over a PowerInfer file's rows: chunks of 16 tokens through the sparse kernel with every
-    neuron; 20 tokens are a full chunk and a short one. The first row's product (a ReLU gate's, or up's without a
-    gate) goes first, for every token in one matrix product, and the kernel computes only the rest of the neurons
-    it fires."""
-    rows, cols, tokens = 45, 96, 20
-    products: list[int] = []
+    """A prompt's FFN over a PowerInfer file's rows: chunks of 16 tokens through the sparse kernel (the last of 1
+    token, of 4, or whole), over every neuron (dense_ffn) or a scattered subset (the split's CPU part). The first
+    rows' products (a ReLU gate's, or up's without a gate) go first, for every token in one matrix product, over a
+    few neurons' rows alone or over all rows, and each chunk's reach the kernel, which computes only the rest of
+    the neurons they fire."""
+    rows, cols = 45, 96
+    products: list[tuple[int, int]] = []
+    given: list[bool] = []
 
-    def counted(x: torch.Tensor, weight: object) -> torch.Tensor:
-        products.append(x.shape[0])
+    def counted(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
+        products.append((x.shape[0], weight.shape[0]))
         return sparse_linear(x, weight)
 
-    sparse_linear = sparse.linear
+    def kernel(*args: object, first: torch.Tensor | None = None) -> torch.Tensor | None:
+        given.append(first is not None)
+        return sparse_ffn(*args, first=first)  # type: ignore[arg-type]
+
+    sparse_linear, sparse_ffn = sparse.linear, row_kernels.sparse_ffn
     monkeypatch.setattr(sparse, "linear", counted)
+    monkeypatch.setattr(row_kernels, "sparse_ffn", kernel)
 
     def weight(seed: int) -> torch.Tensor | QuantizedMatrix:
         return _half_rows(rows, cols, cols, seed) if qtype is None else _quantized(rows, cols, qtype, seed)  # type: ignore[arg-type]
@@ -365,11 +373,35 @@ def test_every_neuron_over_a_prompt_is_the_dense_ffn(
     gate = None if variant == "falcon" else weight(0)
     w = FFNWeights(form=form, up=weight(1), down_t=weight(2), gate=gate)  # type: ignore[arg-type]
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(23))
-    out = dense_ffn(w, x)
-    ref = _reference(variant, x, gate, w.up, w.down_t, torch.arange(rows))
-    assert out.shape == (tokens, cols)
+    few = torch.tensor([0, 3, 4, 10, 22, 23, 31, 44])
+    every = torch.arange(rows)
+    ids = {"every": every, "few": few, "most": every[~torch.isin(every, few)]}[neurons]
+    out = dense_ffn(w, x) if neurons == "every" else kernel_ffn(w, x, ids)
+    ref = _reference(variant, x, gate, w.up, w.down_t, ids)
+    assert out is not None and out.shape == (tokens, cols)
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-    assert products == [tokens]
+    assert products == [(tokens, len(few) if neurons == "few" else rows)]
+    assert given == [True] * -(-tokens // row_kernels.TOKEN_BLOCK)
+
+
+@needs_compiler
+def test_first_products_come_one_per_token_and_neuron_without_a_mask() -> None:
+    """The kernel reads `first` as [tokens, neurons] scratch that it writes over: any other shape, or a mask beside
+    it, is refused before the kernel runs."""
+    rows, cols, tokens = 45, 96, 4
+    gate, up, down_t = (_half_rows(rows, cols, cols, seed) for seed in range(3))
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(3))
+    ids = torch.arange(0, rows, 3)
+    form = ARCHITECTURES["llama"].ffn
+    first = x @ gate[ids].float().T
+    out = row_kernels.sparse_ffn(form, x, gate, up, down_t, ids, first=first)
+    ref = _reference("llama", x, gate, up, down_t, ids)
+    assert out is not None and (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(first, x @ gate[ids].float().T)  # the caller's products stay as they were
+    with pytest.raises(ValueError, match="without a mask"):
+        row_kernels.sparse_ffn(form, x, gate, up, down_t, ids, first=first[:, 1:])
+    with pytest.raises(ValueError, match="without a mask"):
+        row_kernels.sparse_ffn(form, x, gate, up, down_t, ids, torch.ones(tokens, ids.numel(), dtype=torch.bool), first)
 
 
 @needs_compiler
