@@ -81,13 +81,14 @@ def kernel_ffn(w: FFNWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
     which makes a ReLU model's prompt several times cheaper, and the neurons left out cost nothing. For a ReLU form
     the first rows' products go first, in the blocked matrix product (about three times the speed of the kernel's
     dot products), and the kernel computes only the rest of the neurons they fire."""
-    chunks = x.split(row_kernels.TOKEN_BLOCK)
-    if w.up_bias is not None or not row_kernels.takes_ffn(w.form, chunks[0], w.gate, w.up, w.down_t):
+    given = w.form.act == "relu" and x.shape[0] > row_kernels.TOKEN_BLOCK and row_kernels.takes_first()
+    chunks = x.split(row_kernels.GIVEN_TOKENS if given else row_kernels.TOKEN_BLOCK)
+    if w.up_bias is not None or not row_kernels.takes_ffn(w.form, chunks[0], w.gate, w.up, w.down_t, given):
         return None
     if ids.numel() == 0:
         return torch.zeros(x.shape[0], w.down_t.shape[1])
     firsts: list[torch.Tensor | None] = [None] * len(chunks)
-    if w.form.act == "relu" and len(chunks) > 1 and row_kernels.takes_first():
+    if given:
         rows = w.gate if w.gate is not None else w.up
         if 2 * ids.numel() <= w.neurons:
             # A copy of few neurons' rows costs less than the others' products (a split's CPU part where the GPU
@@ -97,7 +98,7 @@ def kernel_ffn(w: FFNWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
             first = linear(x, rows)
         else:
             first = linear(x, rows)[:, ids]
-        firsts = list(first.split(row_kernels.TOKEN_BLOCK))
+        firsts = list(first.split(row_kernels.GIVEN_TOKENS))
     outs = []
     for chunk, products in zip(chunks, firsts, strict=True):
         out = row_kernels.sparse_ffn(w.form, chunk, w.gate, w.up, w.down_t, ids, first=products)

@@ -309,7 +309,7 @@ def sparse_ffn(
     row of `mask` [T, len(ids)] keeps (None: all); None where the kernel does not apply (_ffn_rows, or `first` to a
     library without takes_first). `first` [T, len(ids)], instead of a mask: the first row's product (the gate's, or
     up's without a gate) for every token and neuron, which the kernel then does not compute."""
-    rows = _ffn_rows(form, x, gate, up, down_t)
+    rows = _ffn_rows(form, x, gate, up, down_t, TOKEN_BLOCK if first is None else GIVEN_TOKENS)
     if rows is None or (first is not None and not takes_first()):
         return None
     tokens = x.shape[0]
@@ -374,16 +374,26 @@ def selected_ffn(
     return out, counts[0], counts[1]
 
 
-def takes_ffn(form: FfnForm, x: torch.Tensor, gate: Weight | None, up: Weight, down_t: Weight) -> bool:
-    """Whether sparse_ffn takes these tokens and rows."""
-    return _ffn_rows(form, x, gate, up, down_t) is not None
+# Tokens per sparse_ffn call where the caller gives the first products (a prompt's): a call reads its neurons' down
+# rows once, and past 48 tokens a call is no faster (7B slice, f16 and Q4_0, two Zen 5 threads: 16 took 1.15x as
+# long in f16).
+GIVEN_TOKENS = 64
 
 
-def _ffn_rows(form: FfnForm, x: torch.Tensor, gate: Weight | None, up: Weight, down_t: Weight) -> list[object] | None:
+def takes_ffn(
+    form: FfnForm, x: torch.Tensor, gate: Weight | None, up: Weight, down_t: Weight, given: bool = False
+) -> bool:
+    """Whether sparse_ffn takes these tokens and rows; `given`: with their first products."""
+    return _ffn_rows(form, x, gate, up, down_t, GIVEN_TOKENS if given else TOKEN_BLOCK) is not None
+
+
+def _ffn_rows(
+    form: FfnForm, x: torch.Tensor, gate: Weight | None, up: Weight, down_t: Weight, max_tokens: int = TOKEN_BLOCK
+) -> list[object] | None:
     """The first product's, up's and down's (address, stride, type, shape), in the FFN kernels' argument order, or
-    None where those kernels do not take these inputs (off, too many tokens, a device, float32 rows, a gated form
-    without its gate, biases)."""
-    if form.biased or (gate is None) == form.gated or not _takes(x, TOKEN_BLOCK):
+    None where those kernels do not take these inputs (off, more than `max_tokens` tokens, a device, float32 rows,
+    a gated form without its gate, biases)."""
+    if form.biased or (gate is None) == form.gated or not _takes(x, max_tokens):
         return None
     layouts = [layout(t) for t in (up if gate is None else gate, up, down_t)]
     if any(lay is None for lay in layouts):

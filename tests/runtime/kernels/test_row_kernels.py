@@ -341,15 +341,15 @@ def test_the_blocked_f16_product_matches_float64(kernel_build: str, tokens: int,
 @needs_compiler
 @pytest.mark.parametrize("qtype", [None, Q4, Q8])
 @pytest.mark.parametrize("variant", ["llama", "bamboo", "falcon"])
-@pytest.mark.parametrize(("tokens", "neurons"), [(17, "every"), (20, "every"), (40, "few"), (33, "most")])
+@pytest.mark.parametrize(("tokens", "neurons"), [(17, "every"), (70, "every"), (40, "few"), (81, "most")])
 def test_a_prompts_neurons_in_the_kernel_match_float64(
     qtype: object, variant: str, tokens: int, neurons: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt's FFN over a PowerInfer file's rows: chunks of 16 tokens through the sparse kernel (the last of 1
-    token, of 4, or whole), over every neuron (dense_ffn) or a scattered subset (the split's CPU part). The first
-    rows' products (a ReLU gate's, or up's without a gate) go first, for every token in one matrix product, over a
-    few neurons' rows alone or over all rows, and each chunk's reach the kernel, which computes only the rest of
-    the neurons they fire."""
+    """A prompt's FFN over a PowerInfer file's rows, over every neuron (dense_ffn) or a scattered subset (the split's
+    CPU part). The first rows' products (a ReLU gate's, or up's without a gate) go first, for every token in one
+    matrix product, over a few neurons' rows alone or over all rows, and reach the kernel with chunks of up to 64
+    tokens (one of 17, 40 or 64, and a last one of 6 or 17), which computes only the rest of the neurons they
+    fire."""
     rows, cols = 45, 96
     products: list[tuple[int, int]] = []
     given: list[bool] = []
@@ -381,7 +381,7 @@ def test_a_prompts_neurons_in_the_kernel_match_float64(
     assert out is not None and out.shape == (tokens, cols)
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert products == [(tokens, len(few) if neurons == "few" else rows)]
-    assert given == [True] * -(-tokens // row_kernels.TOKEN_BLOCK)
+    assert given == [True] * -(-tokens // row_kernels.GIVEN_TOKENS)
 
 
 @needs_compiler
