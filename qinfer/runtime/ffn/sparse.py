@@ -75,12 +75,12 @@ def dense_ffn(w: FFNWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_ffn(w: FFNWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-    """The output of neurons `ids` for many tokens x [T, E] (a prompt), through the row kernel a chunk of tokens at
-    a time (a PowerInfer file's rows, on the CPU), or None where it does not take the rows. Beside a dense product
-    it computes the same sum, but a neuron whose gate does not fire for a token costs that token no up or down row,
-    which makes a ReLU model's prompt several times cheaper, and the neurons left out cost nothing. For a ReLU form
-    the first rows' products go first, in the blocked matrix product (about three times the speed of the kernel's
-    dot products), and the kernel computes only the rest of the neurons they fire."""
+    """The output of neurons `ids` (ascending) for many tokens x [T, E] (a prompt), through the row kernel a chunk of
+    tokens at a time (a PowerInfer file's rows, on the CPU), or None where it does not take the rows. Beside a dense
+    product it computes the same sum, but a neuron whose gate does not fire for a token costs that token no up or down
+    row, which makes a ReLU model's prompt several times cheaper, and the neurons left out cost nothing. For a ReLU form
+    the first rows' products go first, in the blocked matrix product (about three times the speed of the kernel's dot
+    products), and the kernel computes only the rest of the neurons they fire."""
     given = w.form.act == "relu" and x.shape[0] > row_kernels.TOKEN_BLOCK and row_kernels.takes_first()
     chunks = x.split(row_kernels.GIVEN_TOKENS if given else row_kernels.TOKEN_BLOCK)
     if w.up_bias is not None or not row_kernels.takes_ffn(w.form, chunks[0], w.gate, w.up, w.down_t, given):
@@ -97,7 +97,9 @@ def kernel_ffn(w: FFNWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
             rows = rows.raw_rows(ids, "cpu") if isinstance(rows, QuantizedMatrix) else gather_rows(rows, ids)
             first = linear(x, rows)
         else:
-            first = linear(x, rows)[:, ids]
+            first = linear(x, rows)
+            # Every neuron, in order (dense_ffn's): the product is theirs already, with no copy of its columns.
+            first = first if ids.numel() == w.neurons else first[:, ids]
         firsts = list(first.split(row_kernels.GIVEN_TOKENS))
     outs = []
     for chunk, products in zip(chunks, firsts, strict=True):
