@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from qinfer.prep.hub.model_profiles import load_model_profile
+from tests.support.ports import free_port
 
 MODEL = "ReluLLaMA-7B"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -190,7 +191,7 @@ def test_gated_unknown_and_unreachable_are_one_line_errors(hub: FakeHub, tmp_pat
     assert unknown.returncode == 2 and "known models:" in unknown.stderr and "ReluLLaMA-7B" in unknown.stderr
 
     # A port nothing listens on stands in for a machine without network.
-    closed = _free_port()
+    closed = free_port()
     offline = _run(
         [MODEL, "--dir", str(tmp_path / "n")], tmp_path / "cache", f"http://127.0.0.1:{closed}", prelude=NO_BACKOFF
     )
@@ -205,14 +206,6 @@ def test_unpublished_variant_points_to_the_originals(tmp_path: Path) -> None:
 
     with pytest.raises(UserError, match="no f16 PowerInfer GGUF.*--source original"):
         download(load_model_profile("ReluFalcon-40B"), tmp_path, "gguf", "f16")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cache_repo(cache: Path, repo: str, files: dict[str, bytes]) -> None:

@@ -20,6 +20,7 @@ from qinfer.prep.synth.build import SynthReport
 from qinfer.prep.synth.corpus import synth_corpus
 from qinfer.prep.synth.moe import build_moe
 from tests.support.cli_in_process import run_in_process
+from tests.support.ports import free_port
 
 TOKENS, SEQ_LEN, BATCH = 3000, 64, 2  # 47 windows in 24 batches, the last window short
 OPTIONS = ["--tokens", str(TOKENS), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--device", "cpu"]
@@ -55,9 +56,7 @@ def single(tiny: SynthReport, corpus: Path, tmp_path_factory: pytest.TempPathFac
 
 def loopback_env(**extra: str) -> dict[str, str]:
     """This environment with a free port on 127.0.0.1 for the processes to meet on, and gloo bound to loopback."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
     return {
         **os.environ,

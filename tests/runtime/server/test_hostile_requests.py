@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from qinfer.runtime.server.thread import serve_in_thread
 from tests.runtime.server.test_server import CTX
 from tests.runtime.server.test_server_hardening import Local, _call
 from tests.support.cli_in_process import run_in_process
+from tests.support.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +156,7 @@ def test_a_schema_or_tool_choice_that_cannot_be_served_is_a_400(
 
 
 def _serve_process(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "qinfer", "serve", "-m", str(model), "-c", str(CTX), "--port", str(port), *extra]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

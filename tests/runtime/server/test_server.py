@@ -22,6 +22,7 @@ from qinfer.runtime.engine.worker import EngineWorker, Event
 from qinfer.runtime.server.app import StopScanner, create_app
 from qinfer.runtime.server.openai_schema import ChatMessage, chat_prompt
 from qinfer.runtime.server.thread import serve_in_thread
+from tests.support.ports import free_port
 
 SLOTS = 4
 CTX = 256
@@ -261,9 +262,7 @@ def test_qinfer_serve_command_answers_on_loopback_by_default(model: Path) -> Non
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [
         "-c",
         "from qinfer.cli.main import main; main()",

@@ -35,6 +35,7 @@ from qinfer.runtime.server.app import DEFAULT_OPTIONS, INLINE_TOKENIZE_CHARS, Se
 from qinfer.runtime.server.thread import serve_in_thread
 from tests.runtime.server.test_server import CTX, GREEDY, PROMPTS, _expected, _wait_for
 from tests.support.logits_hook import LogitsHook
+from tests.support.ports import free_port
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -70,9 +71,7 @@ def reference(model: Path) -> Engine:
 @pytest.fixture(scope="module")
 def served(model: Path) -> Iterator[Served]:
     """`qinfer serve` in its own process, so that its memory can be read; the key comes from QINFER_API_KEY."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "qinfer", "serve", "-m", str(model), "-c", str(CTX)]
     command += ["--port", str(port), "--slots", "2", "--read-timeout", str(HEAD_TIMEOUT_S)]
     env = {**os.environ, "QINFER_API_KEY": KEY}
