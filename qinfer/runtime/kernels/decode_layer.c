@@ -873,6 +873,26 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
     return count;
 }
 
+/* The output head for tokens h [tokens, E] (a decode step's last layer's output): the final norm (RMSNorm, or
+ * LayerNorm with `bias`) with the weights w, then logits [tokens, m's rows] = the normalised rows . m's rows, in one
+ * call where torch took six operator calls and the product's. Returns 0, or -1 (nothing written) where m does not
+ * fit the dimensions or the scratch. */
+int64_t qinfer_decode_head(const matrix *m, const float *w, const float *bias, const dims *d, const scratch *s,
+                           const float *h, int64_t tokens, float *logits, int threads) {
+    int64_t e = d->hidden;
+    if (tokens < 1 || tokens > d->tokens || e > d->widest || (d->layer_norm && !bias) || !matrix_fits(m, m->rows, e))
+        return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        q8_act a;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) norm(d, h + t * e, w, bias, s->x + t * e);
+        quantize_input(m->type, s->x, tokens, e, s, &a);
+        product(m, s->x, &a, tokens, logits);
+    }
+    return 0;
+}
+
 /* Element counts of the scratch buffers, in the struct's order, for the dimensions d (ctx and tokens included). */
 void qinfer_scratch_sizes(const dims *d, int64_t out[17]) {
     int64_t heads = d->heads * d->head_dim, kv = d->kv_heads * d->head_dim, blocks = d->widest / QK + 1;

@@ -8,7 +8,8 @@ with a dense FFN, the predictor's sparse one or a calibrated gate's, and to the 
 qwen2moe, qwen3moe) whose experts are all on the CPU, and a KV cache on the CPU: the full one in
 float32, f16 or q8_0 (each of K and V), or the window cache, whose kept rows the kernel attends, weighs and replaces
 as kv/window.py does; everything else (prompts, the GPU split, the oracle) keeps the torch path, which computes the
-same layer.
+same layer. The output head (the final norm, then the output rows) is one more call, where its rows are F16, Q4_0
+or Q8_0.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ class LayerRows:
     down_bias: torch.Tensor | None = None  # the FFN's, which belongs to no neuron
     q_norm: torch.Tensor | None = None  # RMSNorm weights over each head of q and of k (Qwen3)
     k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class HeadRows:
+    """The output head as the native step reads it: the final norm's weights (and a LayerNorm's bias) and the
+    output rows; each family describes its own (`native_head`)."""
+
+    norm: torch.Tensor
+    output: Weight
+    norm_bias: torch.Tensor | None = None
 
 
 # What the layer step reads of the rooms above it (the FFN runner, the forward's step, the KV cache), described
@@ -172,7 +183,16 @@ class DecodeLayers:
     One forward call at a time: the scratch, the cache pointers and the dimensions are rewritten by each call (the
     engine runs one step at a time, on one thread)."""
 
-    def __init__(self, cfg: ModelSpec, runner: LayerRunner, layers: list[Layer], dims: Dims, keep: list[object]):
+    def __init__(
+        self,
+        cfg: ModelSpec,
+        runner: LayerRunner,
+        layers: list[Layer],
+        dims: Dims,
+        keep: list[object],
+        head: tuple[Matrix, int, int | None] | None = None,
+    ):
+        """`head`: the output rows, the final norm's weights and bias (addresses), where the head runs natively."""
         self.cfg = cfg
         self.runner = runner
         self.layers = layers
@@ -185,13 +205,23 @@ class DecodeLayers:
         self._buffers: dict[str, torch.Tensor] = {}  # what the scratch points into
         # Where the kernel finds them: each layer's call passes the same two.
         self._dims_at, self._scratch_at = ctypes.addressof(dims), ctypes.addressof(self._scratch)
+        entry = getattr(row_kernels.kernel(), "qinfer_decode_head", None)  # absent from older libraries
+        # The output rows and the final norm's weights and bias, where the head runs natively.
+        self.output, self._norm = (None, None) if head is None or entry is None else (head[0], head[1:])
+        self._head_entry = entry
 
     @classmethod
     def build(
-        cls, cfg: ModelSpec, attn: Sequence[LayerRows], runner: object, parallel: bool = False
+        cls,
+        cfg: ModelSpec,
+        attn: Sequence[LayerRows],
+        runner: object,
+        parallel: bool = False,
+        head: HeadRows | None = None,
     ) -> DecodeLayers | None:
         """The layers' description, or None where the kernel does not apply to this model and FFN runner; `parallel`:
-        attention and FFN both read the layer's input (falcon)."""
+        attention and FFN both read the layer's input (falcon); `head`: the output head, which runs natively too
+        where its rows are ones the kernel reads."""
         if not row_kernels.enabled() or cfg.rope_dim not in (0, cfg.head_dim):
             return None
         keep: list[object] = []
@@ -208,7 +238,18 @@ class DecodeLayers:
             rope_neox=int(architecture(cfg.arch).rope == "neox"), layer_norm=int(attn[0].attn_norm_bias is not None),
             parallel=int(parallel), **ffn,
         )  # fmt: skip
-        return cls(cfg, runner, layers, dims, keep)
+        return cls(cfg, runner, layers, dims, keep, cls._head_rows(head, keep))
+
+    @staticmethod
+    def _head_rows(head: HeadRows | None, keep: list[object]) -> tuple[Matrix, int, int | None] | None:
+        """The head's output rows and its norm's addresses, or None where the kernel does not read the rows."""
+        output = None if head is None else _matrix(head.output)
+        if head is None or output is None:
+            return None
+        norm = head.norm.float().contiguous()
+        bias = None if head.norm_bias is None else head.norm_bias.float().contiguous()
+        keep.extend([norm, bias, head.output, output])
+        return output, norm.data_ptr(), None if bias is None else bias.data_ptr()
 
     @classmethod
     def _ffn_layers(
@@ -406,6 +447,19 @@ class DecodeLayers:
         if self.schedule is not None:
             self.schedule.observe(i, tokens, status)
         return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The logits [T, V] of the last layer's output h [T, E] (rows of a forward call's, after `run`: the scratch
+        is sized for its tokens), or None where the head does not run natively."""
+        if self.output is None or self._norm is None or h.shape[0] > self.dims.tokens:
+            return None
+        logits = torch.empty(h.shape[0], self.output.rows)
+        status = self._head_entry(
+            ctypes.addressof(self.output), *self._norm, self._dims_at, self._scratch_at, h.data_ptr(), h.shape[0],
+            logits.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        row_kernels.check(int(status))
+        return logits
 
 
 def _distinct_slots(slots: torch.Tensor, tokens: int, cache_slots: int) -> bool:

@@ -238,6 +238,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if (given := getattr(lib, "qinfer_sparse_ffn_given", None)) is not None:
         given.argtypes = [p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, i32, p, p, i32]
         given.restype = i32
+    if (head := getattr(lib, "qinfer_decode_head", None)) is not None:
+        head.argtypes = [p, p, p, p, p, p, i64, p, i32]
+        head.restype = i64
     if (selected := getattr(lib, "qinfer_selected_ffn", None)) is not None:
         selected.argtypes = [
             p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, p, i64, i32, p, p, i32

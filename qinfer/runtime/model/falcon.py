@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.core.names import Tensor, tensor_name
-from qinfer.runtime.kernels.decode_layer import LayerRows
+from qinfer.runtime.kernels.decode_layer import HeadRows, LayerRows
 from qinfer.runtime.kernels.weight_rows import linear, row_slice
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.cache import Cache
@@ -47,6 +47,9 @@ class FalconForward(TransformerForward):
                                                                    (q_rows + kv_rows, kv_rows)))  # fmt: skip
             rows.append(LayerRows(a.attn_norm[0], q, k, v, a.o, a.ffn_norm[0], a.attn_norm[1], a.ffn_norm[1]))
         return rows
+
+    def native_head(self) -> HeadRows:
+        return HeadRows(self.norm[0], self.output, self.norm[1])
 
     def load_block(self, model: ModelFile, i: int) -> FalconAttention:
         return FalconAttention(

@@ -19,7 +19,7 @@ from qinfer.core.names import BIAS, Tensor, tensor_name
 from qinfer.runtime.ffn.experts import ExpertRunner, ExpertWeights, SwiGLU
 from qinfer.runtime.ffn.runners import DenseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
-from qinfer.runtime.kernels.decode_layer import DecodeLayers, LayerRows
+from qinfer.runtime.kernels.decode_layer import DecodeLayers, HeadRows, LayerRows
 from qinfer.runtime.kernels.quant_rows import Weight
 from qinfer.runtime.kv.batch import Step, TokenBatch, batch_step, by_part, rows_mask
 from qinfer.runtime.kv.cache import Cache
@@ -152,10 +152,16 @@ class TransformerForward:
         native step."""
         return None
 
+    def native_head(self) -> HeadRows | None:
+        """The output head as the native step reads it; None: the family's head stays in torch."""
+        return None
+
     def native_layers(self) -> DecodeLayers | None:
         """The native layer step for these weights and the current FFN runner, where it applies."""
         rows = self.native_rows() if self.device.type == "cpu" else None
-        return None if rows is None else DecodeLayers.build(self.cfg, rows, self.ffn, self.parallel)
+        if rows is None:
+            return None
+        return DecodeLayers.build(self.cfg, rows, self.ffn, self.parallel, self.native_head())
 
     def load_block(self, model: ModelFile, i: int) -> Any:
         raise NotImplementedError
@@ -224,7 +230,9 @@ class TransformerForward:
                 call = self.native.begin(batch, cos, sin, cache)
                 for i in range(self.cfg.layers):
                     h = self.native.run(i, h, call, cache)
-                return self.head(h if rows is None else h[rows])
+                h = h if rows is None else h[rows]
+                logits = self.native.head(h)
+                return self.head(h) if logits is None else logits
         step = self.step(batch)
         # Several tokens of one sequence (a prompt or its chunk): dense matmuls pay off (per part: feed_forward).
         prefill = not batch.one_per_slot

@@ -17,7 +17,7 @@ import torch
 from qinfer.core.architectures import architecture
 from qinfer.core.names import BIAS, Tensor, tensor_name
 from qinfer.runtime.ffn.hybrid import HybridRunner
-from qinfer.runtime.kernels.decode_layer import LayerRows
+from qinfer.runtime.kernels.decode_layer import HeadRows, LayerRows
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step
 from qinfer.runtime.kv.cache import Cache
@@ -65,6 +65,9 @@ class LlamaForward(TransformerForward):
                       q_norm=a.q_norm, k_norm=a.k_norm)
             for a in self.attn
         ]  # fmt: skip
+
+    def native_head(self) -> HeadRows:
+        return HeadRows(self.norm, self.output)
 
     def load_block(self, model: ModelFile, i: int) -> AttentionWeights:
         t, arch = model.tensor, architecture(model.config.arch)

@@ -13,7 +13,7 @@ import torch
 
 from qinfer.core.architectures import architecture
 from qinfer.core.names import BIAS, Tensor, tensor_name
-from qinfer.runtime.kernels.decode_layer import LayerRows
+from qinfer.runtime.kernels.decode_layer import HeadRows, LayerRows
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import Step, TokenBatch
 from qinfer.runtime.kv.cache import Cache
@@ -54,6 +54,9 @@ class OPTForward(TransformerForward):
             )
             for a in self.attn
         ]  # fmt: skip
+
+    def native_head(self) -> HeadRows:
+        return HeadRows(self.norm[0], self.output, self.norm[1])
 
     def load_block(self, model: ModelFile, i: int) -> OPTBlock:
         return OPTBlock(

@@ -28,6 +28,7 @@ from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
 from qinfer.runtime.kernels import row_kernels
 from qinfer.runtime.kernels.decode_layer import DecodeLayers
+from qinfer.runtime.kernels.quant_rows import QuantizedMatrix
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache, make_kv_cache
 from qinfer.runtime.kv.q8_rows import dequantize_rows
@@ -137,9 +138,13 @@ def assert_native_batch_matches_torch(
     """Three sequences decoded together natively (one call per layer and step) give the torch path's logits, to
     `tolerance` of their largest."""
     assert forward.native is not None  # type: ignore[attr-defined]
-    calls = counting_runs(monkeypatch)
+    calls, heads = counting_runs(monkeypatch), counting_heads(monkeypatch)
     native, _ = decode_together(forward, True, 3, together=True)
     assert calls == list(range(forward.cfg.layers)) * STEPS
+    # The head too, where its rows are ones the kernels read: a quantized file's embeddings are expanded to floats
+    # at load, so a head tied to them (OPT's) stays in torch.
+    native_head = row_kernels.layout(forward.output) is not None  # type: ignore[attr-defined]
+    assert heads == [3] * STEPS if native_head else heads == []
     reference, _ = decode_together(forward, False, 3, together=True)
     for mine, theirs in zip(native, reference, strict=True):
         assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
@@ -155,6 +160,21 @@ def counting_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(DecodeLayers, "run", run)
     return calls
+
+
+def counting_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The tokens of each head the native step computed (DecodeLayers.head giving logits)."""
+    tokens: list[int] = []
+    real = DecodeLayers.head
+
+    def head(self: DecodeLayers, h: torch.Tensor) -> torch.Tensor | None:
+        logits = real(self, h)
+        if logits is not None:
+            tokens.append(logits.shape[0])
+        return logits
+
+    monkeypatch.setattr(DecodeLayers, "head", head)
+    return tokens
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 16, 45, 300])
@@ -187,9 +207,10 @@ def test_f16_layers_give_the_torch_paths_logits(
     PowerInfer file, the dense file's [E, F] matrix); every decode step of every layer runs natively."""
     forward = forward_for(gguf_files[file], ffn)
     assert forward.native is not None  # type: ignore[attr-defined]
-    calls = counting_runs(monkeypatch)
+    calls, heads = counting_runs(monkeypatch), counting_heads(monkeypatch)
     native = decode(forward, True)
     assert calls == list(range(forward.cfg.layers)) * (len(IDS) - 3)
+    assert heads == [1] * (len(IDS) - 3)  # the decode steps' heads; the prompt's stays in torch
     reference = decode(forward, False)
     assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
 
@@ -460,8 +481,37 @@ def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatc
     assert forward_for(gguf_files["pi-f32"], "sparse").native is None  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
+def test_the_native_head_gives_a_float64_heads_logits(gguf_files: dict[str, Path], tmp_path: Path, qtype: str) -> None:
+    """The final RMSNorm and the output rows in one call, for five tokens: F16 rows to float rounding of a float64
+    head; Q8_0 rows (a quantized file's output, as llama.cpp keeps it), whose products take the normalised input in
+    Q8_0 blocks, to that rounding (~1%)."""
+    path = gguf_files["dense-f16"]
+    if qtype != "F16":
+        path = quantize_gguf(path, tmp_path / f"tiny.{qtype}.gguf", qtype).outfile
+    forward = forward_for(path, "dense")
+    native = forward.native  # type: ignore[attr-defined]
+    assert native is not None
+    output = forward.output  # type: ignore[attr-defined]
+    assert (output.qtype.name if isinstance(output, QuantizedMatrix) else "F16") == qtype
+    h = torch.randn(5, forward.cfg.hidden, generator=torch.Generator().manual_seed(0)) * 3
+    cache = make_kv_cache(forward.cfg, CTX, slots=5)
+    native.begin(TokenBatch.decode([1] * 5, [0] * 5, list(range(5))), None, None, cache)
+    logits = native.head(h)
+    assert logits is not None
+    rows = output.row_range(0, output.shape[0]) if isinstance(output, QuantizedMatrix) else output
+    x = h.double()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + forward.cfg.norm_eps)
+    reference = (normed * forward.norm.double()) @ rows.double().T  # type: ignore[attr-defined]
+    tolerance = 1e-5 if qtype == "F16" else 0.02
+    assert (logits.double() - reference).abs().max() <= tolerance * reference.abs().max()
+    if qtype != "F16":
+        assert (logits.double() - reference).abs().mean() <= 0.002 * reference.abs().max()
+
+
 def test_a_description_that_does_not_fit_is_refused(gguf_files: dict[str, Path]) -> None:
-    """The kernel checks every matrix against the dimensions before it reads: a wrong row count is an error."""
+    """The kernel checks every matrix against the dimensions before it reads: a wrong row count is an error, and
+    so is a head whose rows are narrower than the hidden size."""
     forward = forward_for(gguf_files["pi-f16"], "sparse")
     native = forward.native  # type: ignore[attr-defined]
     assert native is not None
@@ -473,3 +523,8 @@ def test_a_description_that_does_not_fit_is_refused(gguf_files: dict[str, Path])
         with pytest.raises(UserError, match="corrupt"):
             forward.forward(TokenBatch.decode([1], [3], [0]), cache)
     assert torch.equal(cache.k[1], before[1])  # layer 1 wrote nothing
+    native.layers[1].o.rows += 1
+    assert native.output is not None
+    native.output.cols -= 1  # the head's rows checked likewise
+    with torch.inference_mode(), pytest.raises(UserError, match="corrupt"):
+        forward.forward(TokenBatch.decode([1], [3], [0]), cache)
