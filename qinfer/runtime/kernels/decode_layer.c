@@ -876,7 +876,7 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
 /* The output head for tokens h [tokens, E] (a decode step's last layer's output): the final norm (RMSNorm, or
  * LayerNorm with `bias`) with the weights w, then logits [tokens, m's rows] = the normalised rows . m's rows, in one
  * call where torch took six operator calls and the product's. Returns 0, or -1 (nothing written) where m does not
- * fit the dimensions or the scratch. */
+ * fit the dimensions or the scratch, or there are no tokens. */
 int64_t qinfer_decode_head(const matrix *m, const float *w, const float *bias, const dims *d, const scratch *s,
                            const float *h, int64_t tokens, float *logits, int threads) {
     int64_t e = d->hidden;

@@ -451,8 +451,8 @@ class DecodeLayers:
     def head(self, h: torch.Tensor) -> torch.Tensor | None:
         """The logits [T, V] of the last layer's output h [T, E] (rows of a forward call's, after `run`: the scratch
         is sized for its tokens), or None where the head does not run natively."""
-        if self.output is None or self._norm is None or h.shape[0] > self.dims.tokens:
-            return None
+        if self.output is None or self._norm is None or not 0 < h.shape[0] <= self.dims.tokens:
+            return None  # a step that asks for no row's logits gets torch's empty ones
         logits = torch.empty(h.shape[0], self.output.rows)
         status = self._head_entry(
             ctypes.addressof(self.output), *self._norm, self._dims_at, self._scratch_at, h.data_ptr(), h.shape[0],
