@@ -107,12 +107,15 @@ def batch_step(
 Rows = list[int] | None  # increasing indices of a step's tokens; None: every one
 
 
-def part_ranges(step: Step) -> Iterator[tuple[Step, int, int]]:
-    """Each of the step's parts with the range of its tokens in the batch, start and end."""
+def part_ranges(step: Step, kept: Rows = None) -> Iterator[tuple[Step, int, int, int, int]]:
+    """Each of the step's parts with the range of its tokens in the batch, start and end, and the range of its tokens
+    among `kept` (increasing indices of the batch's tokens; None: every one), which is start and end themselves where
+    every token is kept."""
     start = 0
     for part in step.parts:
         end = start + part.batch.tokens.shape[0]
-        yield part, start, end
+        a, b = (start, end) if kept is None else (bisect_left(kept, start), bisect_left(kept, end))
+        yield part, start, end, a, b
         start = end
 
 
@@ -120,12 +123,7 @@ def by_part(step: Step, run: Callable[[Step, slice], torch.Tensor], keep: Rows =
     """run(part, rows) over each of the step's parts in turn, `rows` the part's tokens in the batch; the outputs in
     the batch's order. With `keep`, the tensors `run` reads hold those tokens alone: `rows` are then the part's kept
     tokens among them, and a part with none is skipped."""
-    outs = []
-    for part, start, end in part_ranges(step):
-        rows = slice(start, end) if keep is None else slice(bisect_left(keep, start), bisect_left(keep, end))
-        if rows.stop > rows.start:
-            outs.append(run(part, rows))
-    return torch.cat(outs)
+    return torch.cat([run(part, slice(a, b)) for part, _, _, a, b in part_ranges(step, keep) if b > a])
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Step, Rows], torch.Tensor]
@@ -138,12 +136,8 @@ def attend_by_part(
     (the tokens whose rows alone q holds, as `parts_take_queries` allows), each part attends its own among them:
     all of its tokens, or where it is one sequence's run (a prompt's chunk), some or none."""
     outs = []
-    for part, start, end in part_ranges(step):
-        if queries is None:
-            a, b, mine = start, end, None
-        else:
-            a, b = bisect_left(queries, start), bisect_left(queries, end)
-            mine = None if b - a == end - start else [r - start for r in queries[a:b]]
+    for part, start, end, a, b in part_ranges(step, queries):
+        mine = None if queries is None or b - a == end - start else [r - start for r in queries[a:b]]
         outs.append(attend(q[a:b], k[start:end], v[start:end], layer, part, mine))
     return torch.cat(outs)
 
@@ -151,11 +145,9 @@ def attend_by_part(
 def parts_take_queries(step: Step, queries: list[int]) -> bool:
     """Whether each of the step's parts keeps all of its tokens among `queries`, or is one sequence's run, whose
     queries `attend_by_part` can take some or none of (the single tokens of several slots go all together)."""
-    for part, start, end in part_ranges(step):
-        kept = bisect_left(queries, end) - bisect_left(queries, start)
-        if kept != end - start and not part.batch.single_sequence:
-            return False
-    return True
+    return all(
+        b - a == end - start or part.batch.single_sequence for part, start, end, a, b in part_ranges(step, queries)
+    )
 
 
 def attention_mask(batch: TokenBatch, device: torch.device, window: int | None = None) -> torch.Tensor | None:
