@@ -971,28 +971,30 @@ int qinfer_selected_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type,
                         int64_t f, int form, float *out, int64_t counts[2], int threads) {
     if (f < 1 || tokens < 1) return -1;
     int64_t *ids = malloc((size_t)f * sizeof *ids);
-    uint8_t *mask = tokens > 1 ? malloc((size_t)(tokens * f)) : NULL;
-    float *act = malloc((size_t)(tokens * f) * sizeof *act);
+    if (!ids) return -2;
+    int64_t k = 0, skipped = 0;
+    for (int64_t i = 0; i < f; i++) {
+        int any = 0;
+        for (int64_t t = 0; t < tokens; t++) any |= selected[t * f + i];
+        if (!any) continue;
+        if (skip && skip[i])
+            skipped++;
+        else
+            ids[k++] = i;
+    }
+    /* Scratch for the listed neurons alone (at least one, so that no allocation is of zero bytes). */
+    int64_t room = k > 0 ? k : 1;
+    uint8_t *mask = tokens > 1 ? malloc((size_t)(tokens * room)) : NULL;
+    float *act = malloc((size_t)(tokens * room) * sizeof *act);
     int status = -2;
-    if (ids && act && (tokens == 1 || mask)) {
-        int64_t k = 0, skipped = 0;
-        for (int64_t i = 0; i < f; i++) {
-            int any = 0;
-            for (int64_t t = 0; t < tokens; t++) any |= selected[t * f + i];
-            if (!any) continue;
-            if (skip && skip[i])
-                skipped++;
-            else
-                ids[k++] = i;
-        }
+    if (act && (tokens == 1 || mask)) {
         /* One token: every neuron listed is its own. */
         for (int64_t t = 0; mask && t < tokens; t++)
             for (int64_t j = 0; j < k; j++) mask[t * k + j] = selected[t * f + ids[j]] != 0;
         counts[0] = k;
         counts[1] = skipped;
-        status = qinfer_sparse_ffn(gate, gate_stride, gate_type, gate_shape, up, up_stride, up_type, up_shape, down,
-                                   down_stride, down_type, down_shape, x, n, tokens, ids, k, mask, form, act, out,
-                                   threads);
+        status = sparse_ffn(gate, gate_stride, gate_type, gate_shape, up, up_stride, up_type, up_shape, down,
+                            down_stride, down_type, down_shape, x, n, tokens, ids, k, mask, 0, form, act, out, threads);
     }
     free(ids);
     free(mask);
