@@ -86,14 +86,17 @@ def _cpu_flags() -> set[str]:
 
 @pytest.fixture(params=list(row_kernels.TARGETS))
 def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test on each kernel build: the CPU's own (native), the AVX2 path and the plain C path, so that a
-    path this CPU would not pick is still checked here. A target the CPU cannot run is skipped."""
+    """Runs a test on each kernel build: the CPU's own (native), its own without the tile unit (AMX), the AVX2
+    path and the plain C path, so that a path this CPU would not pick is still checked here. A target the CPU
+    cannot run is skipped, and so is the build without AMX on a CPU without it (the native build again)."""
     target = str(request.param)
     if target != "native":
         if platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip("x86 instruction-set variants")
         if target == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
             pytest.skip("this CPU does not run AVX2 with FMA and F16C")
+        if target == "no-amx" and not {"amx_tile", "amx_int8"} <= _cpu_flags():
+            pytest.skip("this CPU has no AMX: its native build is the one without")
     monkeypatch.setenv("QINFER_KERNEL_TARGET", target)
     if target != "native" and row_kernels.kernel() is None:
         pytest.skip("no C compiler builds the kernel")

@@ -43,9 +43,11 @@ from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
 SOURCE = Path(__file__).with_name("decode_layer.c")
 SOURCES = (SOURCE, Path(__file__).with_name("row_kernels.c"))
 # The instruction sets a build may target. The native build falls back to portable flags for compilers that do not
-# know -march=native; the others exist to run (and test) the AVX2 and plain C paths on a wider CPU.
+# know -march=native; the others exist to run (and test) the paths a wider CPU would not take: its own without the
+# tile unit (AMX), AVX2, and plain C.
 TARGETS: dict[str, tuple[list[str], ...]] = {
     "native": (["-O3", "-march=native"], ["-O3"]),
+    "no-amx": (["-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],),
     "avx2": (["-O3", "-march=haswell"],),
     "scalar": (["-O3", "-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["-O3"],),
 }
@@ -232,6 +234,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qinfer_f16_blocked.restype = ctypes.c_int32
     lib.qinfer_abi.argtypes = [p]
     lib.qinfer_abi.restype = i64
+    if (tile_unit := getattr(lib, "qinfer_tile_unit", None)) is not None:
+        tile_unit.argtypes = []
+        tile_unit.restype = ctypes.c_int32
     if (release := getattr(lib, "qinfer_release_threads", None)) is not None:
         release.argtypes = []
         release.restype = None

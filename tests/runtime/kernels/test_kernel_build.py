@@ -1,4 +1,4 @@
-"""Building and loading the native kernels: a library per instruction set in the user cache, the three targets the
+"""Building and loading the native kernels: a library per instruction set in the user cache, the targets the
 suite runs, an unknown target refused, and the torch path where no compiler builds them."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_two_cpu_feature_sets_get_two_libraries(monkeypatch: pytest.MonkeyPatch)
 
 def test_an_unknown_target_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QINFER_KERNEL_TARGET", "avx1024")
-    with pytest.raises(UserError, match="QINFER_KERNEL_TARGET='avx1024'.*native, avx2, scalar"):
+    with pytest.raises(UserError, match="QINFER_KERNEL_TARGET='avx1024'.*native, no-amx, avx2, scalar"):
         row_kernels.kernel()
 
 
@@ -199,3 +199,19 @@ def test_only_this_users_stale_builds_are_removed(fresh_kernel: Path) -> None:
     os.chown(theirs, 4242, 4242)
     assert row_kernels.kernel() is not None
     assert not ours.exists() and theirs.exists()
+
+
+@needs_compiler
+@x86
+def test_a_cpu_with_amx_gets_the_tile_unit_in_its_native_build_alone() -> None:
+    """The blocked quantized product's tile form (AMX) is in the native build of a CPU that has it, used where
+    Linux grants the tile registers (a virtual machine may not), and in no other build: not in the no-amx build,
+    and not in any build of a CPU without AMX."""
+    flags = Path("/proc/cpuinfo").read_text().split()
+    has_amx = "amx_tile" in flags and "amx_int8" in flags
+    if has_amx and "amx-int8" not in row_kernels.instruction_set(COMPILER, row_kernels.TARGETS["native"][0]):
+        pytest.skip("this compiler does not target AMX")
+    for target, tile_unit in (("native", has_amx), ("no-amx", False), ("avx2", False)):
+        lib = row_kernels.load(target)
+        assert lib is not None
+        assert (lib.qinfer_tile_unit() > 0) == tile_unit, target

@@ -266,14 +266,17 @@ def test_short_f16_rows_match_float64(cols: int) -> None:
 
 @needs_compiler
 @pytest.mark.parametrize("qtype", [Q4, Q8])
-@pytest.mark.parametrize(("tokens", "cols"), [(17, 96), (27, 96), (49, 96), (17, 8224), (57, 8224), (130, 8224)])
+@pytest.mark.parametrize(
+    ("tokens", "cols"), [(11, 8224), (17, 96), (27, 96), (49, 96), (17, 8224), (57, 8224), (130, 8224)]
+)
 def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype: GGMLQuantizationType, tokens: int,
                                                        cols: int) -> None:  # fmt: skip
     """Quantized rows against more than 16 tokens go through the blocked integer product (from 24 under AVX-512
-    VNNI), exact to float32 sums of the same integer block products (AVX2's Q4_0 tile takes the weights' offset
-    off the scaled sums, within the same bound): 37 rows (off every row tile), token counts
-    off every token tile, 3 blocks and 257 (past several chunks of columns, by one block), and at 8224 columns 130
-    tokens, more than one token block (those whose inputs fill 1 MiB)."""
+    VNNI, from 10 in AMX's tile unit), exact to float32 sums of the same integer block products (AVX2's Q4_0 tile
+    takes the weights' offset off the scaled sums, within the same bound): 37 rows (off every row tile), token
+    counts off every token tile (11: one tile unit's tile, its inputs repeated), 3 blocks and 257 (past several
+    chunks of columns, by one block), and at 8224 columns 130 tokens, more than one token block (those whose inputs
+    fill 1 MiB)."""
     w = _quantized(37, cols, qtype, 25)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(26))
     out = row_kernels.matvec(x, w)
@@ -288,10 +291,11 @@ def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype:
 @pytest.mark.parametrize(("rows", "cols"), [(37, 96), (16, 8224), (3, 64)])
 def test_quantized_rows_sixteen_at_a_time_match_float64(kernel_build: str, qtype: GGMLQuantizationType, tokens: int,
                                                         rows: int, cols: int) -> None:  # fmt: skip
-    """Quantized rows against fewer than 24 tokens (Q8_0 from 2; more go to the blocked product), which AVX-512
-    VNNI takes sixteen rows at a time (each block transposed in registers, a lane per row) and the other builds row
-    by row: exact to float32 sums of the same integer block products, for token counts that use every token tile
-    (16, 8, 4, 2, 1) and row counts that leave a partial row tile, fill one exactly, or stay under one."""
+    """Quantized rows against fewer than 24 tokens (Q8_0 from 2; more, or with AMX from 10, go to the blocked
+    product), which AVX-512 VNNI takes sixteen rows at a time (each block transposed in registers, a lane per row)
+    and the other builds row by row: exact to float32 sums of the same integer block products, for token counts
+    that use every token tile (16, 8, 4, 2, 1) and row counts that leave a partial row tile, fill one exactly, or
+    stay under one."""
     w = _quantized(rows, cols, qtype, 27)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(28))
     out = row_kernels.matvec(x, w)
