@@ -53,6 +53,7 @@ from decode_peers import (
     selected_shares,
     step_bytes,
 )
+from machine import cpu
 from rich.console import Console
 from rich.table import Table
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -239,7 +240,8 @@ def main() -> None:
     if not llama_cpp:
         console.print(LLAMA_CPP_MISSING, markup=False)  # its pip extra's [peers] is no markup
     bandwidth = read_bandwidth()
-    console.print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB, {threads} threads, best of 5)")
+    console.print(f"{cpu()}; read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB, {threads} threads, best "
+                  "of 5)", markup=False)  # fmt: skip
     table = Table(title=f"decode tokens/s on the CPU ({threads} threads, {args.tokens} tokens)")
     columns = ("model", "(a) HF f16", "(a) HF f32", "(b) ours dense", "(c) ours sparse", "(c') torch path")
     for col in (*columns, "b / best a", "c / b", "c' / b"):
@@ -386,6 +388,7 @@ def prefill_only(args: argparse.Namespace) -> None:
     console = Console(width=max(Console().width, 170))
     if not llama_cpp_available():
         console.print(LLAMA_CPP_MISSING, markup=False)
+    console.print(cpu(), markup=False)
     table = Table(title=f"prompt (prefill) tokens/s on the CPU ({threads} threads, -c {args.ctx})")
     before = None if args.before_kernels is None else kernels_from(args.before_kernels)
     columns = ("ours before", "ours", "llama.cpp", "before/llama.cpp", "ours/llama.cpp", "ours/before")

@@ -39,6 +39,7 @@ import torch
 from decode import bench_model, bench_prompt, engine_decoder, quantized, transformers_decoder
 from decode_peers import Speed, Timer, engine_main_problem, powerinfer_decoder
 from deep_model import deep_model
+from machine import cpu
 from rich.console import Console
 from rich.table import Table
 
@@ -60,15 +61,8 @@ CPU_PARTS: list[ThreadPoolExecutor] = []
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-        cpu = f"{names[0]} ({len(names)} threads)" if names else cpu
-    except OSError:
-        pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"GPU: {gpu}; CPU: {cpu}; torch {torch.__version__}"
+    return f"GPU: {gpu}; CPU: {cpu()}, {os.cpu_count()} threads; torch {torch.__version__}"
 
 
 def placed(model: Path, work: Path, name: str) -> Path:

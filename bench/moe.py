@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from decode import bench_prompt, engine_decoder
 from decode_peers import LLAMA_CPP_MISSING, Speed, Timer, llama_cpp_available, llama_cpp_decoder
+from machine import cpu
 from rich.console import Console
 from rich.table import Table
 
@@ -57,13 +58,6 @@ def slice_files(root: Path, name: str) -> dict[str, Path]:
     if not files["Q4_0"].exists():
         quantize_gguf(files["F16"], files["Q4_0"], "Q4_0")
     return files
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def routing_profile(root: Path, name: str, tokens: int) -> tuple[np.ndarray, ...]:
@@ -164,7 +158,7 @@ def main() -> None:
                 speed = decode()
                 best[key] = best[key].best(speed) if key in best else speed
         table = Table(
-            title=f"MoE decode tokens/s, batch 1, {args.threads} threads, {cpu_name()} (best of {args.rounds} "
+            title=f"MoE decode tokens/s, batch 1, {args.threads} threads, {cpu()} (best of {args.rounds} "
             f"interleaved rounds, {args.tokens} tokens after a {args.prompt_tokens}+ token prompt)"
         )
         for col in ("slice", "type", "ours", "llama.cpp", "ours / llama.cpp"):

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from machine import cpu
 
 PROMPTS = ["Once upon a time", "Lily found a red ball", "One day, a little fox", "Mia had 5 apples"]
 
@@ -153,10 +154,8 @@ def main() -> None:
                         level = load_level(url, c, args.requests, args.max_tokens, args.max_seconds)
                         rows[name][c] = best(rows[name].get(c), level)
                 print(f"round {round_ + 1}: {name} done", file=sys.stderr)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")  # fmt: skip
-    print(f"{model.name}, {cpu}, {threads} threads, {slots} slots of {args.ctx_size} tokens, {args.max_tokens} tokens "
-          f"per request, loopback, best of {args.rounds} rounds")  # fmt: skip
+    print(f"{model.name}, {cpu()}, {threads} threads, {slots} slots of {args.ctx_size} tokens, "
+          f"{args.max_tokens} tokens per request, loopback, best of {args.rounds} rounds")  # fmt: skip
     names = list(commands)
     header = f"{'clients':>7}" + "".join(f" {n + ' tok/s':>15} {'p50 s':>7} {'p99 s':>7}" for n in names)
     if len(names) == 2:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 from decode import NOT_RUN, _cell, _ratio, runtime_decoder
 from decode_peers import LLAMA_CPP_MISSING, Speed, llama_cpp_available, llama_cpp_decoder, read_bandwidth
+from machine import cpu
 from rich.console import Console
 from rich.table import Table
 
@@ -184,16 +184,6 @@ def speed(work: Path, sparsities: list[float], rounds: int, tokens: int, console
         console.print(table)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="quality,speed")
@@ -207,7 +197,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     sparsities = [float(s) for s in args.sparsities.split(",")]
     console = Console()
-    console.print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    console.print(f"{cpu()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     parts = args.part.split(",")
     if "quality" in parts:
         quality(args.work, sparsities, console)

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from decode import bench_model, kernels_from, on_kernels, quantized
 from decode_peers import read_bandwidth
+from machine import cpu
 from rich.console import Console
 from rich.table import Table
 
@@ -224,11 +225,9 @@ def main() -> None:
     if any(name not in CACHE_TYPES for name in caches):
         parser.error(f"--cache-type: use {', '.join(CACHE_TYPES)}")
     console = Console(width=max(Console().width, 170))
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")  # fmt: skip
     bandwidth = read_bandwidth()
     before = None if args.before_kernels is None else kernels_from(args.before_kernels)
-    console.print(f"{cpu}, {threads} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB)")
+    console.print(f"{cpu()}, {threads} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB)")
     model = bench_model(args.work, args.model)
     variants = [(model, "F16"), *([(quantized(model, args.quant), args.quant)] if args.quant else [])]
     timers: dict[str, Timer] = {}
