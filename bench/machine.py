@@ -25,12 +25,13 @@ def cpu_name() -> str:
 
 
 def cpu() -> str:
-    """The CPU's name, its widest vector set, AVX512-FP16 and AMX where it has them, and the kernel build in use:
-    e.g. "Intel(R) Xeon(R) Processor (AVX-512 VNNI, AVX512-FP16, AMX; kernels: native, AMX in use)"."""
+    """The CPU's name, its widest vector set the kernels have a path for, AVX512-FP16 and AMX where it has them, and
+    the kernel build in use: e.g. "Intel(R) Xeon(R) Processor (AVX-512 VNNI, AVX512-FP16, AMX; kernels: native,
+    AMX in use)"."""
     flags = {flag for line in _cpuinfo() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
     sets = [next((name for flag, name in VECTOR_SETS if flag in flags), "no AVX2")]
     sets += [name for flag, name in (("avx512_fp16", "AVX512-FP16"), ("amx_int8", "AMX")) if flag in flags]
-    lib = row_kernels.kernel()
+    lib = row_kernels.kernel() if row_kernels.enabled() else None
     if lib is None:
         kernels = "no native kernels"
     else:

@@ -481,9 +481,9 @@ static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int
  * Against the row-at-a-time kernels, on 11008 x 4096 and 4096 x 11008 Q4_0 read from memory (matrices well past
  * the last-level cache), two Zen 5 threads: 1 token 0.99-1.09x, 2 tokens 1.4-1.9x, 4 tokens 2.0-2.6x, 16 tokens
  * 2.6-2.8x. A whole matrix's products of QG_MIN_TOKENS tokens and more go to the blocked product (q_gemm) instead,
- * which is quicker from about 24 tokens (from 10 in the tile unit: qg_takes); a selection's rows, which it cannot take, come here up to QX_MAX_TOKENS - 1
- * tokens. Q8_0 rows, twice the bytes of weights, stay on the row kernel for one token, which reads them at memory
- * speed already. */
+ * which is quicker from about 24 tokens (from 10 in the tile unit: qg_takes); a selection's rows, which it cannot
+ * take, come here up to QX_MAX_TOKENS - 1 tokens. Q8_0 rows, twice the bytes of weights, stay on the row kernel for
+ * one token, which reads them at memory speed already. */
 #define QX_ROWS 16
 #define QX_TOKENS 16
 #define QX_MAX_TOKENS 48
@@ -1400,6 +1400,12 @@ static int amx_granted(void) {
     return got > 0;
 }
 
+/* Asked when the library loads, so that every thread of a parallel region reads the same answer, and a thread's
+ * choice of kernel (which decides its worksharing loops' token blocks, see q_gemm) never depends on a race. */
+__attribute__((constructor)) static void amx_ask(void) { amx_granted(); }
+
+_Static_assert(QG_ROWS * 4 == 64, "a tile's line of 64 bytes holds a sum or a group of four bytes of each row");
+
 static void amx_configure(void) {
     struct {
         uint8_t palette, start_row, reserved[14];
@@ -1423,9 +1429,10 @@ static inline __attribute__((always_inline)) void qg_amx_scale(const int32_t c[Q
                                                               const float *s, const float *const d[QG_AMX_TOKENS],
                                                               int64_t b, __m512 acc[QG_AMX_TOKENS]) {
     __m512 dw = _mm512_loadu_ps(s);
-    for (int t = 0; t < QG_AMX_TOKENS; t++)
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[t])), _mm512_mul_ps(dw, _mm512_set1_ps(d[t][b])),
-                                 acc[t]);
+    for (int t = 0; t < QG_AMX_TOKENS; t++) {
+        __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(d[t][b]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[t])), scale, acc[t]);
+    }
 }
 
 /* A token block's quantized inputs, tokens t0..t1-1, packed for the tile unit: 16 tokens' block b (32 bytes each,
@@ -1622,13 +1629,14 @@ static void qg_tile(const uint8_t *w, const float *s, const int8_t *const q[QG_T
 static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, const q8_act *xq, int64_t n,
                    int64_t tokens, float *out) {
     int64_t nb = n / QK, tiles = (rows + QG_ROWS - 1) / QG_ROWS;
-    /* Every thread takes the same token blocks, a multiple of every tile's tokens. */
+    /* Every thread meets the same worksharing loops, one per token block, so a thread with the tile unit and one
+     * without (no memory for its copy) take the same blocks: a multiple of both tiles' tokens. */
     int64_t block = QG_CACHED / (n > 0 ? n : 1) / QG_MOST_TOKENS * QG_MOST_TOKENS;
     if (block < QG_MOST_TOKENS) block = QG_MOST_TOKENS;
 #if QG_AMX
-    /* Each thread packs each token block for itself: a copy of at most QG_CACHED bytes next to the block's
-     * products over every row tile. Where the tile unit is refused, or the copy has no memory, this thread takes
-     * the VNNI tile. */
+    /* Each thread packs each token block for itself: a copy of at most QG_CACHED bytes (of 16 tokens where one
+     * input is larger) next to the block's products over every row tile. Where the tile unit is refused, or the
+     * copy has no memory, this thread takes the VNNI tile. */
     int64_t span = (tokens < block ? tokens : block) + QG_AMX_TOKENS - 1;
     int8_t *packed = amx_granted() ? aligned_alloc(64, span / QG_AMX_TOKENS * QG_AMX_TOKENS * n) : NULL;
     int amx = packed != NULL;
@@ -1695,23 +1703,24 @@ static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, con
 #endif
 }
 
-/* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n], inside a parallel region: each row is read once for
- * all of them. xq holds the inputs quantized (for quantized rows). */
-/* Whether the blocked product takes a product of `tokens` tokens over rows of `type`. The tile unit's tiles take 16
+/* Whether the blocked product takes a product of `tokens` tokens over rows of `type` and n columns (a row of no
+ * whole block has nothing for it to sum, and the row kernels write its zeros). The tile unit's tiles take 16
  * tokens, and from 10 they beat the sixteen-row kernel's 8 + 2 (Q4_0, 4096 x 4096, 11008 x 4096 and 4096 x 11008
  * from memory, two threads of an Intel Xeon with AMX, best of 8: 8 tokens 0.82x, 10 1.18x, 12 1.31x, 14 1.65x, 16
  * 1.19x, 20 1.33x). */
-static int qg_takes(int type, int64_t tokens) {
-    if (type == F16) return 0;
+static int qg_takes(int type, int64_t n, int64_t tokens) {
+    if (type == F16 || n < QK) return 0;
 #if QG_AMX
     if (tokens >= 10 && amx_granted()) return 1;
 #endif
     return tokens >= QG_MIN_TOKENS;
 }
 
+/* out[t, r] = row r . x[t] for `tokens` inputs x [tokens, n], inside a parallel region: each row is read once for
+ * all of them. xq holds the inputs quantized (for quantized rows). */
 static void matvec_rows(int type, const uint8_t *w, int64_t stride, int64_t rows, const float *x, const q8_act *xq,
                         int64_t n, int64_t tokens, float *out) {
-    if (qg_takes(type, tokens)) {
+    if (qg_takes(type, n, tokens)) {
         q_gemm(type, w, stride, rows, xq, n, tokens, out);
         return;
     }
@@ -1764,8 +1773,8 @@ int32_t qinfer_f16_blocked(void) {
 #endif
 }
 
-/* Whether the blocked quantized product has the tile unit (AMX): 0 not in this build, 1 built but refused by the
- * kernel, 2 in use. */
+/* Whether the blocked quantized product has the tile unit (AMX): 0 not in this build, 1 built but refused by Linux,
+ * 2 in use. */
 int32_t qinfer_tile_unit(void) {
 #if QG_AMX
     return amx_granted() ? 2 : 1;

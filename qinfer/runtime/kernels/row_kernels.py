@@ -8,10 +8,10 @@ The C source is compiled on first use with the machine's C compiler (`$CC`, else
 cache (`$XDG_CACHE_HOME/qinfer/kernels`) and loaded with ctypes. A library is named by the instruction set it was
 built for, as the compiler resolves it, and by a hash of the source and the compiler: a home directory shared by
 an AVX-512 machine and an AVX2 one holds a library for each, and neither loads the other's. The build targets the
-CPU it runs on; `QINFER_KERNEL_TARGET=avx2` or `scalar` builds the AVX2 or the plain C path instead (the tests run
-all three). Where it cannot be built the runtime keeps its torch path (gather, or expand then matmul), so the
-kernels are an accelerator, never a requirement; QINFER_NATIVE=0 turns them off (for side-by-side benchmarks and
-debugging).
+CPU it runs on; `QINFER_KERNEL_TARGET=no-amx`, `avx2` or `scalar` builds it without AMX's tile unit, or the AVX2 or
+the plain C path instead (the tests run each). Where it cannot be built the runtime keeps its torch path (gather,
+or expand then matmul), so the kernels are an accelerator, never a requirement; QINFER_NATIVE=0 turns them off
+(for side-by-side benchmarks and debugging).
 
 Loading a library runs its code, and its name can be computed by anyone, so only a file this user made is loaded:
 the cache's directories are made 0700, and a directory or library that is a link, belongs to another user or may
@@ -47,7 +47,8 @@ SOURCES = (SOURCE, Path(__file__).with_name("row_kernels.c"))
 # tile unit (AMX), AVX2, and plain C.
 TARGETS: dict[str, tuple[list[str], ...]] = {
     "native": (["-O3", "-march=native"], ["-O3"]),
-    "no-amx": (["-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],),
+    # A compiler that does not know -mno-amx-tile (GCC and clang before 11) knows no AMX to leave out.
+    "no-amx": (["-O3", "-march=native", "-mno-amx-tile"], ["-O3", "-march=native"], ["-O3"]),
     "avx2": (["-O3", "-march=haswell"],),
     "scalar": (["-O3", "-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else ["-O3"],),
 }

@@ -56,25 +56,30 @@ def decode_logits(path: Path, ids: list[int], options: RuntimeOptions) -> torch.
         return torch.cat([forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)])
 
 
+def assert_equal_but_for_a_rounding(logits: torch.Tensor, expected: torch.Tensor) -> None:
+    """Logits of two paths that compute the same integer block products of Q4_0 rows, but reach the inputs they
+    quantize to Q8_0 through float sums in another order (attention, norms, a split's two halves): now and then an
+    input value lands on the other side of a rounding and moves its token's logits by about a quantization step (one
+    token of a prompt on an Intel Xeon, by 3-4e-3 of the largest logit, in builds with and without AVX-512). Every
+    other token agrees to the summation order; a path wired wrong moves many tokens, or one by more."""
+    assert logits.shape == expected.shape
+    scale = expected.abs().max().item()
+    off = (logits - expected).abs().amax(dim=1)
+    assert off.max().item() < 1e-2 * scale
+    assert int((off >= 1e-4 * scale).sum()) <= 1
+
+
 def test_q4_prompt_logits_match_token_by_token(q4: Path) -> None:
     """A prompt of a Q4_0 file prefilled at once (its products through a kernel of many tokens: the blocked integer
-    product, or under 24 tokens on AVX-512 VNNI the sixteen-row one) gives the logits of feeding it a token at a time:
-    the same integer block products, summed in another order. The float sums before a product (attention, norms)
-    differ in their last bits between the two, so now and then an input value quantized to Q8_0 rounds the other way
-    and moves that token's logits by about a quantization step (one token of 57 on an Intel Xeon, by 3e-3 of the
-    largest logit); every other token agrees to the summation order."""
+    product, or under 24 tokens on AVX-512 VNNI, under 10 where AMX runs the blocked product, the sixteen-row one)
+    gives the logits of feeding it a token at a time."""
     ids = GGUFTokenizer(open_model(q4).metadata).encode(PROMPT * 3)
     assert len(ids) > 16
     options = RuntimeOptions(ffn="dense")
     forward = load_forward(open_model(q4), options).forward
     with torch.inference_mode():
         prompt = forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), KVCache(forward.cfg, 64))
-    one_by_one = decode_logits(q4, ids, options)
-    assert prompt.shape == one_by_one.shape
-    scale = one_by_one.abs().max().item()
-    off = (prompt - one_by_one).abs().amax(dim=1)
-    assert off.max().item() < 1e-2 * scale
-    assert int((off >= 1e-4 * scale).sum()) <= len(ids) // 16
+    assert_equal_but_for_a_rounding(prompt, decode_logits(q4, ids, options))
 
 
 def test_split_q4_matches_cpu_sparse(q4: Path) -> None:
@@ -83,7 +88,7 @@ def test_split_q4_matches_cpu_sparse(q4: Path) -> None:
     budget = budget_gib(q4, 0.5, 512)
     for schedule in ("static", "dynamic"):
         split = RuntimeOptions(vram_budget_gib=budget, device="cpu", schedule=schedule, reset_gpu_index=True)
-        assert (decode_logits(q4, ids, split) - cpu).abs().max().item() < 1e-4, schedule
+        assert_equal_but_for_a_rounding(decode_logits(q4, ids, split), cpu)
     plan = load_forward(open_model(q4), split).plan
     assert plan is not None
     assert 0 < sum(int(m.sum()) for m in plan.placement.gpu_neurons) < sum(m.size for m in plan.placement.gpu_neurons)

@@ -274,9 +274,9 @@ def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype:
     """Quantized rows against more than 16 tokens go through the blocked integer product (from 24 under AVX-512
     VNNI, from 10 in AMX's tile unit), exact to float32 sums of the same integer block products (AVX2's Q4_0 tile
     takes the weights' offset off the scaled sums, within the same bound): 37 rows (off every row tile), token
-    counts off every token tile (11: one tile unit's tile, its inputs repeated), 3 blocks and 257 (past several
-    chunks of columns, by one block), and at 8224 columns 130 tokens, more than one token block (those whose inputs
-    fill 1 MiB)."""
+    counts off every token tile (11: under AMX one tile of its tile unit, the last input repeated; elsewhere the
+    row kernels), 3 blocks and 257 (past several chunks of columns, by one block), and at 8224 columns 130 tokens,
+    more than one token block (those whose inputs fill 1 MiB)."""
     w = _quantized(37, cols, qtype, 25)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(26))
     out = row_kernels.matvec(x, w)
