@@ -1296,6 +1296,7 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
  * 11008 Q4_0 from memory, two Zen 5 threads: 17 tokens 0.95-1.08x, 24 tokens 1.15-1.26x, 47 tokens 1.55x). */
 #if INT_AVX512
 #define QG_MIN_TOKENS 24
+#define QG_AMX_MIN_TOKENS 10 /* where the tile unit runs the blocked product: see qg_takes */
 #else
 #define QG_MIN_TOKENS (TOKEN_BLOCK + 1)
 #endif
@@ -1711,7 +1712,7 @@ static void q_gemm(int type, const uint8_t *w, int64_t stride, int64_t rows, con
 static int qg_takes(int type, int64_t n, int64_t tokens) {
     if (type == F16 || n < QK) return 0;
 #if QG_AMX
-    if (tokens >= 10 && amx_granted()) return 1;
+    if (tokens >= QG_AMX_MIN_TOKENS && amx_granted()) return 1;
 #endif
     return tokens >= QG_MIN_TOKENS;
 }
