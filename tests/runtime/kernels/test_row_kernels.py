@@ -265,6 +265,22 @@ def test_short_f16_rows_match_float64(cols: int) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [4, 11])
+def test_one_token_f16_rows_read_together_sum_as_each_row_alone(rows: int) -> None:
+    """A one-token F16 product reads its rows four at a time (two under AVX2): each row's sum is the one it gets
+    alone, bit for bit, and float64's up to float32 sums. 11 rows leave three to the one-row kernel; 1004 columns
+    pass the four-vector loop, then go a vector at a time, then lane by lane, under both vector widths."""
+    w = _half_rows(rows, 1004, 1040, 31)
+    x = torch.randn(1, 1004, generator=torch.Generator().manual_seed(32))
+    out = row_kernels.matvec(x, w)
+    alone = [row_kernels.matvec(x, w[r : r + 1]) for r in range(rows)]
+    assert out is not None and all(row is not None for row in alone)
+    assert torch.equal(out, torch.cat(alone, dim=1))  # type: ignore[arg-type]
+    ref = x.double() @ w.double().T
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_compiler
 @pytest.mark.parametrize("qtype", [Q4, Q8])
 @pytest.mark.parametrize(
     ("tokens", "cols"), [(11, 8224), (17, 96), (27, 96), (49, 96), (17, 8224), (57, 8224), (130, 8224)]
