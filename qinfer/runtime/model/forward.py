@@ -230,7 +230,8 @@ class TransformerForward:
                 call = self.native.begin(batch, cos, sin, cache)
                 for i in range(self.cfg.layers):
                     h = self.native.run(i, h, call, cache)
-                h = h if rows is None else h[rows]
+                # A decode step asks for every row, in order: indexing would only copy them.
+                h = h if rows is None or rows == list(range(h.shape[0])) else h[rows]
                 logits = self.native.head(h)
                 return self.head(h) if logits is None else logits
         step = self.step(batch)
