@@ -219,8 +219,9 @@ static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int
 
 /* How far ahead (bytes) a one-token F16 product reads each of its rows; 0 leaves it to the hardware prefetcher. On
  * an Intel Xeon (Sapphire Rapids, two threads of one core), four rows at once read 4096 x 4096, 11008 x 4096 and
- * 4096 x 11008 products at 1.2-1.3x one row at a time, and reading 1 KiB ahead made that 1.35-1.45x. It was measured
- * on Intel alone, where a core keeps too few reads in flight; elsewhere the streams are left as they were. */
+ * 4096 x 11008 products at 1.2-1.3x one row at a time, and reading 1 KiB ahead made that 1.35-1.45x. Both were
+ * measured on that Xeon alone; the rows are grouped everywhere, but reading ahead stays off on other vendors' CPUs,
+ * where it once cost consecutive rows bandwidth (prefetch, on Zen 4). */
 static int64_t f16_ahead;
 __attribute__((constructor)) static void f16_ahead_set(void) {
     __builtin_cpu_init();

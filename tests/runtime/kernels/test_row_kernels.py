@@ -268,8 +268,9 @@ def test_short_f16_rows_match_float64(cols: int) -> None:
 @pytest.mark.parametrize("rows", [4, 11])
 def test_one_token_f16_rows_read_together_sum_as_each_row_alone(rows: int) -> None:
     """A one-token F16 product reads its rows four at a time (two under AVX2): each row's sum is the one it gets
-    alone, bit for bit, and float64's up to float32 sums. 11 rows leave three to the one-row kernel; 1004 columns
-    pass the four-vector loop, then go a vector at a time, then lane by lane, under both vector widths."""
+    alone, bit for bit, and float64's up to float32 sums. 11 rows leave three (one under AVX2) to the one-row
+    kernel; 1004 columns pass the four-vector loop, then go a vector at a time, then lane by lane, under both
+    vector widths."""
     w = _half_rows(rows, 1004, 1040, 31)
     x = torch.randn(1, 1004, generator=torch.Generator().manual_seed(32))
     out = row_kernels.matvec(x, w)
