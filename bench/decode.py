@@ -201,7 +201,7 @@ def _cell(tps: float | None) -> str:
 
 
 def _ratio(ours: float, other: float) -> str:
-    return "—" if math.isnan(other) else f"{ours / other:.2f}x"
+    return "—" if math.isnan(ours) or math.isnan(other) else f"{ours / other:.2f}x"
 
 
 def main() -> None:
@@ -414,7 +414,9 @@ def prefill_only(args: argparse.Namespace) -> None:
             for key, run in decoders.items():
                 prompt = run().prompt
                 assert prompt is not None
-                best[key] = max(best.get(key, 0.0), prompt)
+                # NaN where llama.cpp died (llama_cpp_decoder): the best of what did run.
+                had = best.get(key, math.nan)
+                best[key] = prompt if math.isnan(had) else max(had, prompt)
         for path in files:
             ours, llama = best[path, "ours"], best.get((path, "llama.cpp"), math.nan)
             cells = [_cell(ours), _cell(llama), _ratio(ours, llama)]

@@ -1,8 +1,8 @@
 """What bench/decode.py measures our decode against: llama.cpp, the PowerInfer engine, and the bandwidth limit.
 
-llama.cpp runs in this process through llama-cpp-python (the optional `peers` extra, `pip install -e '.[peers]'`);
-the PowerInfer engine's `main` runs as a subprocess from a build the user points at, and its speeds are read from
-the timing lines it prints on stderr. The limit is the bytes one decode step must read (the planner's accounting,
+llama.cpp runs through llama-cpp-python (the optional `peers` extra, `pip install -e '.[peers]'`) in a process of
+its own; the PowerInfer engine's `main` runs as a subprocess from a build the user points at, and its speeds are read
+from the timing lines it prints on stderr. The limit is the bytes one decode step must read (the planner's accounting,
 qinfer/planner/model_layout.py) over the read bandwidth measured on this machine.
 """
 
@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import multiprocessing
 import os
 import re
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -58,12 +62,53 @@ def llama_cpp_available() -> bool:
 
 def llama_cpp_decoder(path: Path, prompt_ids: list[int], n: int, threads: int, ctx: int) -> Timer:
     """llama.cpp on a dense GGUF: the prompt, then n greedy steps, each timed like ours (the median step).
-    Speed only: llama.cpp applies SiLU to any `llama` file, so a ReLU model's tokens differ from ours."""
+    Speed only: llama.cpp applies SiLU to any `llama` file, so a ReLU model's tokens differ from ours.
+
+    It runs in a process of its own, which times each run and sends the speeds back: a llama.cpp build that dies on
+    this CPU (its native build stops with SIGILL on Q4_0 on an Intel Xeon in a virtual machine) ends that process
+    alone. Its runs then read NaN (the column's dash) and one line says why, and our columns are still measured."""
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    process = spawn.Process(target=_llama_cpp_runs, args=(theirs, path, prompt_ids, n, threads, ctx), daemon=True)
+    process.start()
+    theirs.close()
+
+    def died() -> None:
+        process.join(30)
+        code = process.exitcode
+        how = signal.Signals(-code).name if code is not None and code < 0 else f"exit code {code}"
+        print(f"llama.cpp on {path.name} died ({how}): its column is left empty", file=sys.stderr)
+
+    # Its model is loaded before anything else is timed: a load beside our runs would slow them.
+    try:
+        ours.recv()
+        alive = True
+    except EOFError:
+        alive = False
+        died()
+
+    def run() -> Speed:
+        nonlocal alive
+        if alive:
+            try:
+                ours.send(None)
+                return Speed(*ours.recv())
+            except (EOFError, OSError):
+                alive = False
+                died()
+        return Speed(math.nan, math.nan)
+
+    return run
+
+
+def _llama_cpp_runs(conn: Connection, path: Path, prompt_ids: list[int], n: int, threads: int, ctx: int) -> None:
+    """llama_cpp_decoder's process: a run, timed, for each request on `conn`, until the benchmark closes it."""
     # The optional `peers` extra, imported only where it is installed.
     from llama_cpp import Llama, llama_get_logits_ith
 
     llm = Llama(model_path=str(path), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
     vocab = llm.n_vocab()
+    conn.send(None)
 
     def run() -> Speed:
         llm.reset()
@@ -80,7 +125,13 @@ def llama_cpp_decoder(path: Path, prompt_ids: list[int], n: int, threads: int, c
             seconds.append(time.perf_counter() - started)
         return Speed(1.0 / statistics.median(seconds), len(prompt_ids) / prompt_seconds)
 
-    return run
+    while True:
+        try:
+            conn.recv()
+        except EOFError:
+            return
+        speed = run()
+        conn.send((speed.decode, speed.prompt))
 
 
 def engine_main_problem(main: Path) -> str | None:

@@ -179,8 +179,9 @@ def speed(work: Path, sparsities: list[float], rounds: int, tokens: int, console
             # layout reads all of down.
             kept = 1.0 - share
             limit = bandwidth / limit_bytes(files["0%" + quant], kept, whole_down=dense or "layout" in name)
+            of_limit = "—" if math.isnan(result.decode) else f"{result.decode / limit:.0%}"
             table.add_row(name, _cell(result.decode), _ratio(result.decode, best["dense"].decode),
-                          _ratio(result.decode, llama), f"{limit:.2f}", f"{result.decode / limit:.0%}")  # fmt: skip
+                          _ratio(result.decode, llama), f"{limit:.2f}", of_limit)  # fmt: skip
         console.print(table)
 
 
