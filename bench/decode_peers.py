@@ -9,8 +9,8 @@ qinfer/planner/model_layout.py) over the read bandwidth measured on this machine
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
-import multiprocessing
 import os
 import re
 import signal
@@ -21,10 +21,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
+from select import select as wait_readable
 
-import numpy as np
 import torch
 
 from qinfer.planner.model_layout import read_model_layout
@@ -49,11 +48,15 @@ class Speed:
     prompt: float | None = None
 
     def best(self, other: Speed) -> Speed:
-        prompts = [p for p in (self.prompt, other.prompt) if p is not None]
-        return Speed(max(self.decode, other.decode), max(prompts) if prompts else None)
+        """The faster of each figure; a run that did not happen (NaN: a peer that died) counts for neither."""
+        decodes = [d for d in (self.decode, other.decode) if not math.isnan(d)]
+        prompts = [p for p in (self.prompt, other.prompt) if p is not None and not math.isnan(p)]
+        return Speed(max(decodes, default=math.nan), max(prompts) if prompts else None)
 
 
 Timer = Callable[[], Speed]
+# How long llama.cpp may take to load a model before its column is given up.
+LOAD_SECONDS = 600.0
 
 
 def llama_cpp_available() -> bool:
@@ -64,74 +67,60 @@ def llama_cpp_decoder(path: Path, prompt_ids: list[int], n: int, threads: int, c
     """llama.cpp on a dense GGUF: the prompt, then n greedy steps, each timed like ours (the median step).
     Speed only: llama.cpp applies SiLU to any `llama` file, so a ReLU model's tokens differ from ours.
 
-    It runs in a process of its own, which times each run and sends the speeds back: a llama.cpp build that dies on
-    this CPU (its native build stops with SIGILL on Q4_0 on an Intel Xeon in a virtual machine) ends that process
-    alone. Its runs then read NaN (the column's dash) and one line says why, and our columns are still measured."""
-    spawn = multiprocessing.get_context("spawn")
-    ours, theirs = spawn.Pipe()
-    process = spawn.Process(target=_llama_cpp_runs, args=(theirs, path, prompt_ids, n, threads, ctx), daemon=True)
-    process.start()
-    theirs.close()
+    It runs in a process of its own (bench/llama_cpp_runs.py), as llama-bench does, which loads the model before
+    anything is timed and times each run: a llama.cpp build that dies on this CPU (its native build stops with SIGILL
+    on Q4_0 on an Intel Xeon in a virtual machine) ends that process alone. Its runs from then on read NaN (a dash in
+    the tables where no run of it finished), one line says why, and our columns are still measured."""
+    command = [sys.executable, str(Path(__file__).with_name("llama_cpp_runs.py")), str(path), str(threads), str(ctx)]
+    process = subprocess.Popen([*command, str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdin is not None and process.stdout is not None
+    stdin, stdout = process.stdin, process.stdout
 
-    def died() -> None:
-        process.join(30)
-        code = process.exitcode
-        how = signal.Signals(-code).name if code is not None and code < 0 else f"exit code {code}"
-        print(f"llama.cpp on {path.name} died ({how}): its column is left empty", file=sys.stderr)
+    def answer(timeout: float | None) -> str:
+        """Its next line, or "" where it ended or stayed silent past `timeout` seconds (then it is stopped)."""
+        if timeout is not None and not wait_readable([stdout], [], [], timeout)[0]:
+            process.kill()
+            process.wait()
+            print(f"llama.cpp on {path.name} did not load in {timeout:.0f} s: its column is left out", file=sys.stderr)
+            return ""
+        line = stdout.readline()
+        if not line:
+            how = _how_it_ended(process.wait())
+            print(f"llama.cpp on {path.name} ended ({how}): its later runs are left out", file=sys.stderr)
+        return line
 
-    # Its model is loaded before anything else is timed: a load beside our runs would slow them.
     try:
-        ours.recv()
-        alive = True
-    except EOFError:
-        alive = False
-        died()
+        stdin.write(json.dumps(prompt_ids) + "\n")
+        stdin.flush()
+    except OSError:
+        pass  # it died already: answer() says how
+    # Nothing is timed beside its load, which would slow our runs.
+    alive = answer(LOAD_SECONDS) == "ready\n"
 
     def run() -> Speed:
         nonlocal alive
         if alive:
             try:
-                ours.send(None)
-                return Speed(*ours.recv())
-            except (EOFError, OSError):
-                alive = False
-                died()
+                stdin.write("run\n")
+                stdin.flush()
+            except OSError:
+                pass
+            line = answer(None)
+            if line:
+                return Speed(*json.loads(line))
+            alive = False
         return Speed(math.nan, math.nan)
 
     return run
 
 
-def _llama_cpp_runs(conn: Connection, path: Path, prompt_ids: list[int], n: int, threads: int, ctx: int) -> None:
-    """llama_cpp_decoder's process: a run, timed, for each request on `conn`, until the benchmark closes it."""
-    # The optional `peers` extra, imported only where it is installed.
-    from llama_cpp import Llama, llama_get_logits_ith
-
-    llm = Llama(model_path=str(path), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
-    vocab = llm.n_vocab()
-    conn.send(None)
-
-    def run() -> Speed:
-        llm.reset()
-        started = time.perf_counter()
-        llm.eval(prompt_ids)
-        prompt_seconds = time.perf_counter() - started
-        seconds = []
-        for _ in range(n):
-            started = time.perf_counter()
-            # Greedy, with the argmax inside the timed step as our engine's sampling is. Llama.eval keeps no
-            # logits unless every position's are kept, so the last token's are read from the context.
-            logits = np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
-            llm.eval([int(np.argmax(logits))])
-            seconds.append(time.perf_counter() - started)
-        return Speed(1.0 / statistics.median(seconds), len(prompt_ids) / prompt_seconds)
-
-    while True:
-        try:
-            conn.recv()
-        except EOFError:
-            return
-        speed = run()
-        conn.send((speed.decode, speed.prompt))
+def _how_it_ended(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 def engine_main_problem(main: Path) -> str | None:
