@@ -8,6 +8,7 @@ qinfer/planner/model_layout.py) over the read bandwidth measured on this machine
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -18,11 +19,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from select import select as wait_readable
 
 import torch
 
@@ -77,15 +79,18 @@ def llama_cpp_decoder(path: Path, prompt_ids: list[int], n: int, threads: int, c
     stdin, stdout = process.stdin, process.stdout
 
     def answer(timeout: float | None) -> str:
-        """Its next line, or "" where it ended or stayed silent past `timeout` seconds (then it is stopped)."""
-        if timeout is not None and not wait_readable([stdout], [], [], timeout)[0]:
-            process.kill()
-            process.wait()
-            print(f"llama.cpp on {path.name} did not load in {timeout:.0f} s: its column is left out", file=sys.stderr)
-            return ""
-        line = stdout.readline()
+        """Its next line, or "" where it ended or stayed silent past `timeout` seconds (then it is stopped). The line
+        is read on a thread, which a pipe's silence cannot hold past the timeout on any system."""
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        line = got[0] if got else ""
         if not line:
-            how = _how_it_ended(process.wait())
+            silent = reader.is_alive()
+            if silent:
+                process.kill()
+            how = f"no answer in {timeout:.0f} s" if silent else _how_it_ended(process.wait())
             print(f"llama.cpp on {path.name} ended ({how}): its later runs are left out", file=sys.stderr)
         return line
 
@@ -111,7 +116,22 @@ def llama_cpp_decoder(path: Path, prompt_ids: list[int], n: int, threads: int, c
             alive = False
         return Speed(math.nan, math.nan)
 
+    # A decoder dropped (the next model's decoders replace it) ends its process, which holds a model and its cache.
+    weakref.finalize(run, _stop, process)
     return run
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    """End a llama_cpp_runs.py process: its input closed, it exits; one that does not within 30 s is killed."""
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _how_it_ended(code: int) -> str:
