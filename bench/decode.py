@@ -409,14 +409,14 @@ def prefill_only(args: argparse.Namespace) -> None:
                 decoders[path, "before"] = on_kernels(before, timer)
             if llama_cpp_available():
                 decoders[path, "llama.cpp"] = llama_cpp_decoder(path, prompt_ids, args.tokens, threads, args.ctx)
-        best: dict[tuple[Path, str], float] = {}
+        speeds: dict[tuple[Path, str], Speed] = {}
         for _ in range(args.rounds):
             for key, run in decoders.items():
-                prompt = run().prompt
-                assert prompt is not None
-                # NaN where llama.cpp died (llama_cpp_decoder): the best of what did run.
-                had = best.get(key, math.nan)
-                best[key] = prompt if math.isnan(had) else max(had, prompt)
+                speed = run()
+                assert speed.prompt is not None
+                speeds[key] = speeds[key].best(speed) if key in speeds else speed
+        # NaN where no run of a peer finished (llama_cpp_decoder): Speed.best keeps the best of those that did.
+        best = {key: math.nan if s.prompt is None else s.prompt for key, s in speeds.items()}
         for path in files:
             ours, llama = best[path, "ours"], best.get((path, "llama.cpp"), math.nan)
             cells = [_cell(ours), _cell(llama), _ratio(ours, llama)]

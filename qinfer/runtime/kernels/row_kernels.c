@@ -188,9 +188,21 @@ static inline void prefetch(const uint8_t *next, int64_t byte) {
     if (next) __builtin_prefetch(next + byte);
 }
 
+#if LANES > 1
+/* The end of an F16 row's dot product from column i on, given its four vector sums so far: a short row (an attention
+ * head of 32 or 64) takes the rest a vector at a time, the sums one reduction, then the last columns one by one.
+ * dot_f16 and f16_rows both end here, so a row's sum is the same whichever of them read it. */
+static inline float f16_row_end(vec a0, vec a1, vec a2, vec a3, const uint16_t *w, const float *x, int64_t i,
+                                int64_t n) {
+    for (; i + LANES <= n; i += LANES) a0 = vfma(vload_half(w + i), vload(x + i), a0);
+    float s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+    for (; i < n; i++) s += half_to_float(w[i]) * x[i];
+    return s;
+}
+#endif
+
 static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int64_t n) {
     int64_t i = 0;
-    float s = 0.0f;
 #if LANES > 1
     vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
     for (; i + 4 * LANES <= n; i += 4 * LANES) {
@@ -201,14 +213,13 @@ static float dot_f16(const uint16_t *w, const uint8_t *next, const float *x, int
         a2 = vfma(vload_half(w + i + 2 * LANES), vload(x + i + 2 * LANES), a2);
         a3 = vfma(vload_half(w + i + 3 * LANES), vload(x + i + 3 * LANES), a3);
     }
-    /* A short row (an attention head of 32 or 64) takes the rest a vector at a time, and its sums one reduction. */
-    for (; i + LANES <= n; i += LANES) a0 = vfma(vload_half(w + i), vload(x + i), a0);
-    s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+    return f16_row_end(a0, a1, a2, a3, w, x, i, n);
 #else
     (void)next;
-#endif
+    float s = 0.0f;
     for (; i < n; i++) s += half_to_float(w[i]) * x[i];
     return s;
+#endif
 }
 
 #if LANES > 1
@@ -229,7 +240,8 @@ __attribute__((constructor)) static void f16_ahead_set(void) {
 }
 
 /* F16_ROWS rows, `stride` bytes apart from row0, each . x [n] into out[0..F16_ROWS-1]: each row's sum is dot_f16's,
- * the same products added in the same order, so the output does not depend on how rows were grouped. */
+ * the same products added in the same order and ended by the same f16_row_end, so the output does not depend on how
+ * rows were grouped. */
 static inline __attribute__((always_inline)) void f16_rows(const uint8_t *row0, int64_t stride, const float *x,
                                                           int64_t n, float *out) {
     const uint16_t *w[F16_ROWS];
@@ -250,13 +262,7 @@ static inline __attribute__((always_inline)) void f16_rows(const uint8_t *row0, 
             a[r][3] = vfma(vload_half(w[r] + i + 3 * LANES), x3, a[r][3]);
         }
     }
-    for (int r = 0; r < F16_ROWS; r++) {
-        int64_t j = i;
-        for (; j + LANES <= n; j += LANES) a[r][0] = vfma(vload_half(w[r] + j), vload(x + j), a[r][0]);
-        float s = vsum(vadd(vadd(a[r][0], a[r][1]), vadd(a[r][2], a[r][3])));
-        for (; j < n; j++) s += half_to_float(w[r][j]) * x[j];
-        out[r] = s;
-    }
+    for (int r = 0; r < F16_ROWS; r++) out[r] = f16_row_end(a[r][0], a[r][1], a[r][2], a[r][3], w[r], x, i, n);
 }
 
 #define F16_TILE 8
