@@ -1,14 +1,14 @@
 /* One decode step of one layer (llama, bamboo, qwen2, falcon, opt, and the mixtures of experts qwen2moe, qwen3moe
- * and mixtral) for a batch of tokens, one per sequence, in one native call: attention norm (RMSNorm, or LayerNorm
- * with its bias), the q/k/v products (and their biases), an RMSNorm over each head of q and k (Qwen3), rope
- * (where the family has it), the KV-cache write (float, f16 or Q8_0 rows), attention of each token over its own
- * sequence's cached positions (the last `window` of them where the model slides one) or over the rows a window cache
- * keeps (updating their attention mass and replacing the weakest), the output product (and its bias) and
- * residual, the FFN norm, the predictor (fc1, relu, fc2, threshold), the sparse or dense FFN over the union of the
- * neurons the tokens select (with up's and down's biases where there are), and its residual; or, for a parallel
- * block (falcon), attention and FFN both from the layer's input and added to it together; or, for a mixture, the
- * router, each token's top experts (qinfer/core/expert_routing.py), their SwiGLU and the sigmoid-gated shared
- * expert (Qwen2-MoE).
+ * and mixtral) for a batch of tokens, one per sequence (and short runs of a prompt's beside them), in one native
+ * call: attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and their biases), an RMSNorm over
+ * each head of q and k (Qwen3), rope (where the family has it), the KV-cache write (float, f16 or Q8_0 rows),
+ * attention of each token over its own sequence's cached positions (the last `window` of them where the model slides
+ * one) or over the rows a window cache keeps (updating their attention mass and replacing the weakest), the output
+ * product (and its bias) and residual, the FFN norm, the predictor (fc1, relu, fc2, threshold), the sparse or dense
+ * FFN over the union of the neurons the tokens select (with up's and down's biases where there are), and its
+ * residual; or, for a parallel block (falcon), attention and FFN both from the layer's input and added to it
+ * together; or, for a mixture, the router, each token's top experts (qinfer/core/expert_routing.py), their SwiGLU
+ * and the sigmoid-gated shared expert (Qwen2-MoE).
  *
  * A decode step in torch is some thirty small operator calls per layer, each with its own dispatch and allocation:
  * about 1 ms a layer on two cores, a third of the time a 7B layer's sparse Q4_0 rows take to read. Here the
@@ -721,11 +721,13 @@ static void moe_ffn(const dims *d, const layer *w, const scratch *s, int64_t tok
     }
 }
 
-/* h [tokens, E] += this layer's attention, then += its FFN, for tokens of distinct slots slot[t] (< slots) at
- * positions pos[t], whose keys and values land in the cache. cos/sin hold head_dim / 2 values per token (NULL: no
- * rope). The FFN reads each selected neuron's rows once for all the tokens that need it. Returns the number of
- * neurons whose rows were read (the union over the tokens), -1 (nothing read or written) where a matrix does not
- * fit the dimensions or the scratch, -3 where a position or a slot is outside the cache. */
+/* h [tokens, E] += this layer's attention, then += its FFN, for tokens in slots slot[t] (< slots) at positions
+ * pos[t], whose keys and values land in the cache: every token stores its own before any attends, so several tokens
+ * of one slot at distinct positions (a prompt's chunk) each attend the others before them; the window cache takes
+ * one token per slot. cos/sin hold head_dim / 2 values per token (NULL: no rope). The FFN reads each selected
+ * neuron's rows once for all the tokens that need it. Returns the number of neurons whose rows were read (the union
+ * over the tokens), -1 (nothing read or written) where a matrix does not fit the dimensions or the scratch, -3 where
+ * a position or a slot is outside the cache or two tokens would write one row. */
 int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *h, int64_t tokens,
                             const int64_t *pos, const int64_t *slot, int64_t slots, const float *cos, const float *sin,
                             int threads) {
@@ -763,8 +765,9 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
     if (w->pos_cache && (!w->mass_cache || d->kept < 1 || d->kept > d->ctx)) return -1;
     for (int64_t t = 0; t < tokens; t++) {
         if (pos[t] < 0 || pos[t] >= d->ctx || slot[t] < 0 || slot[t] >= slots) return -3;
+        /* Tokens of one slot need rows of their own, and the window cache's step takes one token per slot. */
         for (int64_t u = 0; u < t; u++)
-            if (slot[u] == slot[t]) return -3;
+            if (slot[u] == slot[t] && (w->pos_cache || pos[u] == pos[t])) return -3;
     }
     /* A mixture reads each token's experts' rows and the shared expert's. */
     int64_t count = d->experts ? tokens * d->used * d->expert_ffn + f : f;

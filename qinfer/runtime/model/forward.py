@@ -226,8 +226,9 @@ class TransformerForward:
         if self.native is not None:
             # The layer step needs no Step: its masks and parts serve the torch path alone.
             cos, sin = self.rope(batch.positions)
-            if self.native.takes(h, batch, cos, cache, self.ffn):
-                call = self.native.begin(batch, cos, sin, cache)
+            placement = self.native.placement(h, batch, cos, cache, self.ffn)
+            if placement is not None:
+                call = self.native.begin(batch, cos, sin, cache, placement)
                 for i in range(self.cfg.layers):
                     h = self.native.run(i, h, call, cache)
                 # A decode step asks for every row, in order: indexing would only copy them.

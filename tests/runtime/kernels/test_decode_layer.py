@@ -27,7 +27,14 @@ from qinfer.runtime.engine.perplexity import perplexity
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
 from qinfer.runtime.kernels import row_kernels
-from qinfer.runtime.kernels.decode_layer import DecodeLayers
+from qinfer.runtime.kernels.decode_layer import (
+    MIXED_PROMPT_TOKENS,
+    PROMPT_TOKENS,
+    CacheRows,
+    DecodeLayers,
+    NativeStep,
+    Placement,
+)
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache, make_kv_cache
@@ -140,24 +147,25 @@ def assert_native_batch_matches_torch(
     assert forward.native is not None  # type: ignore[attr-defined]
     calls, heads = counting_runs(monkeypatch), counting_heads(monkeypatch)
     native, _ = decode_together(forward, True, 3, together=True)
-    assert calls == list(range(forward.cfg.layers)) * STEPS
-    # The head too, but where it is tied to a quantized file's embeddings (OPT's), which are expanded to float32 at
-    # load: those stay in torch.
+    assert calls == {"prompt": list(range(forward.cfg.layers)) * 3, "decode": list(range(forward.cfg.layers)) * STEPS}
+    # The head too (every prompt token's, then each step's), but where it is tied to a quantized file's embeddings
+    # (OPT's), which are expanded to float32 at load: those stay in torch.
     output = forward.output  # type: ignore[attr-defined]
     float_rows = isinstance(output, torch.Tensor) and output.dtype == torch.float32
-    assert heads == ([] if float_rows else [3] * STEPS)
+    assert heads == ([] if float_rows else [2, 3, 4] + [3] * STEPS)
     reference, _ = decode_together(forward, False, 3, together=True)
     for mine, theirs in zip(native, reference, strict=True):
         assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
 
 
-def counting_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
+def counting_runs(monkeypatch: pytest.MonkeyPatch) -> dict[Placement, list[int]]:
+    """The layers the native step ran, in order, by the placement of their calls' tokens."""
+    calls: dict[Placement, list[int]] = {}
     real = DecodeLayers.run
 
-    def run(self: DecodeLayers, i: int, *args: object) -> torch.Tensor:
-        calls.append(i)
-        return real(self, i, *args)  # type: ignore[arg-type]
+    def run(self: DecodeLayers, i: int, h: torch.Tensor, call: NativeStep, cache: CacheRows) -> torch.Tensor:
+        calls.setdefault(call.placement, []).append(i)
+        return real(self, i, h, call, cache)
 
     monkeypatch.setattr(DecodeLayers, "run", run)
     return calls
@@ -210,8 +218,9 @@ def test_f16_layers_give_the_torch_paths_logits(
     assert forward.native is not None  # type: ignore[attr-defined]
     calls, heads = counting_runs(monkeypatch), counting_heads(monkeypatch)
     native = decode(forward, True)
-    assert calls == list(range(forward.cfg.layers)) * (len(IDS) - 3)
-    assert heads == [1] * (len(IDS) - 3)  # the decode steps' heads; the prompt's stays in torch
+    layers = list(range(forward.cfg.layers))
+    assert calls == {"prompt": layers, "decode": layers * (len(IDS) - 3)}
+    assert heads == [3] + [1] * (len(IDS) - 3)  # the prompt's tokens, then each decode step's
     reference = decode(forward, False)
     assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
 
@@ -256,7 +265,7 @@ def test_a_batch_of_sequences_gets_what_each_gets_alone(
     forward = forward_for(gguf_files[file], ffn)
     calls = counting_runs(monkeypatch)
     together, _ = decode_together(forward, True, 3, together=True)
-    assert calls == list(range(forward.cfg.layers)) * STEPS
+    assert calls["decode"] == list(range(forward.cfg.layers)) * STEPS
     alone, _ = decode_together(forward, True, 3, together=False)
     torch_batch, _ = decode_together(forward, False, 3, together=True)
     for mine, single, reference in zip(together, alone, torch_batch, strict=True):
@@ -304,7 +313,7 @@ def test_a_q8_cache_holds_the_torch_paths_blocks(
     forward = forward_for(wide_heads, ffn)
     calls = counting_runs(monkeypatch)
     native, native_k = decode_together(forward, True, 3, together=True, types=types)
-    assert calls == list(range(forward.cfg.layers)) * STEPS
+    assert calls["decode"] == list(range(forward.cfg.layers)) * STEPS
     reference, reference_k = decode_together(forward, False, 3, together=True, types=types)
     if types.k == "q8_0":
         assert native_k.dtype == torch.uint8 and (native_k == reference_k).float().mean() > 0.99
@@ -346,7 +355,7 @@ def test_a_mixtures_layers_give_the_torch_paths_logits(
     assert forward.native is not None and forward.native.dims.experts > 0  # type: ignore[attr-defined]
     calls = counting_runs(monkeypatch)
     native = decode(forward, True)
-    assert calls == list(range(forward.cfg.layers)) * (len(IDS) - 3)
+    assert calls["decode"] == list(range(forward.cfg.layers)) * (len(IDS) - 3)
     reference = decode(forward, False)
     assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
     assert_native_batch_matches_torch(forward, monkeypatch, 1e-4)
@@ -367,7 +376,7 @@ def test_a_mixtures_quantized_layers_stay_within_input_rounding_of_the_torch_pat
     forward = forward_for(moe_files[family][qtype], "dense")
     calls = counting_runs(monkeypatch)
     together, _ = decode_together(forward, True, 3, together=True)
-    assert calls == list(range(forward.cfg.layers)) * STEPS
+    assert calls["decode"] == list(range(forward.cfg.layers)) * STEPS
     batch, _ = decode_together(forward, False, 3, together=True)
     for mine, theirs in zip(together, batch, strict=True):
         scale = theirs.abs().max()
@@ -407,7 +416,7 @@ def test_the_window_cache_decodes_natively(
     forward = forward_for(gguf_files[file], ffn)
     calls = counting_runs(monkeypatch)
     native, mine = decode_window(forward, True, 8, 24)
-    assert calls == list(range(forward.cfg.layers)) * 24
+    assert calls == {"decode": list(range(forward.cfg.layers)) * 24}  # a window cache's prompts stay in torch
     reference, theirs = decode_window(forward, False, 8, 24)
     assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
     assert torch.equal(mine.pos, theirs.pos) and int(mine.pos.min()) >= 0 and int(mine.pos.max()) == 5 + 23
@@ -462,24 +471,67 @@ def test_every_neuron_selected_gives_the_dense_perplexity(gguf_files: dict[str, 
 
 
 def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts (of a window cache too), QINFER_NATIVE=0, a runner swapped in after the layers were described, the
-    oracle and float32 weights take the torch path."""
+    """A prompt longer than PROMPT_TOKENS, a mixed step whose decode tokens take the predictor, a window cache's
+    prompt, QINFER_NATIVE=0, a runner swapped in after the layers were described, the oracle and float32 weights
+    take the torch path."""
     forward = forward_for(gguf_files["pi-f16"], "sparse")
     calls = counting_runs(monkeypatch)
     cache = make_kv_cache(forward.cfg, CTX, slots=2)
+    long = (IDS * 2)[: PROMPT_TOKENS + 1]
     with torch.inference_mode():
-        forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0, 0), cache)
-        forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0, 1), cache)
+        forward.forward(TokenBatch.prompt(torch.tensor(long), 0, 0), cache)
+        beside = TokenBatch.join(
+            [TokenBatch.decode([1], [len(long)], [0]), TokenBatch.prompt(torch.tensor(IDS[:4]), 0, 1)]
+        )
+        forward.forward(beside, cache)
         window = make_kv_cache(forward.cfg, CTX, policy=KVPolicy("window", 8))
         forward.forward(TokenBatch.prompt(torch.tensor(IDS[:4]), 0), window)
         monkeypatch.setenv("QINFER_NATIVE", "0")
-        forward.forward(TokenBatch.decode([1], [5], [0]), cache)
+        forward.forward(TokenBatch.decode([1], [len(long) + 1], [0]), cache)
         forward.ffn = DenseRunner(forward.ffn.layers)  # type: ignore[attr-defined]
         monkeypatch.setenv("QINFER_NATIVE", "1")
-        forward.forward(TokenBatch.decode([1], [6], [0]), cache)
-    assert calls == []
+        forward.forward(TokenBatch.decode([1], [len(long) + 2], [0]), cache)
+    assert calls == {}
     assert forward_for(gguf_files["pi-f16"], "oracle").native is None  # type: ignore[attr-defined]
     assert forward_for(gguf_files["pi-f32"], "sparse").native is None  # type: ignore[attr-defined]
+
+
+def placement_of(forward: TransformerForward, batch: TokenBatch, cache: CacheRows) -> Placement | None:
+    native = forward.native  # type: ignore[attr-defined]
+    assert native is not None
+    cos, _ = forward.rope(batch.positions)
+    return native.placement(forward.embed_tokens(batch), batch, cos, cache, forward.ffn)
+
+
+def test_prompt_tokens_run_natively_up_to_a_bound(gguf_files: dict[str, Path]) -> None:
+    """Over the full cache, prompts' chunks alone up to PROMPT_TOKENS tokens, and beside decode tokens up to
+    MIXED_PROMPT_TOKENS where those get a prompt's FFN (no predictor); never a window cache's, nor two tokens for one
+    row of the cache, which the kernel refuses too, writing nothing."""
+    dense, sparse = forward_for(gguf_files["dense-f16"], "dense"), forward_for(gguf_files["pi-f16"], "sparse")
+    cache = make_kv_cache(dense.cfg, 2 * MIXED_PROMPT_TOKENS, slots=3)
+    window = make_kv_cache(dense.cfg, CTX, slots=3, policy=KVPolicy("window", 8))
+    decode = TokenBatch.decode([5, 6], [9, 4], [0, 1])
+    twice = TokenBatch(torch.tensor([5, 6]), torch.tensor([3, 3]), torch.tensor([2, 2]))
+
+    def prompt(n: int, slot: int = 2) -> TokenBatch:
+        return TokenBatch.prompt(torch.arange(3, 3 + n), 0, slot)
+
+    for forward, mixed in ((dense, "mixed"), (sparse, None)):
+        half = PROMPT_TOKENS // 2
+        assert placement_of(forward, decode, cache) == placement_of(forward, decode, window) == "decode"
+        assert placement_of(forward, prompt(PROMPT_TOKENS), cache) == "prompt"
+        assert placement_of(forward, TokenBatch.join([prompt(half, 1), prompt(half)]), cache) == "prompt"
+        assert placement_of(forward, prompt(PROMPT_TOKENS + 1), cache) is None
+        assert placement_of(forward, TokenBatch.join([decode, prompt(MIXED_PROMPT_TOKENS)]), cache) == mixed
+        assert placement_of(forward, TokenBatch.join([decode, prompt(MIXED_PROMPT_TOKENS + 1)]), cache) is None
+        assert placement_of(forward, prompt(4), window) is None
+        assert placement_of(forward, twice, cache) is None
+    native = dense.native  # type: ignore[attr-defined]
+    assert native is not None
+    with torch.inference_mode(), pytest.raises(UserError):
+        call = native.begin(twice, *dense.rope(twice.positions), cache, "prompt")
+        native.run(0, dense.embed_tokens(twice), call, cache)
+    assert not cache.k.any() and not cache.v.any()
 
 
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
@@ -526,10 +578,10 @@ def test_a_description_that_does_not_fit_is_refused(gguf_files: dict[str, Path])
     forward = forward_for(gguf_files["pi-f16"], "sparse")
     native = forward.native  # type: ignore[attr-defined]
     assert native is not None
-    native.layers[1].o.rows -= 1
     cache = make_kv_cache(forward.cfg, CTX)
     with torch.inference_mode():
         forward.forward(TokenBatch.prompt(torch.tensor(IDS[:3]), 0), cache)
+        native.layers[1].o.rows -= 1
         before = cache.k.clone()
         with pytest.raises(UserError, match="corrupt"):
             forward.forward(TokenBatch.decode([1], [3], [0]), cache)
