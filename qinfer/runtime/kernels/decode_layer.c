@@ -1,6 +1,6 @@
-/* One decode step of one layer (llama, bamboo, qwen2, falcon, opt, and the mixtures of experts qwen2moe, qwen3moe
- * and mixtral) for a batch of tokens, one per sequence (and short runs of a prompt's beside them), in one native
- * call: attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and their biases), an RMSNorm over
+/* One step of one layer (llama, bamboo, qwen2, falcon, opt, and the mixtures of experts qwen2moe, qwen3moe and
+ * mixtral) for a batch of tokens, one per sequence (a decode step), runs of a prompt's, or both, in one native call:
+ * attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and their biases), an RMSNorm over
  * each head of q and k (Qwen3), rope (where the family has it), the KV-cache write (float, f16 or Q8_0 rows),
  * attention of each token over its own sequence's cached positions (the last `window` of them where the model slides
  * one) or over the rows a window cache keeps (updating their attention mass and replacing the weakest), the output

@@ -35,13 +35,16 @@ from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
 Placement = Literal["decode", "prompt", "mixed"]
 
 # The most prompt tokens a call gives the layer step: chunks alone, and beside decode tokens. The kernel computes the
-# last layer for every token, and holds their attention scores in its scratch, where the torch path computes that
-# layer's FFN for the rows asked for alone; below these a call costs mostly torch's operators (alone), or the torch
-# path's reading the weights once per part (mixed). Time native / torch on an Intel Xeon (two threads): the tiny synth
-# model's chunk of 6 tokens 0.23, of 128 0.81; the 7B slice's (4 layers) f16 chunk of 6 0.87, 16 0.99, 32 1.01, 128
-# 1.07, Q4_0 16 0.99, 32 1.18, 128 1.19; beside 8 or 32 decode tokens, chunks of 6 to 64 tokens 0.52-0.92.
+# last layer for every token, where the torch path computes that layer's FFN for the rows asked for alone; below these
+# a call costs mostly torch's operators (alone), or the torch path's reading the weights once per part (mixed). Time
+# native / torch on an Intel Xeon (two threads): the tiny synth model's chunk of 6 tokens 0.23, of 128 0.81, and of 6
+# beside 32 decode tokens 0.24; the 7B slice's (4 layers) f16 chunk of 6 0.87, 16 0.99, 32 1.01, 128 1.07, Q4_0 16
+# 0.99, 32 1.18, 128 1.19; beside 8 or 32 decode tokens, chunks of 6 to 64 tokens 0.52-0.92 (f16 and Q4_0).
 PROMPT_TOKENS = 16
 MIXED_PROMPT_TOKENS = 64
+# The most attention scores (floats: tokens x heads x (context + 1)) a call with prompt tokens may size the scratch
+# for, which keeps its largest size for as long as the model is loaded: 64 MiB, a long context's few tokens.
+PROMPT_SCORES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -214,8 +217,10 @@ class DecodeLayers:
         self._keep = keep  # every tensor the structures point into, alive as long as they are
         self.predictor = bool(dims.sparse)
         # A prompt's FFN is every neuron whose gate fires, what the kernel computes where no gate threshold skips any
-        # (a calibrated one would) and the predictor is turned off (for a call without decode tokens).
-        self._prompts = all(layer.gate_threshold == 0.0 for layer in layers)
+        # (a calibrated one would) and the predictor is turned off (for a call without decode tokens). A mixture's
+        # experts are read per token here and once for all the tokens that chose them in torch, which a prompt's
+        # tokens favour: its prompts keep the torch path.
+        self._prompts = not dims.experts and all(layer.gate_threshold == 0.0 for layer in layers)
         schedule = getattr(runner, "schedule", None) if self.predictor else None
         self.schedule: Schedule | None = schedule
         self._scratch = Scratch()
@@ -403,7 +408,8 @@ class DecodeLayers:
         """One token per slot of the cache (a decode step); or, over the full cache and where prompts get the kernel's
         FFN, runs of tokens at distinct positions of their slots, at most PROMPT_TOKENS of them alone, or at most
         MIXED_PROMPT_TOKENS beside single ones (a mixed step, where the decode tokens' FFN is the prompt's: no
-        predictor). A step's few slots go through a list: the same checks in torch took 9 us of dispatch."""
+        predictor), whose attention scores fit PROMPT_SCORES. A step's few slots go through a list: the same checks
+        in torch took 9 us of dispatch."""
         slots = batch.slots.tolist()
         if not (len(slots) == tokens > 0 and min(slots) >= 0 and max(slots) < cache.k.shape[1]):
             return None
@@ -414,6 +420,8 @@ class DecodeLayers:
         runs = [n for slot in set(slots) if (n := slots.count(slot)) > 1]
         alone = len(runs) == len(set(slots))
         if sum(runs) > (PROMPT_TOKENS if alone else MIXED_PROMPT_TOKENS):
+            return None
+        if tokens * self.cfg.heads * (cache.ctx + 1) > PROMPT_SCORES:
             return None
         if len(set(zip(slots, batch.positions.tolist(), strict=True))) < tokens:
             return None
@@ -441,7 +449,7 @@ class DecodeLayers:
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
         cache: CacheRows,
-        placement: Placement = "decode",
+        placement: Placement,
     ) -> NativeStep:
         """What every layer of this call shares: the scratch sized for it, the tokens' slots and positions, rope's
         tables, and how the tokens sit in the slots (`placement`)."""
@@ -513,7 +521,7 @@ class DecodeLayers:
 @dataclass(frozen=True)
 class NativeStep:
     """One forward call's tokens as the kernel reads them: int64 slots and positions, float rope tables (None
-    without rope)."""
+    without rope), and how they sit in the slots."""
 
     slots: torch.Tensor
     positions: torch.Tensor

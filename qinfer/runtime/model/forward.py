@@ -231,7 +231,7 @@ class TransformerForward:
                 call = self.native.begin(batch, cos, sin, cache, placement)
                 for i in range(self.cfg.layers):
                     h = self.native.run(i, h, call, cache)
-                # A decode step asks for every row, in order: indexing would only copy them.
+                # A decode step asks for every row, in order: indexing would only copy them (a prompt's, its last).
                 h = h if rows is None or rows == list(range(h.shape[0])) else h[rows]
                 logits = self.native.head(h)
                 return self.head(h) if logits is None else logits

@@ -81,9 +81,7 @@ def test_thresholds_skip_the_asked_share(calibrated: dict, swiglu: dict[str, dic
         assert abs((values <= thresholds[layer]).float().mean().item() - 0.5) < 0.01
         assert result.achieved[layer] == pytest.approx((values <= thresholds[layer]).float().mean().item(), abs=1e-6)
     counts = read_activations(result.out)
-    assert [int(c.sum()) for c in counts] == [
-        round((1 - a) * result.calibration.tokens * 192) for a in result.achieved
-    ]
+    assert [int(c.sum()) for c in counts] == [round((1 - a) * result.calibration.tokens * 192) for a in result.achieved]
     saved = json.loads((result.out / "gate_thresholds.json").read_text())
     tokens = result.calibration.tokens
     assert saved == {"activation": "silu", "sparsity": 0.5, "tokens": tokens, "thresholds": thresholds}
@@ -227,6 +225,19 @@ def test_dense_runner_ignores_thresholds_on_both_paths(calibrated: dict) -> None
             steps = [forward.forward(TokenBatch.decode([t], [j], [0]), cache) for j, t in enumerate(ids)]
         logits.append(torch.cat(steps))
     assert (logits[0] - logits[1]).abs().max().item() < 1e-3
+
+
+def test_a_calibrated_models_prompts_keep_the_torch_path(calibrated: dict) -> None:
+    """The layer kernel skips the quiet neurons of every token it takes, so it takes the decode tokens alone: a
+    prompt, alone or beside them, runs its FFN dense in torch."""
+    forward = load_forward(open_model(calibrated["f16"]), RuntimeOptions(ffn="sparse")).forward
+    native = forward.native  # type: ignore[attr-defined]
+    assert native is not None
+    cache = KVCache(forward.cfg, 64, slots=2)
+    decode, prompt = TokenBatch.decode([5], [3], [0]), TokenBatch.prompt(torch.arange(3, 7), 0, 1)
+    for batch, placement in ((decode, "decode"), (prompt, None), (TokenBatch.join([decode, prompt]), None)):
+        cos, _ = forward.rope(batch.positions)
+        assert native.placement(forward.embed_tokens(batch), batch, cos, cache, forward.ffn) == placement
 
 
 def test_a_mixed_step_keeps_the_decode_tokens_sparse(calibrated: dict) -> None:

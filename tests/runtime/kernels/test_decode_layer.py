@@ -26,7 +26,7 @@ from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.engine.perplexity import perplexity
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
-from qinfer.runtime.kernels import row_kernels
+from qinfer.runtime.kernels import decode_layer, row_kernels
 from qinfer.runtime.kernels.decode_layer import (
     MIXED_PROMPT_TOKENS,
     PROMPT_TOKENS,
@@ -147,12 +147,14 @@ def assert_native_batch_matches_torch(
     assert forward.native is not None  # type: ignore[attr-defined]
     calls, heads = counting_runs(monkeypatch), counting_heads(monkeypatch)
     native, _ = decode_together(forward, True, 3, together=True)
-    assert calls == {"prompt": list(range(forward.cfg.layers)) * 3, "decode": list(range(forward.cfg.layers)) * STEPS}
+    layers = list(range(forward.cfg.layers))
+    prompts = forward.cfg.experts is None  # a mixture's prompts keep the torch path
+    assert calls == ({"prompt": layers * 3} if prompts else {}) | {"decode": layers * STEPS}
     # The head too (every prompt token's, then each step's), but where it is tied to a quantized file's embeddings
     # (OPT's), which are expanded to float32 at load: those stay in torch.
     output = forward.output  # type: ignore[attr-defined]
     float_rows = isinstance(output, torch.Tensor) and output.dtype == torch.float32
-    assert heads == ([] if float_rows else [2, 3, 4] + [3] * STEPS)
+    assert heads == ([] if float_rows else ([2, 3, 4] if prompts else []) + [3] * STEPS)
     reference, _ = decode_together(forward, False, 3, together=True)
     for mine, theirs in zip(native, reference, strict=True):
         assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
@@ -355,7 +357,7 @@ def test_a_mixtures_layers_give_the_torch_paths_logits(
     assert forward.native is not None and forward.native.dims.experts > 0  # type: ignore[attr-defined]
     calls = counting_runs(monkeypatch)
     native = decode(forward, True)
-    assert calls["decode"] == list(range(forward.cfg.layers)) * (len(IDS) - 3)
+    assert calls == {"decode": list(range(forward.cfg.layers)) * (len(IDS) - 3)}  # a mixture's prompt stays in torch
     reference = decode(forward, False)
     assert (native - reference).abs().max() <= 1e-4 * reference.abs().max()
     assert_native_batch_matches_torch(forward, monkeypatch, 1e-4)
@@ -503,10 +505,10 @@ def placement_of(forward: TransformerForward, batch: TokenBatch, cache: CacheRow
     return native.placement(forward.embed_tokens(batch), batch, cos, cache, forward.ffn)
 
 
-def test_prompt_tokens_run_natively_up_to_a_bound(gguf_files: dict[str, Path]) -> None:
+def test_prompt_tokens_run_natively_up_to_a_bound(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Over the full cache, prompts' chunks alone up to PROMPT_TOKENS tokens, and beside decode tokens up to
-    MIXED_PROMPT_TOKENS where those get a prompt's FFN (no predictor); never a window cache's, nor two tokens for one
-    row of the cache, which the kernel refuses too, writing nothing."""
+    MIXED_PROMPT_TOKENS where those get a prompt's FFN (no predictor), and attention scores up to PROMPT_SCORES;
+    never a window cache's, nor two tokens for one row of the cache, which the kernel refuses too, writing nothing."""
     dense, sparse = forward_for(gguf_files["dense-f16"], "dense"), forward_for(gguf_files["pi-f16"], "sparse")
     cache = make_kv_cache(dense.cfg, 2 * MIXED_PROMPT_TOKENS, slots=3)
     window = make_kv_cache(dense.cfg, CTX, slots=3, policy=KVPolicy("window", 8))
@@ -526,6 +528,9 @@ def test_prompt_tokens_run_natively_up_to_a_bound(gguf_files: dict[str, Path]) -
         assert placement_of(forward, TokenBatch.join([decode, prompt(MIXED_PROMPT_TOKENS + 1)]), cache) is None
         assert placement_of(forward, prompt(4), window) is None
         assert placement_of(forward, twice, cache) is None
+    monkeypatch.setattr(decode_layer, "PROMPT_SCORES", PROMPT_TOKENS * dense.cfg.heads * (cache.ctx + 1) - 1)
+    assert placement_of(dense, prompt(PROMPT_TOKENS), cache) is None
+    assert placement_of(dense, prompt(PROMPT_TOKENS - 1), cache) == "prompt"
     native = dense.native  # type: ignore[attr-defined]
     assert native is not None
     with torch.inference_mode(), pytest.raises(UserError):
@@ -549,7 +554,7 @@ def test_the_native_head_gives_a_float64_heads_logits(gguf_files: dict[str, Path
     assert (output.qtype.name if isinstance(output, QuantizedMatrix) else "F16") == qtype
     h = torch.randn(5, forward.cfg.hidden, generator=torch.Generator().manual_seed(0)) * 3
     cache = make_kv_cache(forward.cfg, CTX, slots=5)
-    native.begin(TokenBatch.decode([1] * 5, [0] * 5, list(range(5))), None, None, cache)
+    native.begin(TokenBatch.decode([1] * 5, [0] * 5, list(range(5))), None, None, cache, "decode")
     logits = native.head(h)
     assert logits is not None
     rows = output.row_range(0, output.shape[0]) if isinstance(output, QuantizedMatrix) else output

@@ -14,7 +14,7 @@ from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.ffn.experts import ExpertRunner
-from qinfer.runtime.kernels import decode_layer, row_kernels
+from qinfer.runtime.kernels import row_kernels
 from qinfer.runtime.kernels.decode_layer import DecodeLayers
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import TokenBatch
@@ -111,9 +111,7 @@ def test_q4_0_experts_decode_as_their_dequantized_weights(
     moe: dict[str, dict[str, Path]], family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Q4_0 file's experts, read per expert from the stacked blocks by the native layer step (their input rounded
-    to Q8_0 blocks, as ggml does), against the torch path over the same blocks expanded to float32. The prompt stays
-    in torch on both sides: computed natively its keys and values round otherwise, and Qwen3-MoE's first decode
-    token then meets a near tie of its router, which picks another expert (5.8% of the largest logit apart)."""
+    to Q8_0 blocks, as ggml does), against the torch path over the same blocks expanded to float32."""
     q4 = quantize_gguf(moe[family]["dense-f32"], tmp_path / "q4.gguf", "Q4_0").outfile
     ids = hf_ids(moe[family]["model"], TEXT)[:12]
     steps: list[int] = []
@@ -124,7 +122,6 @@ def test_q4_0_experts_decode_as_their_dequantized_weights(
         return run(self, i, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(DecodeLayers, "run", counted)
-    monkeypatch.setattr(decode_layer, "PROMPT_TOKENS", 0)
     native = our_logits(q4, ids, "dense", split=len(ids) - DECODE_STEPS)
     # Every decode step of every layer ran in the native layer step.
     assert steps == list(range(open_model(q4).config.layers)) * DECODE_STEPS
