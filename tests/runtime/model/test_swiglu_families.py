@@ -20,6 +20,7 @@ from qinfer.prep.convert.convert import convert
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.swiglu import FAMILIES
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
+from qinfer.runtime.kernels.decode_layer import PROMPT_TOKENS
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache, make_kv_cache
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
@@ -110,11 +111,30 @@ def decode_logits(path: Path, ids: list[int], native: bool) -> torch.Tensor:
 def test_native_step_gives_the_torch_paths_logits(
     swiglu: dict[str, dict[str, Path]], family: str, tmp_path: Path
 ) -> None:
-    """f16 rows, one native call per layer (biases, rotate-half rope, the window, silu) against the torch path."""
+    """f16 rows, one native call per layer (biases, rotate-half rope, the window, silu) against the torch path, token
+    by token and in prompt chunks (from the second on, past Mistral's window of 16)."""
     f16 = convert(swiglu[family]["model"], tmp_path / "f16.gguf", None, "f16").outfile
     ids = hf_ids(swiglu[family]["model"], TEXT)
-    diff = (decode_logits(f16, ids, native=True) - decode_logits(f16, ids, native=False)).abs().max().item()
-    assert diff < 1e-3
+    reference = decode_logits(f16, ids, native=False)
+    assert (decode_logits(f16, ids, native=True) - reference).abs().max().item() < 1e-3
+    assert (chunked_logits(f16, ids, PROMPT_TOKENS - 4) - reference).abs().max().item() < 1e-3
+
+
+def chunked_logits(path: Path, ids: list[int], chunk: int) -> torch.Tensor:
+    """Every token's logits, the text fed `chunk` tokens at a time, each chunk of several in the native layer step."""
+    forward = load_forward(open_model(path), RuntimeOptions(ffn="dense")).forward
+    native = forward.native  # type: ignore[attr-defined]
+    assert native is not None
+    cache = KVCache(forward.cfg, 64, types=F32_KV)
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            batch = TokenBatch.prompt(torch.tensor(ids[start : start + chunk]), start)
+            cos, _ = forward.rope(batch.positions)
+            placement = native.placement(forward.embed_tokens(batch), batch, cos, cache, forward.ffn)
+            assert placement == ("prompt" if batch.tokens.shape[0] > 1 else "decode")
+            logits.append(forward.forward(batch, cache))
+    return torch.cat(logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
