@@ -16,6 +16,7 @@ rows are F16, Q4_0 or Q8_0.
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
@@ -413,12 +414,13 @@ class DecodeLayers:
         slots = batch.slots.tolist()
         if not (len(slots) == tokens > 0 and min(slots) >= 0 and max(slots) < cache.k.shape[1]):
             return None
-        if len(set(slots)) == tokens:
+        distinct = set(slots)
+        if len(distinct) == tokens:
             return "decode"
         if not (cache.rows_by_position and self._prompts):
             return None
-        runs = [n for slot in set(slots) if (n := slots.count(slot)) > 1]
-        alone = len(runs) == len(set(slots))
+        runs = [n for n in Counter(slots).values() if n > 1]
+        alone = len(runs) == len(distinct)
         if sum(runs) > (PROMPT_TOKENS if alone else MIXED_PROMPT_TOKENS):
             return None
         if tokens * self.cfg.heads * (cache.ctx + 1) > PROMPT_SCORES:

@@ -30,6 +30,7 @@ from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.runtime.engine.test_mixed_step import mixed_equals_alone
 from tests.support.cli_in_process import run_in_process
+from tests.support.native_placement import placement_of
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
 SEQ_LEN = 64
@@ -231,13 +232,10 @@ def test_a_calibrated_models_prompts_keep_the_torch_path(calibrated: dict) -> No
     """The layer kernel skips the quiet neurons of every token it takes, so it takes the decode tokens alone: a
     prompt, alone or beside them, runs its FFN dense in torch."""
     forward = load_forward(open_model(calibrated["f16"]), RuntimeOptions(ffn="sparse")).forward
-    native = forward.native  # type: ignore[attr-defined]
-    assert native is not None
     cache = KVCache(forward.cfg, 64, slots=2)
     decode, prompt = TokenBatch.decode([5], [3], [0]), TokenBatch.prompt(torch.arange(3, 7), 0, 1)
     for batch, placement in ((decode, "decode"), (prompt, None), (TokenBatch.join([decode, prompt]), None)):
-        cos, _ = forward.rope(batch.positions)
-        assert native.placement(forward.embed_tokens(batch), batch, cos, cache, forward.ffn) == placement
+        assert placement_of(forward, batch, cache) == placement
 
 
 def test_a_mixed_step_keeps_the_decode_tokens_sparse(calibrated: dict) -> None:

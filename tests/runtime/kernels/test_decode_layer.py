@@ -43,6 +43,7 @@ from qinfer.runtime.kv.window import WindowKVCache
 from qinfer.runtime.model.forward import TransformerForward
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
+from tests.support.native_placement import placement_of
 
 # Every test here runs on each kernel build: native, AVX2 and plain C (tests/conftest.py).
 pytestmark = [
@@ -496,13 +497,6 @@ def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatc
     assert calls == {}
     assert forward_for(gguf_files["pi-f16"], "oracle").native is None  # type: ignore[attr-defined]
     assert forward_for(gguf_files["pi-f32"], "sparse").native is None  # type: ignore[attr-defined]
-
-
-def placement_of(forward: TransformerForward, batch: TokenBatch, cache: CacheRows) -> Placement | None:
-    native = forward.native  # type: ignore[attr-defined]
-    assert native is not None
-    cos, _ = forward.rope(batch.positions)
-    return native.placement(forward.embed_tokens(batch), batch, cos, cache, forward.ffn)
 
 
 def test_prompt_tokens_run_natively_up_to_a_bound(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

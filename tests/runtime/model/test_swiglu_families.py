@@ -27,6 +27,7 @@ from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.support.cli_in_process import run_in_process
 from tests.support.gguf_rewrite import rewrite_gguf
+from tests.support.native_placement import placement_of
 from tests.support.runtime_logits import hf_ids, last_logits, our_logits, reference_logits
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
@@ -123,16 +124,12 @@ def test_native_step_gives_the_torch_paths_logits(
 def chunked_logits(path: Path, ids: list[int], chunk: int) -> torch.Tensor:
     """Every token's logits, the text fed `chunk` tokens at a time, each chunk of several in the native layer step."""
     forward = load_forward(open_model(path), RuntimeOptions(ffn="dense")).forward
-    native = forward.native  # type: ignore[attr-defined]
-    assert native is not None
     cache = KVCache(forward.cfg, 64, types=F32_KV)
     logits = []
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):
             batch = TokenBatch.prompt(torch.tensor(ids[start : start + chunk]), start)
-            cos, _ = forward.rope(batch.positions)
-            placement = native.placement(forward.embed_tokens(batch), batch, cos, cache, forward.ffn)
-            assert placement == ("prompt" if batch.tokens.shape[0] > 1 else "decode")
+            assert placement_of(forward, batch, cache) == ("prompt" if batch.tokens.shape[0] > 1 else "decode")
             logits.append(forward.forward(batch, cache))
     return torch.cat(logits)
 
