@@ -535,8 +535,7 @@ static float dot_q8(int type, const uint8_t *row, const uint8_t *next, const int
  * the last-level cache), two Zen 5 threads: 1 token 0.99-1.09x, 2 tokens 1.4-1.9x, 4 tokens 2.0-2.6x, 16 tokens
  * 2.6-2.8x. A whole matrix's products of QG_MIN_TOKENS tokens and more go to the blocked product (q_gemm) instead,
  * which is quicker from about 24 tokens (from 10 in the tile unit: qg_takes); a selection's rows, which it cannot
- * take, come here up to QX_MAX_TOKENS - 1 tokens. Q8_0 rows, twice the bytes of weights, stay on the row kernel for
- * one token, which reads them at memory speed already. */
+ * take, come here up to QX_MAX_TOKENS - 1 tokens. Q8_0 rows come here from one token too (see qx_takes). */
 #define QX_ROWS 16
 #define QX_TOKENS 16
 #define QX_MAX_TOKENS 48
@@ -1064,8 +1063,7 @@ int qinfer_selected_ffn(const uint8_t *gate, int64_t gate_stride, int gate_type,
     return status;
 }
 
-/* An expert's rows go EXPERT_TILE at a time: sixteen Q4_0 rows in one pass (qx_rows, which takes Q8_0 only from two
- * tokens, where a pair has one), where the build has it. */
+/* An expert's rows go EXPERT_TILE at a time: sixteen rows in one pass (qx_rows), where the build has it. */
 #define EXPERT_TILE 16
 
 /* out[r] = row r . token t's input, for rows r < count (at most EXPERT_TILE) from row0, `stride` bytes apart. The

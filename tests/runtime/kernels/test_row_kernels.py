@@ -169,8 +169,8 @@ def _ggml_test_data(n: int, offset: float) -> np.ndarray:
 @pytest.mark.parametrize("qtype", [Q4, Q8])
 def test_quantized_dot_within_ggmls_documented_error(qtype: GGMLQuantizationType) -> None:
     """ggml's test-quantize-fns allows a quantized dot product (weights quantized, input quantized to Q8_0) to be
-    off from the float dot of the unquantized vectors by 0.02 per element, on its own test data; rows of 4096
-    columns (32 x 128, its test size) take the kernel's eight-block loop."""
+    off from the float dot of the unquantized vectors by 0.02 per element, on its own test data (rows of 4096
+    columns, 32 x 128, its test size)."""
     n = 32 * 128
     w = np.stack([_ggml_test_data(n, 0.0), _ggml_test_data(n, 0.5)])
     x = torch.from_numpy(np.stack([_ggml_test_data(n, 1.0)]))
@@ -308,9 +308,9 @@ def test_the_blocked_quantized_product_matches_float64(kernel_build: str, qtype:
 @pytest.mark.parametrize(("rows", "cols"), [(37, 96), (16, 8224), (3, 64)])
 def test_quantized_rows_sixteen_at_a_time_match_float64(kernel_build: str, qtype: GGMLQuantizationType, tokens: int,
                                                         rows: int, cols: int) -> None:  # fmt: skip
-    """Quantized rows against fewer than 24 tokens (Q8_0 from 2; more, or with AMX from 10, go to the blocked
-    product), which AVX-512 VNNI takes sixteen rows at a time (each block transposed in registers, a lane per row)
-    and the other builds row by row: exact to float32 sums of the same integer block products, for token counts
+    """Quantized rows against fewer than 24 tokens (more, or with AMX from 10, go to the blocked product), which
+    AVX-512 VNNI takes sixteen rows at a time (each block transposed in registers, a lane per row) and the other
+    builds row by row: exact to float32 sums of the same integer block products, for token counts
     that use every token tile (16, 8, 4, 2, 1) and row counts that leave a partial row tile, fill one exactly, or
     stay under one."""
     w = _quantized(rows, cols, qtype, 27)
@@ -326,7 +326,7 @@ def test_quantized_rows_sixteen_at_a_time_match_float64(kernel_build: str, qtype
 def test_inputs_quantize_as_roundf(tokens: int) -> None:
     """The input's Q8_0 bytes are roundf's, halves away from zero, in the vector quantizer too: against rows that
     each pick one column (Q8_0, scale 1), an input block whose largest value is 127 (scale 1) comes back as its
-    rounded values, for one token (the row path) and for a prompt (the blocked product)."""
+    rounded values, for one token and for a prompt (the blocked product)."""
     values = torch.tensor([127, 2.5, -2.5, 3.5, -0.5, 0.5, 1.4999999, -126.5, 0.49999997, 7, -7.5, 0] + [0.25] * 20)
     identity = torch.zeros(32, 34, dtype=torch.uint8)
     identity[:, :2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # f16 1.0, little-endian
