@@ -7,13 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from qinfer.core.kv_policy import F32_KV, KVPolicy
 from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.sampling import SamplingParams
-from qinfer.runtime.kernels.decode_layer import NativeStep
 from qinfer.runtime.kv.batch import TokenBatch, batch_step, parts_take_queries
+from tests.support.native_placement import counting_runs
 
 GREEDY = SamplingParams(temperature=0.0)
 RUNNING = ["Once upon a time", "The dog ran fast, and the cat slept."]
@@ -44,24 +45,15 @@ def mixed_equals_alone(path: Path, policy: KVPolicy | None = None, ffn: str = "d
         return attend(q, k, v, layer, *rest)
 
     engine.cache.attend = counted  # type: ignore[method-assign]
-    kernel = engine.forward.native  # type: ignore[attr-defined]
-    assert (kernel is not None) == native
-    placements: list[str] = []  # each native layer call's
-    if kernel is not None:
-        run = kernel.run
-
-        def counted_run(i: int, h: torch.Tensor, call: NativeStep, cache: Any) -> torch.Tensor:
-            placements.append(call.placement)
-            return run(i, h, call, cache)
-
-        kernel.run = counted_run  # type: ignore[method-assign]
+    assert (engine.forward.native is not None) == native  # type: ignore[attr-defined]
     tolerance = 1e-4 if native else 1e-5
     last_layer = engine.forward.cfg.layers - 1
     running = [encode(p) for p in RUNNING]
     long = encode(LONG)
     cuts = [0, len(long) // 3, 2 * len(long) // 3, len(long)]
     decoded: list[list[torch.Tensor]] = [[], []]
-    with torch.inference_mode():
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        runs = counting_runs(patch)
         fed = []
         for slot, ids in enumerate(running):
             last = forward(TokenBatch.prompt(torch.tensor(ids), 0, slot), engine.cache, [len(ids) - 1])
@@ -71,13 +63,13 @@ def mixed_equals_alone(path: Path, policy: KVPolicy | None = None, ffn: str = "d
             chunk = TokenBatch.prompt(torch.tensor(long[cuts[j] : cuts[j + 1]]), cuts[j], 2)
             rows = [0, 1] + ([1 + cuts[3] - cuts[2]] if j == 2 else [])
             attended.clear()
-            placements.clear()
+            runs.clear()
             logits = forward(TokenBatch.join([decode, chunk]), engine.cache, rows)
             assert logits.shape[0] == len(rows)
             tokens = 2 + cuts[j + 1] - cuts[j]
             queries = tokens if policy is not None and policy.windowed else len(rows)
             if native:
-                assert attended == [] and placements == ["mixed"] * (last_layer + 1)
+                assert attended == [] and runs == {"mixed": list(range(last_layer + 1))}
             else:
                 assert [(q, n) for layer, q, n in attended if layer == last_layer and n == tokens] == [
                     (queries, tokens)

@@ -27,14 +27,7 @@ from qinfer.runtime.engine.perplexity import perplexity
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
 from qinfer.runtime.kernels import decode_layer, row_kernels
-from qinfer.runtime.kernels.decode_layer import (
-    MIXED_PROMPT_TOKENS,
-    PROMPT_TOKENS,
-    CacheRows,
-    DecodeLayers,
-    NativeStep,
-    Placement,
-)
+from qinfer.runtime.kernels.decode_layer import MIXED_PROMPT_TOKENS, PROMPT_TOKENS, DecodeLayers
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache, make_kv_cache
@@ -43,7 +36,7 @@ from qinfer.runtime.kv.window import WindowKVCache
 from qinfer.runtime.model.forward import TransformerForward
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
-from tests.support.native_placement import placement_of
+from tests.support.native_placement import counting_runs, placement_of
 
 # Every test here runs on each kernel build: native, AVX2 and plain C (tests/conftest.py).
 pytestmark = [
@@ -159,19 +152,6 @@ def assert_native_batch_matches_torch(
     reference, _ = decode_together(forward, False, 3, together=True)
     for mine, theirs in zip(native, reference, strict=True):
         assert (mine - theirs).abs().max() <= tolerance * theirs.abs().max()
-
-
-def counting_runs(monkeypatch: pytest.MonkeyPatch) -> dict[Placement, list[int]]:
-    """The layers the native step ran, in order, by the placement of their calls' tokens."""
-    calls: dict[Placement, list[int]] = {}
-    real = DecodeLayers.run
-
-    def run(self: DecodeLayers, i: int, h: torch.Tensor, call: NativeStep, cache: CacheRows) -> torch.Tensor:
-        calls.setdefault(call.placement, []).append(i)
-        return real(self, i, h, call, cache)
-
-    monkeypatch.setattr(DecodeLayers, "run", run)
-    return calls
 
 
 def counting_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
