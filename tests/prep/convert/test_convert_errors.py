@@ -50,7 +50,7 @@ def test_missing_predictor_layer(copies: tuple[Path, Path, Path]) -> None:
 def test_predictor_of_wrong_shape(copies: tuple[Path, Path, Path]) -> None:
     model, predictor, out = copies
     torch.save({"fc1.weight": torch.zeros(32, 7), "fc2.weight": torch.zeros(9, 32)}, predictor / "model_0.pt")
-    result = run_cli("prep", "convert", str(model), str(predictor), "--outfile", str(out / "x.powerinfer.gguf"))
+    result = run_in_process("prep", "convert", str(model), str(predictor), "--outfile", str(out / "x.powerinfer.gguf"))
     assert_clean_failure(result, out, "do not fit this model")
 
 
@@ -59,7 +59,7 @@ def test_checkpoint_shape_disagrees_with_config(copies: tuple[Path, Path, Path])
     config = json.loads((model / "config.json").read_text())
     config["intermediate_size"] += 32
     (model / "config.json").write_text(json.dumps(config))
-    result = run_cli("prep", "convert-dense", str(model), "--outfile", str(out / "x.gguf"))
+    result = run_in_process("prep", "convert-dense", str(model), "--outfile", str(out / "x.gguf"))
     assert_clean_failure(result, out, "config.json implies")
 
 
@@ -68,14 +68,14 @@ def test_unknown_architecture(copies: tuple[Path, Path, Path]) -> None:
     config = json.loads((model / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (model / "config.json").write_text(json.dumps(config))
-    result = run_cli("prep", "convert", str(model), str(predictor), "--outfile", str(out / "x.powerinfer.gguf"))
+    result = run_in_process("prep", "convert", str(model), str(predictor), "--outfile", str(out / "x.powerinfer.gguf"))
     assert_clean_failure(result, out, "unsupported architecture")
 
 
 def test_missing_model_directory(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    result = run_cli("prep", "convert-dense", str(tmp_path / "nope"), "--outfile", str(out / "x.gguf"))
+    result = run_in_process("prep", "convert-dense", str(tmp_path / "nope"), "--outfile", str(out / "x.gguf"))
     assert_clean_failure(result, out, "not found")
 
 

@@ -21,6 +21,7 @@ from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
 from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
+from tests.support.cli_in_process import run_in_process
 
 CTX = 128
 
@@ -130,6 +131,6 @@ def test_perplexity_command(q4: Path, heldout: Path, tmp_path: Path) -> None:
     assert ppl == pytest.approx(model_ppl(q4, heldout, "dense"), rel=1e-4)
     short = tmp_path / "short.txt"
     short.write_text("Once upon a time")
-    result = run_cli("perplexity", "-m", str(q4), "-f", str(short), "-c", str(CTX))
+    result = run_in_process("perplexity", "-m", str(q4), "-f", str(short), "-c", str(CTX))
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error:") and "fewer than one window" in result.stderr

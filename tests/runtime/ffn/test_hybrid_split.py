@@ -390,7 +390,7 @@ def test_run_command_plans_on_the_spot_and_decodes_in_parallel(model: Path) -> N
 
 def test_run_command_without_activation_statistics_names_the_profile_command(model: Path) -> None:
     shutil.rmtree(model.parent / "activation")
-    result = _cli("run", "-m", str(model), "-n", "4", "--vram-budget", "1")
+    result = run_in_process("run", "-m", str(model), "-n", "4", "--vram-budget", "1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "qinfer prep profile" in result.stderr
 
