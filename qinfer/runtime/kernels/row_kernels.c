@@ -1216,8 +1216,10 @@ int qinfer_weighted_rows(const uint8_t *w, int64_t stride, int type, const int64
  * token and 4096 columns, and loading the inputs first 1.01-1.04x; 1024 or 3072 columns, 96-row blocks, a packed
  * copy of the rows, or prefetching them did not beat that. AVX2's 4 x 3 runs 1.25-1.32x faster than its 3 x 3
  * (which could not load the inputs first: 3 x 4 and 2 x 6 are 1.0-1.1x), and beats rows2_tokens from 3 tokens (3:
- * 95-130 against 57-73 GFLOP/s; 4, whose second tile repeats a token twice: even). AVX-512's 6 x 4 beats
- * rows2_tokens from 4 tokens (Zen 4). */
+ * 95-130 against 57-73 GFLOP/s; 4, whose second tile then repeated a token twice: even). AVX-512's 6 x 4 beats
+ * rows2_tokens from 4 tokens (Zen 4). A tile at the edge of the tokens computes only its own: on an Intel Xeon (two
+ * threads) built for AVX2, the 7B slice's 4-sequence decode step 1.08-1.11x (dense f16 file) and 1.17-1.22x
+ * (PowerInfer f16 file) against a tile of 3 that repeated the last token twice. */
 #if LANES == 16
 #define GEMM_ROWS 6   /* 24 sums, 4 inputs and a row: 29 of AVX-512's 32 registers */
 #define GEMM_TOKENS 4 /* vsum4's four */
@@ -1250,31 +1252,46 @@ static inline __m128 vsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 #endif
 
+/* A tile of `count` tokens (at most GEMM_TOKENS, a constant where inlined): a tile at the edge of the batch computes
+ * its tokens alone (AVX2's 4-token batch is a tile of 3 and one of 1). Each token's sums are the same whichever tile
+ * it is in: a product's lanes do not mix tokens, and vsum4 sums each of its four vectors alone. */
 static inline __attribute__((always_inline)) void f16_gemm_tile(const uint16_t *const w[GEMM_ROWS],
-                                                               const float *const x[GEMM_TOKENS], int64_t k0,
-                                                               int64_t k1, float sums[GEMM_ROWS][GEMM_TOKENS]) {
+                                                               const float *const x[GEMM_TOKENS], int count,
+                                                               int64_t k0, int64_t k1,
+                                                               float sums[GEMM_ROWS][GEMM_TOKENS]) {
     vec acc[GEMM_ROWS][GEMM_TOKENS];
     for (int r = 0; r < GEMM_ROWS; r++)
         for (int t = 0; t < GEMM_TOKENS; t++) acc[r][t] = vzero();
     for (int64_t i = k0; i < k1; i += LANES) {
         vec xv[GEMM_TOKENS];
-        for (int t = 0; t < GEMM_TOKENS; t++) xv[t] = vload(x[t] + i);
+        for (int t = 0; t < count; t++) xv[t] = vload(x[t] + i);
         for (int r = 0; r < GEMM_ROWS; r++) {
             vec wv = vload_half(w[r] + i);
-            for (int t = 0; t < GEMM_TOKENS; t++) acc[r][t] = vfma(wv, xv[t], acc[r][t]);
+            for (int t = 0; t < count; t++) acc[r][t] = vfma(wv, xv[t], acc[r][t]);
         }
     }
 #if LANES == 16
     for (int r = 0; r < GEMM_ROWS; r++) _mm_storeu_ps(sums[r], vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 #else
     for (int r = 0; r < GEMM_ROWS; r++)
-        for (int t = 0; t < GEMM_TOKENS; t++) sums[r][t] = vsum(acc[r][t]);
+        for (int t = 0; t < count; t++) sums[r][t] = vsum(acc[r][t]);
 #endif
 }
 
+/* f16_gemm_tile with its token count made a constant. */
+static void f16_gemm_tile_of(const uint16_t *const w[GEMM_ROWS], const float *const x[GEMM_TOKENS], int count,
+                             int64_t k0, int64_t k1, float sums[GEMM_ROWS][GEMM_TOKENS]) {
+    if (count == GEMM_TOKENS) f16_gemm_tile(w, x, GEMM_TOKENS, k0, k1, sums);
+#if GEMM_TOKENS > 3
+    else if (count == 3) f16_gemm_tile(w, x, 3, k0, k1, sums);
+#endif
+    else if (count == 2) f16_gemm_tile(w, x, 2, k0, k1, sums);
+    else f16_gemm_tile(w, x, 1, k0, k1, sums);
+}
+
 /* out[t * rows + r] = row r . x[t] for `tokens` tokens x [tokens, n] of F16 rows, inside a parallel region (the
- * row blocks shared among the threads). A tile at the edge repeats its last row or token and keeps only the
- * rest. */
+ * row blocks shared among the threads). A tile at the edge of a row block repeats its last row and keeps only the
+ * rest; one at the edge of the tokens computes its own. */
 static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float *x, int64_t n, int64_t tokens,
                      float *out) {
     int64_t share = (rows + GEMM_BLOCKS_PER_THREAD * omp_get_num_threads() - 1) /
@@ -1288,16 +1305,17 @@ static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float
         for (int64_t block = 0; block < blocks; block++) {
             int64_t b0 = block * block_rows, b1 = rows - b0 > block_rows ? b0 + block_rows : rows;
             for (int64_t t0 = 0; t0 < tokens; t0 += GEMM_TOKENS) {
+                int count = tokens - t0 < GEMM_TOKENS ? (int)(tokens - t0) : GEMM_TOKENS;
                 const float *xt[GEMM_TOKENS];
-                for (int t = 0; t < GEMM_TOKENS; t++) xt[t] = x + (t0 + t < tokens ? t0 + t : tokens - 1) * n;
+                for (int t = 0; t < count; t++) xt[t] = x + (t0 + t) * n;
                 for (int64_t r0 = b0; r0 < b1; r0 += GEMM_ROWS) {
                     const uint16_t *wr[GEMM_ROWS];
                     for (int r = 0; r < GEMM_ROWS; r++)
                         wr[r] = (const uint16_t *)(w + (r0 + r < b1 ? r0 + r : b1 - 1) * stride);
                     float sums[GEMM_ROWS][GEMM_TOKENS];
-                    f16_gemm_tile(wr, xt, k0, k1, sums);
+                    f16_gemm_tile_of(wr, xt, count, k0, k1, sums);
                     for (int r = 0; r < GEMM_ROWS && r0 + r < b1; r++) {
-                        for (int t = 0; t < GEMM_TOKENS && t0 + t < tokens; t++) {
+                        for (int t = 0; t < count; t++) {
                             float sum = sums[r][t];
                             /* Columns past the last whole vector, once, with the last pass. */
                             for (int64_t c = whole; last && c < n; c++) sum += half_to_float(wr[r][c]) * xt[t][c];
