@@ -110,13 +110,12 @@ def test_a_model_path_that_is_a_pipe_or_a_directory_is_refused_without_waiting(t
     process of its own, which a timeout ends should the read block; a directory cannot block, and runs here."""
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
-    for path in (fifo, tmp_path):
-        run, plan = ["run", "-m", str(path), "-p", "Once", "-n", "1"], ["plan", "-m", str(path), "--vram-budget", "1"]
-        for command in (run, plan):
-            if path == fifo:
-                done = subprocess.run(
-                    [sys.executable, "-m", "qinfer", *command], capture_output=True, text=True, timeout=60
-                )
-            else:
-                done = run_in_process(*command)
-            _one_line(done, "not a regular file")
+
+    def commands(path: Path) -> list[list[str]]:
+        return [["run", "-m", str(path), "-p", "Once", "-n", "1"], ["plan", "-m", str(path), "--vram-budget", "1"]]
+
+    for command in commands(fifo):
+        done = subprocess.run([sys.executable, "-m", "qinfer", *command], capture_output=True, text=True, timeout=60)
+        _one_line(done, "not a regular file")
+    for command in commands(tmp_path):
+        _one_line(run_in_process(*command), "not a regular file")

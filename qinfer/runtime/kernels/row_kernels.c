@@ -1260,6 +1260,7 @@ static inline __attribute__((always_inline)) void f16_gemm_tile(const uint16_t *
                                                                int64_t k0, int64_t k1,
                                                                float sums[GEMM_ROWS][GEMM_TOKENS]) {
     vec acc[GEMM_ROWS][GEMM_TOKENS];
+    /* Every token's sums, a missing one's too: vsum4 reads all four vectors. */
     for (int r = 0; r < GEMM_ROWS; r++)
         for (int t = 0; t < GEMM_TOKENS; t++) acc[r][t] = vzero();
     for (int64_t i = k0; i < k1; i += LANES) {
@@ -1278,7 +1279,8 @@ static inline __attribute__((always_inline)) void f16_gemm_tile(const uint16_t *
 #endif
 }
 
-/* f16_gemm_tile with its token count made a constant. */
+/* f16_gemm_tile with its token count made a constant, so that each inlined copy unrolls its token loops and keeps
+ * its sums in registers. */
 static void f16_gemm_tile_of(const uint16_t *const w[GEMM_ROWS], const float *const x[GEMM_TOKENS], int count,
                              int64_t k0, int64_t k1, float sums[GEMM_ROWS][GEMM_TOKENS]) {
     if (count == GEMM_TOKENS) f16_gemm_tile(w, x, GEMM_TOKENS, k0, k1, sums);
@@ -1291,7 +1293,7 @@ static void f16_gemm_tile_of(const uint16_t *const w[GEMM_ROWS], const float *co
 
 /* out[t * rows + r] = row r . x[t] for `tokens` tokens x [tokens, n] of F16 rows, inside a parallel region (the
  * row blocks shared among the threads). A tile at the edge of a row block repeats its last row and keeps only the
- * rest; one at the edge of the tokens computes its own. */
+ * rest; one at the edge of the tokens computes only its own tokens. */
 static void f16_gemm(const uint8_t *w, int64_t stride, int64_t rows, const float *x, int64_t n, int64_t tokens,
                      float *out) {
     int64_t share = (rows + GEMM_BLOCKS_PER_THREAD * omp_get_num_threads() - 1) /
