@@ -167,7 +167,8 @@ def runtime_decoder(path: Path, ffn: str, prompt_ids: list[int], n: int, ctx: in
 
 
 def engine_decoder(engine: Engine, prompt_ids: list[int], n: int) -> Timer:
-    """An opened engine's prompt and then n greedy steps, each step timed (reading its token back ends it)."""
+    """An opened engine's prompt and then n greedy tokens, as `qinfer run` steps (groups of steps where the engine
+    takes them: Engine.step), each step's time per token it gave (reading its tokens back ends it)."""
 
     def tps() -> Speed:
         started = time.perf_counter()
@@ -176,12 +177,13 @@ def engine_decoder(engine: Engine, prompt_ids: list[int], n: int) -> Timer:
         while not engine.step():
             pass
         prompt_seconds = time.perf_counter() - started
-        seconds = []
-        for _ in range(n):
+        seconds: list[float] = []
+        while len(seconds) < n:
             started = time.perf_counter()
-            engine.step()
-            seconds.append(time.perf_counter() - started)
-        engine.cancel(engine.active_slots()[0])
+            tokens = len(engine.step(group=True))
+            seconds += [(time.perf_counter() - started) / tokens] * tokens
+        for slot in engine.active_slots():  # a group may have ended the sequence at its length
+            engine.cancel(slot)
         engine.erase(0)  # the next round's prompt is prefilled whole, not found in the prompt cache
         return Speed(1.0 / statistics.median(seconds), len(prompt_ids) / prompt_seconds)
 

@@ -12,7 +12,7 @@ sequence at each KV position of --positions. Tokens/s is B * steps / the seconds
 S_TG), best of --rounds interleaved rounds.
 
 - ours: the runtime's decode forward over B slots of a KV cache of each --cache-type (keys and values alike; f16 by
-  default, a comma-separated list for several in the same interleaved rounds), one native call per layer for the
+  default, a comma-separated list for several in the same interleaved rounds), one native call a step for the
   batch, --ffn dense on the dense file and --ffn auto (the predictor with the adaptive schedule) on the PowerInfer
   file.
   The cache rows before the position are filled with random keys and values rather than prefilled: what a step

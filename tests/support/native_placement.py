@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from qinfer.runtime.kernels.decode_layer import CacheRows, DecodeLayers, NativeStep, Placement
+from qinfer.runtime.kernels.decode_layer import CacheRows, DecodeLayers, Placement
 from qinfer.runtime.kv.batch import TokenBatch
 
 
@@ -16,18 +16,20 @@ def placement_of(forward: Any, batch: TokenBatch, cache: CacheRows) -> Placement
     """The placement `forward`'s layer step gives `batch` over `cache`, as TransformerForward.forward asks it."""
     native = forward.native
     assert native is not None
-    cos, _ = forward.rope(batch.positions)
-    return native.placement(forward.embed_tokens(batch), batch, cos, cache, forward.ffn)
+    return native.placement(forward.embed_tokens(batch), batch, forward.inv_freq, cache, forward.ffn)
 
 
 def counting_runs(monkeypatch: pytest.MonkeyPatch) -> dict[Placement, list[int]]:
-    """The layers the native step runs from now on, in order, by the placement of their calls' tokens."""
+    """The layers the native step runs from now on, in order, by the placement of their calls' tokens: each call runs
+    every layer, first to last."""
     calls: dict[Placement, list[int]] = {}
-    real = DecodeLayers.run
+    real = DecodeLayers.step
 
-    def run(self: DecodeLayers, i: int, h: torch.Tensor, call: NativeStep, cache: CacheRows) -> torch.Tensor:
-        calls.setdefault(call.placement, []).append(i)
-        return real(self, i, h, call, cache)
+    def step(
+        self: DecodeLayers, h: torch.Tensor, batch: Any, cache: CacheRows, placement: Placement, *rest: Any
+    ) -> Any:
+        calls.setdefault(placement, []).extend(range(len(self.layers)))
+        return real(self, h, batch, cache, placement, *rest)
 
-    monkeypatch.setattr(DecodeLayers, "run", run)
+    monkeypatch.setattr(DecodeLayers, "step", step)
     return calls

@@ -1,6 +1,7 @@
 """The loop that keeps the engine's slots busy, shared by `qinfer run` (generate.py) and the server (worker.py):
-waiting sequences join free slots between steps, each step advances every running sequence by one token and the
-prompts in the slots by a chunk (engine.py), and each token is turned into the text it adds."""
+waiting sequences join free slots between steps, each step advances every running sequence by one token (or a
+group of greedy steps by several) and the prompts in the slots by a chunk (engine.py), and each token is turned into
+the text it adds."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Delivery(Generic[S]):
     piece: str
     out: StepOutput | None
     refused: Exception | None = None
+    generated: int = 0  # the sequence's tokens so far, this one's included (a step can bring it several)
 
     @property
     def finished(self) -> bool:
@@ -59,9 +61,10 @@ class Admission(Generic[S]):
 
     def step(self) -> list[Delivery[S]]:
         """Free the slots of cancelled sequences, admit waiting ones into free slots, then one engine step for all
-        running ones. A request the engine refuses fails alone, and is returned at once, before any step that could
-        fail and lose it; the next call steps. A prompt whose chunk fails a step fails alone too (Engine.step); any
-        other exception from the step propagates, the sequences still running (see `fail_running`)."""
+        running ones (or a group of steps, where the engine groups greedy ones: Engine.step). A request the engine
+        refuses fails alone, and is returned at once, before any step that could fail and lose it; the next call
+        steps. A prompt whose chunk fails a step fails alone too (Engine.step); any other exception from the step
+        propagates, the sequences still running (see `fail_running`)."""
         for slot, sequence in list(self.running.items()):
             if sequence.cancelled:
                 self.engine.cancel(slot)
@@ -81,7 +84,7 @@ class Admission(Generic[S]):
             self.running[slot] = sequence
         if done or not self.running:
             return done
-        outputs = self.engine.step()
+        outputs = self.engine.step(group=True)
         now = time.perf_counter()
         for out in outputs:
             sequence = self.running[out.slot]
@@ -92,7 +95,7 @@ class Admission(Generic[S]):
             if out.finished:
                 sequence.decode_seconds = now - sequence.decode_started
                 del self.running[out.slot]
-            done.append(Delivery(sequence, piece, out))
+            done.append(Delivery(sequence, piece, out, generated=len(sequence.output.tokens)))
         return done
 
     def drop_all(self) -> list[S]:

@@ -118,7 +118,7 @@ class EngineWorker:
                 elif out.finished or (done.piece and job.every_piece):
                     text = "".join([*job.unsent, done.piece])
                     job.unsent.clear()
-                    event = Event(text, out.finished, out.reason, len(job.output.tokens), out.error)
+                    event = Event(text, out.finished, out.reason, done.generated, out.error)
                 else:
                     if done.piece:
                         job.unsent.append(done.piece)

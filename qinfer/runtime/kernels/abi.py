@@ -125,7 +125,19 @@ class Scratch(ctypes.Structure):
     _fields_ = [(name, ptr) for name, _ in SCRATCH]
 
 
-STRUCTS: tuple[type[ctypes.Structure], ...] = (Matrix, Stacks, Layer, Dims, Scratch)
+class Call(ctypes.Structure):
+    """One forward call of every layer and the head (qinfer_decode_step)."""
+
+    _fields_ = [
+        ("k_cache", ptr), ("v_cache", ptr), ("k_stride", i64), ("v_stride", i64), ("pos_cache", ptr),
+        ("mass_cache", ptr), ("pos_stride", i64), ("mass_stride", i64), ("freq", ptr), ("sparse", ptr), ("read", ptr),
+        ("output", ptr), ("norm", ptr), ("norm_bias", ptr), ("rows", ptr), ("n_rows", i64), ("logits", ptr),
+        ("steps", i64), ("embed", ptr), ("embed_stride", i64), ("embed_rows", i64), ("embed_half", i32), ("ids", ptr),
+        ("ends", ptr), ("n_ends", i64), ("next", ptr),
+    ]  # fmt: skip
+
+
+STRUCTS: tuple[type[ctypes.Structure], ...] = (Matrix, Stacks, Layer, Dims, Scratch, Call)
 
 
 class Fact(ctypes.Structure):

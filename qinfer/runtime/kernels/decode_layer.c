@@ -1,5 +1,6 @@
-/* One step of one layer (llama, bamboo, qwen2, falcon, opt, and the mixtures of experts qwen2moe, qwen3moe and
- * mixtral) for a batch of tokens, one per sequence (a decode step), runs of a prompt's, or both, in one native call:
+/* A forward call's every layer and the output head in one native call (qinfer_decode_step), or several greedy
+ * decode steps in a row. One step of one layer (llama, bamboo, qwen2, falcon, opt, and the mixtures of experts
+ * qwen2moe, qwen3moe and mixtral) for a batch of tokens, one per sequence (a decode step), runs of a prompt's, or both:
  * attention norm (RMSNorm, or LayerNorm with its bias), the q/k/v products (and their biases), an RMSNorm over
  * each head of q and k (Qwen3), rope (where the family has it), the KV-cache write (float, f16 or Q8_0 rows),
  * attention of each token over its own sequence's cached positions (the last `window` of them where the model slides
@@ -22,7 +23,7 @@
  * |act(gate)| exceeds the layer's gate threshold (0 for ReLU; calibrated for a sparse SwiGLU model).
  *
  * The caller (qinfer/runtime/kernels/decode_layer.py) checks every shape against the tensors once, when it builds the
- * layer descriptions; qinfer_decode_layer checks again that the matrices fit the dimensions before reading.
+ * layer descriptions; decode_layer checks again that the matrices fit the dimensions before reading.
  *
  * A Q8_0 cache row (llama.cpp's block_q8_0: an f16 scale d, then 32 int8 q, per 32 values) is written with
  * quantize_row_q8_0_ref's rounding, the bytes the torch path (qinfer/runtime/kv/q8_rows.py) writes, and read in
@@ -728,7 +729,7 @@ static void moe_ffn(const dims *d, const layer *w, const scratch *s, int64_t tok
  * neuron's rows once for all the tokens that need it. Returns the number of neurons whose rows were read (the union
  * over the tokens), -1 (nothing read or written) where a matrix does not fit the dimensions or the scratch, -3 where
  * a position or a slot is outside the cache or two tokens would write one row. */
-int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, float *h, int64_t tokens,
+static int64_t decode_layer(const layer *w, const dims *d, const scratch *s, float *h, int64_t tokens,
                             const int64_t *pos, const int64_t *slot, int64_t slots, const float *cos, const float *sin,
                             int threads) {
     int64_t e = d->hidden, f = d->ffn, hd = d->head_dim, kv = d->kv_heads * hd, heads = d->heads * hd;
@@ -876,24 +877,147 @@ int64_t qinfer_decode_layer(const layer *w, const dims *d, const scratch *s, flo
     return count;
 }
 
-/* The output head for tokens h [tokens, E] (a decode step's last layer's output): the final norm (RMSNorm, or
- * LayerNorm with `bias`) with the weights w, then logits [tokens, m's rows] = the normalised rows . m's rows, in one
- * call where torch took six operator calls and the product's. Returns 0, or -1 (nothing written) where m does not
- * fit the dimensions or the scratch, or there are no tokens. */
-int64_t qinfer_decode_head(const matrix *m, const float *w, const float *bias, const dims *d, const scratch *s,
-                           const float *h, int64_t tokens, float *logits, int threads) {
+/* The output head for the tokens of h [tokens, E] that `rows` lists (n of them; NULL: every token, in order): the
+ * final norm (RMSNorm, or LayerNorm with `bias`) with the weights w, then logits [n, m's rows] = the normalised rows
+ * . m's rows, where torch took six operator calls and the product's. Returns 0, or -1 (nothing written) where m
+ * does not fit the dimensions or the scratch, or a row is not one of the tokens. */
+static int64_t decode_head(const matrix *m, const float *w, const float *bias, const dims *d, const scratch *s,
+                           const float *h, int64_t tokens, const int64_t *rows, int64_t n, float *logits,
+                           int threads) {
     int64_t e = d->hidden;
-    if (tokens < 1 || tokens > d->tokens || e > d->widest || (d->layer_norm && !bias) || !matrix_fits(m, m->rows, e))
+    if (n < 1 || n > d->tokens || e > d->widest || (d->layer_norm && !bias) || !matrix_fits(m, m->rows, e))
         return -1;
+    for (int64_t j = 0; rows && j < n; j++)
+        if (rows[j] < 0 || rows[j] >= tokens) return -1;
 #pragma omp parallel num_threads(threads)
     {
         q8_act a;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tokens; t++) norm(d, h + t * e, w, bias, s->x + t * e);
-        quantize_input(m->type, s->x, tokens, e, s, &a);
-        product(m, s->x, &a, tokens, logits);
+        for (int64_t j = 0; j < n; j++) norm(d, h + (rows ? rows[j] : j) * e, w, bias, s->x + j * e);
+        quantize_input(m->type, s->x, n, e, s, &a);
+        product(m, s->x, &a, n, logits);
     }
     return 0;
+}
+
+/* One forward call natively (qinfer_decode_step): where each layer's part of the caches is, what each layer's FFN
+ * reads, and the head. */
+typedef struct {
+    uint8_t *k_cache, *v_cache;   /* layer 0's block of K and V; layer i's is i strides on */
+    int64_t k_stride, v_stride;   /* bytes from one layer's block to the next */
+    int32_t *pos_cache;           /* a window cache's layer 0 rows' positions and masses (NULL: the full cache) */
+    float *mass_cache;
+    int64_t pos_stride, mass_stride; /* elements from one layer's to the next */
+    const float *freq;            /* rope's head_dim / 2 frequencies (NULL: the family has no rope) */
+    const int32_t *sparse;        /* per layer, dims.sparse for it (NULL: dims.sparse for every layer) */
+    int64_t *read;                /* per layer, out: the neurons whose rows it read */
+    const matrix *output;         /* the head's rows (NULL: no head; the caller's reads h) */
+    const float *norm, *norm_bias; /* the final norm's weights and a LayerNorm's bias */
+    const int64_t *rows;          /* the tokens whose logits are asked for, n_rows of them (NULL: every token) */
+    int64_t n_rows;
+    float *logits;                /* [n_rows, output rows] */
+    /* Greedy steps in a row (steps > 1, every token's logits asked for): each step's input rows are looked up in
+     * the embedding table, its tokens `ids` first, then each step's argmax, which `next` [steps, tokens] gets (-1
+     * where the logits hold NaN or +inf, or nothing finite). The steps end after the first that gives a token of
+     * `ends` (n_ends of them), -1, or a token outside the table. */
+    int64_t steps;
+    const uint8_t *embed;         /* [embed_rows, E] rows of float (embed_half 0) or f16 (1), embed_stride bytes apart */
+    int64_t embed_stride, embed_rows;
+    int32_t embed_half;
+    const int64_t *ids;
+    const int64_t *ends;
+    int64_t n_ends;
+    int64_t *next;
+} call;
+
+/* The argmax of n logits, the first of equal ones, or -1 where they hold a NaN or +inf or nothing finite: what
+ * greedy decoding in torch takes (qinfer/runtime/engine/sampling.py's greedy_rows). */
+static int64_t top_token(const float *x, int64_t n) {
+    int64_t best = 0;
+    float top = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(x[i])) return -1;
+        if (x[i] > top) top = x[i], best = i;
+    }
+    return isfinite(top) ? best : -1;
+}
+
+/* Whether token `id` ends the steps: -1, a token of c's ends, or one the table has no row for. */
+static int ends_steps(const call *c, int64_t id) {
+    if (id < 0 || id >= c->embed_rows) return 1;
+    for (int64_t i = 0; i < c->n_ends; i++)
+        if (c->ends[i] == id) return 1;
+    return 0;
+}
+
+static void embed_rows(const call *c, const int64_t *ids, int64_t tokens, int64_t e, float *h) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint8_t *row = c->embed + ids[t] * c->embed_stride;
+        if (c->embed_half)
+            for (int64_t i = 0; i < e; i++) h[t * e + i] = half_to_float(((const uint16_t *)row)[i]);
+        else
+            memcpy(h + t * e, row, (size_t)e * sizeof(float));
+    }
+}
+
+/* Every layer in turn for the tokens h [tokens, E] at positions pos of their slots (decode_layer's
+ * arguments), then the head where c asks for one: one call a step, where one per layer and the head's, with rope's
+ * tables made in torch, took as long as the layers of a small model. Rope's angle is the float product of the
+ * position and the frequency, as the torch path makes it (model/rope.py). With c->steps > 1, that many greedy steps
+ * at most, each at the next positions, as c describes: h, the logits and the scratch hold the last one's. Returns
+ * the steps taken (1 without c->steps), a layer's failure (decode_layer's codes; the layers before it ran),
+ * -1 where the head or the steps' description does not fit, or -2 where memory could not be allocated. */
+int64_t qinfer_decode_step(const layer *layers, int64_t n_layers, const call *c, const dims *d,
+                           const scratch *s, float *h, int64_t tokens, const int64_t *pos, const int64_t *slot,
+                           int64_t slots, int threads) {
+    int64_t half = d->head_dim / 2, steps = c->steps > 1 ? c->steps : 1;
+    if (tokens < 1 || (steps > 1 && (!c->output || c->rows || c->n_rows != tokens || !c->embed || !c->ids ||
+                                     !c->next || c->output->rows < 1)))
+        return -1;
+    for (int64_t t = 0; steps > 1 && t < tokens; t++)
+        if (c->ids[t] < 0 || c->ids[t] >= c->embed_rows) return -1;
+    /* The positions, then rope's cos and sin tables. */
+    int64_t *at = malloc((size_t)tokens * sizeof(int64_t) + (size_t)(2 * tokens * half) * sizeof(float));
+    if (!at) return -2;
+    memcpy(at, pos, (size_t)tokens * sizeof(int64_t));
+    float *cos = c->freq ? (float *)(at + tokens) : NULL, *sin = cos ? cos + tokens * half : NULL;
+    int64_t status = 0, taken = 0;
+    while (taken < steps && status >= 0) {
+        if (steps > 1) embed_rows(c, taken ? c->next + (taken - 1) * tokens : c->ids, tokens, d->hidden, h);
+        for (int64_t t = 0; cos && t < tokens; t++)
+            for (int64_t j = 0; j < half; j++) {
+                float angle = (float)at[t] * c->freq[j];
+                cos[t * half + j] = cosf(angle);
+                sin[t * half + j] = sinf(angle);
+            }
+        for (int64_t i = 0; i < n_layers && status >= 0; i++) {
+            layer w = layers[i];
+            dims di = *d;
+            w.k_cache = c->k_cache + i * c->k_stride;
+            w.v_cache = c->v_cache + i * c->v_stride;
+            w.pos_cache = c->pos_cache ? c->pos_cache + i * c->pos_stride : NULL;
+            w.mass_cache = c->mass_cache ? c->mass_cache + i * c->mass_stride : NULL;
+            if (c->sparse) di.sparse = c->sparse[i];
+            status = decode_layer(&w, &di, s, h, tokens, at, slot, slots, cos, sin, threads);
+            if (status >= 0 && c->read) c->read[i] = status;
+        }
+        if (status >= 0 && c->output)
+            status = decode_head(c->output, c->norm, c->norm_bias, d, s, h, tokens, c->rows, c->n_rows, c->logits,
+                                 threads);
+        if (status < 0) break;
+        taken++;
+        if (steps == 1) break;
+        int last = taken == steps;
+        for (int64_t t = 0; t < tokens; t++) {
+            int64_t id = top_token(c->logits + t * c->output->rows, c->output->rows);
+            c->next[(taken - 1) * tokens + t] = id;
+            last |= ends_steps(c, id);
+            at[t]++;
+        }
+        if (last) break;
+    }
+    free(at);
+    return status < 0 ? status : taken;
 }
 
 /* Element counts of the scratch buffers, in the struct's order, for the dimensions d (ctx and tokens included). */
@@ -943,6 +1067,13 @@ static const abi_fact abi_facts[] = {
     FIELD(dims, used), FIELD(dims, expert_ffn), FIELD(dims, norm_top_k),
     FIELD(dims, eps), FIELD(dims, threshold), FIELD(dims, decay), FIELD(dims, form), FIELD(dims, sparse), FIELD(dims, down_rows),
     FIELD(dims, rope_neox), FIELD(dims, k_type), FIELD(dims, v_type), FIELD(dims, layer_norm), FIELD(dims, parallel),
+    SIZE(call), FIELD(call, k_cache), FIELD(call, v_cache), FIELD(call, k_stride),
+    FIELD(call, v_stride), FIELD(call, pos_cache), FIELD(call, mass_cache), FIELD(call, pos_stride),
+    FIELD(call, mass_stride), FIELD(call, freq), FIELD(call, sparse), FIELD(call, read),
+    FIELD(call, output), FIELD(call, norm), FIELD(call, norm_bias), FIELD(call, rows),
+    FIELD(call, n_rows), FIELD(call, logits), FIELD(call, steps), FIELD(call, embed), FIELD(call, embed_stride),
+    FIELD(call, embed_rows), FIELD(call, embed_half), FIELD(call, ids), FIELD(call, ends), FIELD(call, n_ends),
+    FIELD(call, next),
     SIZE(scratch), FIELD(scratch, x), FIELD(scratch, q), FIELD(scratch, k), FIELD(scratch, v),
     FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out),
     FIELD(scratch, held), FIELD(scratch, probs), FIELD(scratch, weights), FIELD(scratch, chosen),

@@ -1,16 +1,18 @@
-"""One native call per layer for a decode step on the CPU (decode_layer.c): one new token for each of one or more
-sequences, each in its own slot of the KV cache, and short prompt chunks beside them or alone.
+"""One native call for every layer of a decode step on the CPU, and the output head (decode_layer.c): one new token
+for each of one or more sequences, each in its own slot of the KV cache, and short prompt chunks beside them or alone.
 
 `DecodeLayers.build` describes every layer's weights to the kernel once, as ctypes structures over the mapped
-rows, and allocates the scratch the kernel works in; each step then costs one call per layer, with no tensor
-made in between. It applies to llama, bamboo, qwen2, falcon and opt files whose matrices are F16, Q4_0 or Q8_0 rows,
+rows, and allocates the scratch the kernel works in; each step then costs one call, with no tensor made in between
+(rope's tables too are made in it): on a small model, a call per layer and torch's tables took as long as the
+layers. It applies to llama, bamboo, qwen2, falcon and opt files whose matrices are F16, Q4_0 or Q8_0 rows,
 with a dense FFN, the predictor's sparse one or a calibrated gate's, and to the mixtures of experts (mixtral,
 qwen2moe, qwen3moe) whose experts are all on the CPU, and a KV cache on the CPU: the full one in
 float32, f16 or q8_0 (each of K and V), or the window cache, whose kept rows the kernel attends, weighs and replaces
 as kv/window.py does. A step with prompt tokens (`Placement`) runs here too where it is short and the FFN a prompt
 gets is the one the kernel computes; everything else (long prompts, the GPU split, the oracle) keeps the torch path,
-which computes the same layer. The output head (the final norm, then the output rows) is one more call, where its
-rows are F16, Q4_0 or Q8_0.
+which computes the same layer. The output head (the final norm, then the output rows) ends the call where its rows
+are F16, Q4_0 or Q8_0; then the call can also run several greedy decode steps in a row (`greedy_steps`), each
+step's tokens the last one's argmax, their input rows looked up in the embedding table.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import ctypes
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 
@@ -28,7 +30,7 @@ from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVSplit, KVTypes
 from qinfer.core.model_spec import Experts, ModelSpec
 from qinfer.runtime.kernels import row_kernels
-from qinfer.runtime.kernels.abi import CACHE_CODES, SCRATCH, Dims, Layer, Matrix, Scratch, Stacks, form_code
+from qinfer.runtime.kernels.abi import CACHE_CODES, SCRATCH, Call, Dims, Layer, Matrix, Scratch, Stacks, form_code
 from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
 
 # How a forward call's tokens sit in the cache's slots: one per slot (a decode step), runs of several per slot (prompt
@@ -156,6 +158,11 @@ class Positions(Protocol):
     def positions(self) -> torch.Tensor: ...
 
 
+class Tokens(Positions, Protocol):
+    @property
+    def tokens(self) -> torch.Tensor: ...
+
+
 class CacheRows(Protocol):
     """A KV cache (kv/cache.py): K and V as [layers, slots, kv_heads, rows, row] in the element types `types`;
     `rows_by_position` where row p of a slot holds position p (the full cache), else a window cache (WindowRows)."""
@@ -198,8 +205,8 @@ def _down(down_t: Weight | TransposedQuantized) -> tuple[Matrix | None, int]:
 class DecodeLayers:
     """The kernel's description of every layer, its dimensions and its scratch, made once for one FFN runner.
 
-    One forward call at a time: the scratch, the cache pointers and the dimensions are rewritten by each call (the
-    engine runs one step at a time, on one thread)."""
+    One forward call at a time: the scratch, the call's description and the dimensions are rewritten by each call
+    (the engine runs one step at a time, on one thread)."""
 
     def __init__(
         self,
@@ -213,7 +220,7 @@ class DecodeLayers:
         """`head`: the output rows, the final norm's weights and bias (addresses), where the head runs natively."""
         self.cfg = cfg
         self.runner = runner
-        self.layers = layers
+        self.layers = (Layer * len(layers))(*layers)
         self.dims = dims
         self._keep = keep  # every tensor the structures point into, alive as long as they are
         self.predictor = bool(dims.sparse)
@@ -226,12 +233,16 @@ class DecodeLayers:
         self.schedule: Schedule | None = schedule
         self._scratch = Scratch()
         self._buffers: dict[str, torch.Tensor] = {}  # what the scratch points into
-        # Where the kernel finds them: each layer's call passes the same two.
-        self._dims_at, self._scratch_at = ctypes.addressof(dims), ctypes.addressof(self._scratch)
-        entry = getattr(row_kernels.kernel(), "qinfer_decode_head", None)  # absent from older libraries
+        # What each step's call passes and its per-layer lists: which layers the schedule makes sparse, and the
+        # neurons each read.
+        self._call = Call()
+        self._sparse = (ctypes.c_int32 * len(layers))()
+        self._read = (ctypes.c_int64 * len(layers))()
+        self._call.read = ctypes.addressof(self._read)
+        self._layers_at, self._dims_at = ctypes.addressof(self.layers), ctypes.addressof(dims)
+        self._scratch_at, self._call_at = ctypes.addressof(self._scratch), ctypes.addressof(self._call)
         # The output rows and the final norm's weights and bias, where the head runs natively.
-        self.output, self._norm = (None, None) if head is None or entry is None else (head[0], head[1:])
-        self._head_entry = entry
+        self.output, self._norm = (None, None) if head is None else (head[0], head[1:])
 
     @classmethod
     def build(
@@ -385,11 +396,11 @@ class DecodeLayers:
         )  # fmt: skip
 
     def placement(
-        self, h: torch.Tensor, batch: Positions, cos: torch.Tensor | None, cache: CacheRows, runner: object
+        self, h: torch.Tensor, batch: Positions, freq: torch.Tensor | None, cache: CacheRows, runner: object
     ) -> Placement | None:
         """How this forward call's tokens sit in the cache where it is one the kernel computes, else None: all on the
-        CPU, with rope's tables where the model has rope (`cos`), with the FFN runner the layers were described for
-        (a runner swapped in later, to record or to test, gets the torch path), and tokens the kernel takes
+        CPU, with rope's frequencies where the model has rope (`freq`), with the FFN runner the layers were described
+        for (a runner swapped in later, to record or to test, gets the torch path), and tokens the kernel takes
         (`_placement`)."""
         if not (
             runner is self.runner
@@ -399,7 +410,8 @@ class DecodeLayers:
             and cache.k.device.type == "cpu"
             and cache.types.k in CACHE_CODES
             and cache.types.v in CACHE_CODES
-            and (cos is not None) == (self.cfg.rope_dim > 0)
+            and (freq is not None) == (self.cfg.rope_dim > 0)
+            and (freq is None or (freq.dtype == torch.float32 and freq.is_contiguous() and freq.device.type == "cpu"))
             and row_kernels.enabled()
         ):
             return None
@@ -445,94 +457,131 @@ class DecodeLayers:
         for name, buffer in self._buffers.items():
             setattr(self._scratch, name, buffer.data_ptr())
 
-    def begin(
-        self,
-        batch: Positions,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        cache: CacheRows,
-        placement: Placement,
-    ) -> NativeStep:
-        """What every layer of this call shares: the scratch sized for it, the tokens' slots and positions, rope's
-        tables, and how the tokens sit in the slots (`placement`)."""
-        n = batch.slots.shape[0]
-        if cache.ctx != self.dims.ctx or n > self.dims.tokens:
-            self._scratch_for(cache.ctx, max(n, self.dims.tokens))
+    def _describe_cache(self, cache: CacheRows) -> None:
+        """The cache's element types and, for a window cache, its rows and policy, into the dimensions; where each
+        layer's part of it is, into the call."""
         self.dims.k_type, self.dims.v_type = CACHE_CODES[cache.types.k], CACHE_CODES[cache.types.v]
+        k, v, call = cache.k, cache.v, self._call
+        call.k_cache, call.k_stride = k.data_ptr(), k.stride(0) * k.element_size()
+        call.v_cache, call.v_stride = v.data_ptr(), v.stride(0) * v.element_size()
         window = None if cache.rows_by_position else cast(WindowRows, cache)
         self.dims.kept = 0 if window is None else window.rows
         self.dims.sinks = 0 if window is None else window.split.sinks
         self.dims.recent = 0 if window is None else window.split.recent
         self.dims.decay = 1.0 if window is None else window.decay
-        k, v = cache.k, cache.v
-        return NativeStep(
-            batch.slots.to(torch.int64).contiguous(),
-            batch.positions.to(torch.int64).contiguous(),
-            None if cos is None else cos.float().contiguous(),
-            None if sin is None else sin.float().contiguous(),
-            row_kernels.kernel().qinfer_decode_layer,  # type: ignore[union-attr]
-            torch.get_num_threads(),
-            (k.data_ptr(), k.stride(0) * k.element_size()),
-            (v.data_ptr(), v.stride(0) * v.element_size()),
-            placement,
-        )
+        call.pos_cache = None if window is None else window.pos.data_ptr()
+        call.mass_cache = None if window is None else window.mass.data_ptr()
+        call.pos_stride = 0 if window is None else window.pos.stride(0)
+        call.mass_stride = 0 if window is None else window.mass.stride(0)
 
-    def run(self, i: int, h: torch.Tensor, call: NativeStep, cache: CacheRows) -> torch.Tensor:
-        """Layer i for the tokens h [T, E] (updated in place and returned), at the call's positions and slots."""
+    def step(
+        self,
+        h: torch.Tensor,
+        batch: Positions,
+        cache: CacheRows,
+        placement: Placement,
+        freq: torch.Tensor | None,
+        rows: list[int] | None = None,
+    ) -> torch.Tensor | None:
+        """Every layer for the tokens h [T, E] (updated in place) at the batch's positions and slots, in one native
+        call with the head: the logits [len(rows), V] of the tokens `rows` lists (None: every token's), or None where
+        the head does not run natively (h then holds the last layer's output). `freq`: rope's frequencies (None
+        without rope); `placement`: how the tokens sit in the slots (`placement`)."""
         tokens = h.shape[0]
+        self._prepare(tokens, cache, placement, freq)
+        call = self._call
+        logits = picked = None
+        wanted = tokens if rows is None else len(rows)
+        if self.output is not None and self._norm is not None and 0 < wanted <= self.dims.tokens:
+            logits = torch.empty(wanted, self.output.rows)
+            picked = None if rows is None else (ctypes.c_int64 * wanted)(*rows)  # alive until the call returns
+            call.rows = None if picked is None else ctypes.addressof(picked)
+            call.n_rows, call.logits = wanted, logits.data_ptr()
+            call.output, (call.norm, call.norm_bias) = ctypes.addressof(self.output), self._norm
+        else:
+            call.output = None
+        self._run(h, batch, cache, placement)
+        return logits
+
+    def greedy_steps(
+        self, h: torch.Tensor, batch: Tokens, cache: CacheRows, freq: torch.Tensor | None, embed: torch.Tensor,
+        steps: int, ends: Sequence[int],
+    ) -> tuple[list[list[int]], torch.Tensor] | None:  # fmt: skip
+        """Up to `steps` decode steps (placement "decode") of the batch's tokens in one native call, each step's
+        tokens the argmax of the last one's logits (-1 where they are unusable: sampling.greedy_rows) at the next
+        positions, its input rows looked up in `embed` (the table a token's input row is, alone) into h [T, E]: each
+        step's tokens and the last one's logits [T, V]. The steps end after the first that gives -1 or a token of
+        `ends`. None where the head does not run natively, `embed` is not float32 or float16 rows, or a schedule
+        weighs each step (it would weigh the steps as one)."""
+        tokens = h.shape[0]
+        if (
+            self.output is None
+            or self._norm is None
+            or self.schedule is not None
+            or embed.dtype not in (torch.float32, torch.float16)
+            or embed.dim() != 2
+            or embed.shape[1] != self.cfg.hidden
+            or embed.stride(1) != 1
+            or embed.device.type != "cpu"
+        ):
+            return None
+        self._prepare(tokens, cache, "decode", freq)
+        call = self._call
+        logits = torch.empty(tokens, self.output.rows)
+        chosen = torch.empty(steps, tokens, dtype=torch.int64)
+        ids = _int64(batch.tokens)
+        stops = (ctypes.c_int64 * len(ends))(*ends)  # alive until the call returns
+        call.rows, call.n_rows, call.logits = None, tokens, logits.data_ptr()
+        call.output, (call.norm, call.norm_bias) = ctypes.addressof(self.output), self._norm
+        call.steps, call.embed, call.embed_stride = steps, embed.data_ptr(), embed.stride(0) * embed.element_size()
+        call.embed_rows, call.embed_half = embed.shape[0], int(embed.dtype == torch.float16)
+        call.ids, call.next = ids.data_ptr(), chosen.data_ptr()
+        call.ends, call.n_ends = ctypes.addressof(stops), len(ends)
+        taken = self._run(h, batch, cache, "decode")
+        return chosen[:taken].tolist(), logits
+
+    def _prepare(self, tokens: int, cache: CacheRows, placement: Placement, freq: torch.Tensor | None) -> None:
+        """The scratch sized for `tokens` over the cache, the cache described, and one step of no embedding asked
+        for (greedy_steps asks for more)."""
+        if cache.ctx != self.dims.ctx or tokens > self.dims.tokens:
+            self._scratch_for(cache.ctx, max(tokens, self.dims.tokens))
+        self._describe_cache(cache)
+        call = self._call
+        call.freq = None if freq is None else freq.data_ptr()
+        # One step, every token's logits where a head is asked for; nothing left pointing at a past call's arrays.
+        call.steps, call.n_ends = 1, 0
+        call.embed = call.ids = call.next = call.ends = call.rows = None
         # A prompt's tokens alone get every neuron; the schedule weighs decode steps.
-        decode = call.placement != "prompt"
+        decode = placement != "prompt"
         if self.predictor:
             selected = self.runner.native_rows()
             assert selected is not None and selected[1] is not None
             self.dims.threshold = selected[1]
-            self.dims.sparse = int(decode and (self.schedule is None or self.schedule.sparse(i, tokens)))
-        layer = self.layers[i]
-        # The cache is [layers, slots, kv_heads, rows, row]: this layer's block.
-        layer.k_cache = call.k_cache[0] + i * call.k_cache[1]
-        layer.v_cache = call.v_cache[0] + i * call.v_cache[1]
-        window = None if cache.rows_by_position else cast(WindowRows, cache)
-        layer.pos_cache = None if window is None else window.pos[i].data_ptr()
-        layer.mass_cache = None if window is None else window.mass[i].data_ptr()
-        status = call.decode_layer(
-            ctypes.addressof(layer), self._dims_at, self._scratch_at, h.data_ptr(), tokens, call.positions.data_ptr(),
-            call.slots.data_ptr(), cache.k.shape[1], None if call.cos is None else call.cos.data_ptr(),
-            None if call.sin is None else call.sin.data_ptr(), call.threads,
+            self.dims.sparse = int(decode)
+        scheduled = self.schedule is not None and decode
+        if scheduled:
+            for i in range(len(self.layers)):
+                self._sparse[i] = self.schedule.sparse(i, tokens)  # type: ignore[union-attr]
+        call.sparse = ctypes.addressof(self._sparse) if scheduled else None
+
+    def _run(self, h: torch.Tensor, batch: Positions, cache: CacheRows, placement: Placement) -> int:
+        """The call as described, for the tokens h at the batch's positions and slots; the steps it took."""
+        tokens = h.shape[0]
+        slots, positions = _int64(batch.slots), _int64(batch.positions)
+        # The library in force at the call (a benchmark swaps one in for the kernels before a change).
+        status = row_kernels.kernel().qinfer_decode_step(  # type: ignore[union-attr]
+            self._layers_at, len(self.layers), self._call_at, self._dims_at, self._scratch_at, h.data_ptr(), tokens,
+            positions.data_ptr(), slots.data_ptr(), cache.k.shape[1], torch.get_num_threads(),
         )  # fmt: skip
         if status == -3:
             raise UserError(f"context of {cache.ctx} tokens exceeded")
-        row_kernels.check(min(status, 0))
-        if self.schedule is not None and decode:
-            self.schedule.observe(i, tokens, status)
-        return h
-
-    def head(self, h: torch.Tensor) -> torch.Tensor | None:
-        """The logits [T, V] of the last layer's output h [T, E] (rows of a forward call's, after `run`: the scratch
-        is sized for its tokens), or None where the head does not run natively."""
-        if self.output is None or self._norm is None or not 0 < h.shape[0] <= self.dims.tokens:
-            return None  # a step that asks for no row's logits gets torch's empty ones
-        logits = torch.empty(h.shape[0], self.output.rows)
-        status = self._head_entry(
-            ctypes.addressof(self.output), *self._norm, self._dims_at, self._scratch_at, h.data_ptr(), h.shape[0],
-            logits.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        row_kernels.check(int(status))
-        return logits
+        row_kernels.check(min(int(status), 0))
+        if self.schedule is not None and placement != "prompt":
+            for i in range(len(self.layers)):
+                self.schedule.observe(i, tokens, self._read[i])
+        return int(status)
 
 
-@dataclass(frozen=True)
-class NativeStep:
-    """One forward call's tokens as the kernel reads them: int64 slots and positions, float rope tables (None
-    without rope), and how they sit in the slots."""
-
-    slots: torch.Tensor
-    positions: torch.Tensor
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-    # What every layer's call shares, found once: the kernel's entry point, its threads, and the K and V caches'
-    # addresses with the bytes from one layer's block to the next.
-    decode_layer: Any
-    threads: int
-    k_cache: tuple[int, int]
-    v_cache: tuple[int, int]
-    placement: Placement
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64, itself where it is (a batch's are): the conversions' calls cost microseconds a step."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()

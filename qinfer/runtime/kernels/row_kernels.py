@@ -227,8 +227,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qinfer_weighted_rows.argtypes = [p, i64, i32, s, p, i64, p, i64, i64, p, i32]
     lib.qinfer_moe_ffn.argtypes = [p, i32, p, i32, p, i32, p, p, p, i64, p, p, i64, p, p, i32]
     lib.qinfer_matvec.argtypes = [p, i64, i32, s, p, i64, i64, p, i32]
-    lib.qinfer_decode_layer.argtypes = [p, p, p, p, i64, p, p, i64, p, p, i32]
-    lib.qinfer_decode_layer.restype = i64
+    lib.qinfer_decode_step.argtypes = [p, i64, p, p, p, p, i64, p, p, i64, i32]
+    lib.qinfer_decode_step.restype = i64
     lib.qinfer_scratch_sizes.argtypes = [p, p]
     lib.qinfer_scratch_sizes.restype = None
     lib.qinfer_f16_blocked.argtypes = []
@@ -244,9 +244,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     if (given := getattr(lib, "qinfer_sparse_ffn_given", None)) is not None:
         given.argtypes = [p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, i64, i32, p, p, i32]
         given.restype = i32
-    if (head := getattr(lib, "qinfer_decode_head", None)) is not None:
-        head.argtypes = [p, p, p, p, p, p, i64, p, i32]
-        head.restype = i64
     if (selected := getattr(lib, "qinfer_selected_ffn", None)) is not None:
         selected.argtypes = [
             p, i64, i32, s, p, i64, i32, s, p, i64, i32, s, p, i64, i64, p, p, i64, i32, p, p, i32

@@ -7,6 +7,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,8 +28,9 @@ class TokenBatch:
 
     @classmethod
     def decode(cls, tokens: list[int], positions: list[int], slots: list[int]) -> TokenBatch:
-        # One tensor's rows: every decode step makes this batch, and one tensor unpacked took 9.1 us, three 12.9.
-        return cls(*torch.tensor([tokens, positions, slots]))
+        # One array's rows: every decode step makes this batch, and numpy's array of the lists, shared by torch, took
+        # 4.3 us, where torch's tensor of them took 7.3 and its rows 4.8 more (an Intel Xeon).
+        return cls(*(torch.from_numpy(row) for row in np.array([tokens, positions, slots], dtype=np.int64)))
 
     @classmethod
     def join(cls, batches: list[TokenBatch]) -> TokenBatch:

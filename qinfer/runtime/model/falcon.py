@@ -34,7 +34,7 @@ class FalconAttention:
 
 class FalconForward(TransformerForward):
     """Attention, norms and output head on `device`; the FFN through `ffn` (default: dense, on the CPU). The native
-    layer step (kernels/decode_layer.py) computes `block`'s decode steps, as one call a layer, with the fused QKV
+    layer step (kernels/decode_layer.py) computes `block`'s decode steps, one call a step, with the fused QKV
     rows read as q's, k's and v's."""
 
     parallel = True

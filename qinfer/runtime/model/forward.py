@@ -7,6 +7,7 @@ positions) to logits, reading and extending each sequence's rows of the KV cache
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -118,6 +119,10 @@ class ModelForward(Protocol):
 
     def forward(self, batch: TokenBatch, cache: Cache, rows: list[int] | None = None) -> torch.Tensor: ...
 
+    def greedy_steps(
+        self, batch: TokenBatch, cache: Cache, steps: int, ends: Sequence[int]
+    ) -> tuple[list[list[int]], torch.Tensor] | None: ...
+
 
 class TransformerForward:
     """Embedding lookup (CPU, mapped), the blocks, the output head; dense parts run on `device`.
@@ -224,17 +229,11 @@ class TransformerForward:
                 return logits if rows is None else logits[rows]
         h = self.embed_tokens(batch)
         if self.native is not None:
-            # The layer step needs no Step: its masks and parts serve the torch path alone.
-            cos, sin = self.rope(batch.positions)
-            placement = self.native.placement(h, batch, cos, cache, self.ffn)
+            # The layer step needs no Step (its masks and parts serve the torch path alone), nor rope's tables.
+            placement = self.native.placement(h, batch, self.inv_freq, cache, self.ffn)
             if placement is not None:
-                call = self.native.begin(batch, cos, sin, cache, placement)
-                for i in range(self.cfg.layers):
-                    h = self.native.run(i, h, call, cache)
-                # A decode step asks for every row, in order: indexing would only copy them (a prompt's, its last).
-                h = h if rows is None or rows == list(range(h.shape[0])) else h[rows]
-                logits = self.native.head(h)
-                return self.head(h) if logits is None else logits
+                logits = self.native.step(h, batch, cache, placement, self.inv_freq, rows)
+                return self.head(h if rows is None else h[rows]) if logits is None else logits
         step = self.step(batch)
         # Several tokens of one sequence (a prompt or its chunk): dense matmuls pay off (per part: feed_forward).
         prefill = not batch.one_per_slot
@@ -247,6 +246,22 @@ class TransformerForward:
         for i in range(self.cfg.layers):
             h = self.block(i, h, step, cache, prefill, keep if i == last else None)
         return self.head(h if rows is None or keep is not None else h[rows])
+
+    def greedy_steps(
+        self, batch: TokenBatch, cache: Cache, steps: int, ends: Sequence[int]
+    ) -> tuple[list[list[int]], torch.Tensor] | None:
+        """Up to `steps` greedy decode steps of a decode batch (one token per slot) in one native call
+        (DecodeLayers.greedy_steps): each step's tokens and the last one's logits, every step at the next positions.
+        None where that call does not apply: the caller steps one at a time."""
+        # The kernel looks each step's input rows up in the table: a family whose input is more (OPT adds its
+        # position's row) keeps single steps.
+        embeds_alone = type(self).embed_tokens is TransformerForward.embed_tokens
+        if self.native is None or self.graphs is not None or not embeds_alone:
+            return None
+        h = torch.empty(batch.tokens.shape[0], self.cfg.hidden)
+        if self.native.placement(h, batch, self.inv_freq, cache, self.ffn) != "decode":
+            return None
+        return self.native.greedy_steps(h, batch, cache, self.inv_freq, self.embed, steps, ends)
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: Cache, slot: int = 0) -> torch.Tensor:
         return self.forward(TokenBatch.prompt(tokens, start, slot), cache)

@@ -44,7 +44,7 @@ def affine(x: torch.Tensor, w: Linear) -> torch.Tensor:
 
 
 class OPTForward(TransformerForward):
-    """The native layer step (kernels/decode_layer.py) computes `block`'s decode steps, one call a layer."""
+    """The native layer step (kernels/decode_layer.py) computes `block`'s decode steps, one call a step."""
 
     def native_rows(self) -> list[LayerRows]:
         return [

@@ -12,7 +12,8 @@ from qinfer.runtime.engine.token_text import TokenText
 
 
 class FakeEngine:
-    """Two slots; a prompt of [0] is refused; each step gives every running slot its next token, ending at 3."""
+    """Two slots; a prompt of [0] is refused; each step gives every running slot its next token, ending at 3; a
+    group is two steps' outputs."""
 
     def __init__(self, fail_step: bool = False) -> None:
         self.active: dict[int, int] = {}
@@ -36,9 +37,11 @@ class FakeEngine:
         self.cancelled.append(slot)
         self.active.pop(slot, None)
 
-    def step(self) -> list[StepOutput]:
+    def step(self, group: bool = False) -> list[StepOutput]:
         if self.fail_step:
             raise RuntimeError("the step failed")
+        if group:
+            return self.step() + self.step()
         outputs = []
         for slot in sorted(self.active):
             self.active[slot] += 1
@@ -63,6 +66,17 @@ def test_sequences_join_between_steps_and_leave_when_done() -> None:
         finished += [d.sequence for d in admission.step() if d.finished]
     assert finished == [first, second, third]  # the third waited for a slot, then ran
     assert [s.output.tokens for s in finished] == [[1, 2, 3]] * 3
+
+
+def test_each_delivery_of_a_group_counts_the_tokens_up_to_it() -> None:
+    """A group brings a sequence several tokens in one step: each delivery's count is its own (a response cut at a
+    stop string reports the tokens up to it)."""
+    admission: Admission[Sequence] = Admission(FakeEngine())  # type: ignore[arg-type]
+    admission.add(sequence([1]))
+    counts = []
+    while admission.busy:
+        counts.append([d.generated for d in admission.step()])
+    assert counts == [[1, 2], [3]]
 
 
 def test_a_refusal_is_told_before_a_step_that_fails() -> None:

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0)
 @pytest.mark.parametrize("ffn", ["dense", "sparse"])
 @pytest.mark.parametrize("file", ["pi-f32", "pi-f16"])
 def test_batched_decode_equals_each_prompt_alone(gguf_files: dict[str, Path], ffn: str, file: str) -> None:
-    """pi-f32 decodes through torch, pi-f16 through the native layer step (one call per layer for the batch); both
+    """pi-f32 decodes through torch, pi-f16 through the native layer step (one call a step for the batch); both
     with the default f16 cache."""
     alone = Engine.open(gguf_files[file], ctx_size=96, ffn=ffn)
     expected = [generate(alone, p, 20, GREEDY, ignore_eos=True).tokens for p in PROMPTS]

@@ -33,7 +33,7 @@ def mixed_equals_alone(path: Path, policy: KVPolicy | None = None, ffn: str = "d
     """Two sequences decode three tokens while a third's prompt goes in three chunks beside them: every decode
     token's logits, and the prompt's last token's, equal those of each sequence computed alone. In torch the last
     layer attends the queries of the rows asked for alone, except in the window cache, whose row masses need them
-    all; with `native`, the layer kernel computes each mixed step, one call per layer, where the sequence alone goes
+    all; with `native`, the layer kernel computes each mixed step in one call, where the sequence alone goes
     through either path: the logits then agree to the rounding of the products' order."""
     engine = open_engine(path, 3, policy, ffn)
     forward, encode = engine.forward.forward, engine.tokenizer.encode

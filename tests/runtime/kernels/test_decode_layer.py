@@ -11,6 +11,7 @@ import ctypes
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth
 from qinfer.prep.synth.corpus import synth_corpus
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.engine.perplexity import perplexity
+from qinfer.runtime.engine.sampling import greedy_rows
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.ffn.runners import DenseRunner, SparseRunner
 from qinfer.runtime.kernels import decode_layer, row_kernels
@@ -136,7 +138,7 @@ STEPS = 6
 def assert_native_batch_matches_torch(
     forward: TransformerForward, monkeypatch: pytest.MonkeyPatch, tolerance: float
 ) -> None:
-    """Three sequences decoded together natively (one call per layer and step) give the torch path's logits, to
+    """Three sequences decoded together natively (one call a step) give the torch path's logits, to
     `tolerance` of their largest."""
     assert forward.native is not None  # type: ignore[attr-defined]
     calls, heads = counting_runs(monkeypatch), counting_heads(monkeypatch)
@@ -155,17 +157,17 @@ def assert_native_batch_matches_torch(
 
 
 def counting_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The tokens of each head the native step computed (DecodeLayers.head giving logits)."""
+    """The tokens of each head the native step computed (DecodeLayers.step giving logits)."""
     tokens: list[int] = []
-    real = DecodeLayers.head
+    real = DecodeLayers.step
 
-    def head(self: DecodeLayers, h: torch.Tensor) -> torch.Tensor | None:
-        logits = real(self, h)
+    def step(self: DecodeLayers, *args: Any) -> torch.Tensor | None:
+        logits = real(self, *args)
         if logits is not None:
             tokens.append(logits.shape[0])
         return logits
 
-    monkeypatch.setattr(DecodeLayers, "head", head)
+    monkeypatch.setattr(DecodeLayers, "step", step)
     return tokens
 
 
@@ -243,7 +245,7 @@ def test_a_later_slot_and_mixed_predictor_ranks(gguf_files: dict[str, Path], mix
 def test_a_batch_of_sequences_gets_what_each_gets_alone(
     gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, file: str, ffn: str
 ) -> None:
-    """Three sequences at different positions decode in one native call per layer and step; each one's logits
+    """Three sequences at different positions decode in one native call a step; each one's logits
     are those it gets decoding alone, natively, and those of the torch path's batch."""
     forward = forward_for(gguf_files[file], ffn)
     calls = counting_runs(monkeypatch)
@@ -394,7 +396,7 @@ def test_the_window_cache_decodes_natively(
     gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, file: str, ffn: str
 ) -> None:
     """Three sequences over windows of 8 rows (2 sinks, 1 recent, 5 heavy hitters) for 24 steps, well past the
-    window: one native call per layer and step, whose logits are the torch path's, and after which every slot keeps
+    window: one native call a step, whose logits are the torch path's, and after which every slot keeps
     the same positions in the same rows, with the same masses, keys and values."""
     forward = forward_for(gguf_files[file], ffn)
     calls = counting_runs(monkeypatch)
@@ -508,16 +510,15 @@ def test_prompt_tokens_run_natively_up_to_a_bound(gguf_files: dict[str, Path], m
     native = dense.native  # type: ignore[attr-defined]
     assert native is not None
     with torch.inference_mode(), pytest.raises(UserError):
-        call = native.begin(twice, *dense.rope(twice.positions), cache, "prompt")
-        native.run(0, dense.embed_tokens(twice), call, cache)
+        native.step(dense.embed_tokens(twice), twice, cache, "prompt", dense.inv_freq)
     assert not cache.k.any() and not cache.v.any()
 
 
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
 def test_the_native_head_gives_a_float64_heads_logits(gguf_files: dict[str, Path], tmp_path: Path, qtype: str) -> None:
-    """The final RMSNorm and the output rows in one call, for five tokens: F16 rows to float rounding of a float64
-    head; Q8_0 rows (a quantized file's output, as llama.cpp keeps it), whose products take the normalised input in
-    Q8_0 blocks, to that rounding (~1%)."""
+    """The final RMSNorm and the output rows after the last layer, for three of five tokens asked in another order:
+    F16 rows to float rounding of a float64 head over the last layer's output; Q8_0 rows (a quantized file's output,
+    as llama.cpp keeps it), whose products take the normalised input in Q8_0 blocks, to that rounding (~1%)."""
     path = gguf_files["dense-f16"]
     if qtype != "F16":
         path = quantize_gguf(path, tmp_path / f"tiny.{qtype}.gguf", qtype).outfile
@@ -528,11 +529,13 @@ def test_the_native_head_gives_a_float64_heads_logits(gguf_files: dict[str, Path
     assert (output.qtype.name if isinstance(output, QuantizedMatrix) else "F16") == qtype
     h = torch.randn(5, forward.cfg.hidden, generator=torch.Generator().manual_seed(0)) * 3
     cache = make_kv_cache(forward.cfg, CTX, slots=5)
-    native.begin(TokenBatch.decode([1] * 5, [0] * 5, list(range(5))), None, None, cache, "decode")
-    logits = native.head(h)
-    assert logits is not None
+    picked = [4, 1, 3]
+    with torch.inference_mode():
+        logits = native.step(h, TokenBatch.decode([1] * 5, [0] * 5, list(range(5))), cache, "decode",
+                             forward.inv_freq, picked)  # fmt: skip
+    assert logits is not None and logits.shape == (3, forward.cfg.vocab_size)
     rows = output.row_range(0, output.shape[0]) if isinstance(output, QuantizedMatrix) else output
-    x = h.double()
+    x = h[picked].double()  # the last layer's output: the step updates h in place
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + forward.cfg.norm_eps)
     reference = (normed * forward.norm.double()) @ rows.double().T  # type: ignore[attr-defined]
     tolerance = 1e-5 if qtype == "F16" else 0.02
@@ -570,3 +573,60 @@ def test_a_description_that_does_not_fit_is_refused(gguf_files: dict[str, Path])
     native.output.cols -= 1  # the head's rows checked likewise
     with torch.inference_mode(), pytest.raises(UserError, match="corrupt"):
         forward.forward(TokenBatch.decode([1], [3], [0]), cache)
+
+
+@pytest.mark.parametrize("cache", ["f16", "f32", "window"])
+def test_greedy_steps_are_single_steps(gguf_files: dict[str, Path], cache: str) -> None:
+    """Five greedy steps of two sequences in one native call: each step's tokens the argmax (greedy_rows) of the
+    logits a single step gives, the last step's logits and the cache (a window's positions and masses too) bit for
+    bit those of single steps; a token of `ends` ends the steps after the one that gives it."""
+    forward = forward_for(gguf_files["dense-f16"], "dense")
+    policy = KVPolicy("window", 8) if cache == "window" else None
+    types = F32 if cache == "f32" else KVTypes("f16", "f16")
+    single, grouped, ended = (
+        make_kv_cache(forward.cfg, CTX, slots=2, policy=policy, types=types) for _ in range(3)
+    )  # fmt: skip
+    first = TokenBatch.decode([IDS[3], IDS[8]], [3, 3], [0, 1])
+    expected = []
+    with torch.inference_mode():
+        for cache in (single, grouped, ended):
+            for slot, prompt in enumerate((IDS[:3], IDS[5:8])):
+                forward.forward(TokenBatch.prompt(torch.tensor(prompt), 0, slot), cache)
+        batch = first
+        for step in range(5):
+            logits = forward.forward(batch, single)
+            expected.append(greedy_rows(logits))
+            batch = TokenBatch.decode(expected[-1], [4 + step] * 2, [0, 1])
+        taken = forward.greedy_steps(first, grouped, 5, [])
+        assert taken is not None
+        tokens, last = taken
+        end = expected[2][1]
+        stopped = forward.greedy_steps(first, ended, 5, [end])
+    assert tokens == expected and torch.equal(last, logits)
+    parts = ("k", "v", "pos", "mass") if cache == "window" else ("k", "v")
+    assert all(torch.equal(getattr(grouped, part), getattr(single, part)) for part in parts)
+    assert stopped is not None and stopped[0] == expected[: 1 + [end in row for row in expected].index(True)]
+
+
+def test_greedy_steps_take_greedy_rows_argmax(gguf_files: dict[str, Path]) -> None:
+    """The kernel's argmax is greedy_rows': -1 where a row holds NaN (which ends the steps), and the first of equal
+    largest logits. Output rows all zero but two equal ones give each token two equal logits, and zeros."""
+    forward = forward_for(gguf_files["dense-f16"], "dense")
+    native = forward.native  # type: ignore[attr-defined]
+    assert native is not None and native.output is not None
+    rows = torch.zeros_like(forward.output)  # type: ignore[attr-defined]
+    rows[3] = rows[5] = torch.randn(forward.cfg.hidden, generator=torch.Generator().manual_seed(1))
+    nan = forward.output.clone()  # type: ignore[attr-defined]
+    nan[7] = float("nan")
+    batch = TokenBatch.decode([IDS[3], IDS[8]], [0, 0], [0, 1])
+    for table, steps in ((rows, 4), (nan, 1)):
+        native.output.data = table.data_ptr()
+        with torch.inference_mode():
+            taken = forward.greedy_steps(batch, make_kv_cache(forward.cfg, CTX, slots=2), 4, [])
+        assert taken is not None
+        tokens, logits = taken
+        assert len(tokens) == steps and tokens[-1] == greedy_rows(logits)
+        if table is rows:
+            assert torch.equal(logits[:, 3], logits[:, 5])
+            assert tokens[-1] == [3 if top > 0 else 0 for top in logits[:, 3].tolist()]
+    assert tokens == [[-1, -1]]

@@ -15,7 +15,6 @@ from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.prep.synth.moe import MOE_FAMILIES
 from qinfer.runtime.ffn.experts import ExpertRunner
 from qinfer.runtime.kernels import row_kernels
-from qinfer.runtime.kernels.decode_layer import DecodeLayers
 from qinfer.runtime.kernels.weight_rows import linear
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
@@ -23,6 +22,7 @@ from qinfer.runtime.model.loader import RuntimeOptions, load_forward
 from qinfer.runtime.model.model_file import open_model
 from tests.support.cli_in_process import run_in_process
 from tests.support.gguf_rewrite import rewrite_gguf
+from tests.support.native_placement import counting_runs
 from tests.support.runtime_logits import hf_ids, our_logits, reference_logits
 
 TEXT = "Once upon a time, Lily found a red ball in the park. She was happy and played with it all day long."
@@ -114,17 +114,10 @@ def test_q4_0_experts_decode_as_their_dequantized_weights(
     to Q8_0 blocks, as ggml does), against the torch path over the same blocks expanded to float32."""
     q4 = quantize_gguf(moe[family]["dense-f32"], tmp_path / "q4.gguf", "Q4_0").outfile
     ids = hf_ids(moe[family]["model"], TEXT)[:12]
-    steps: list[int] = []
-    run = DecodeLayers.run
-
-    def counted(self: DecodeLayers, i: int, *rest: object) -> torch.Tensor:
-        steps.append(i)
-        return run(self, i, *rest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(DecodeLayers, "run", counted)
+    steps = counting_runs(monkeypatch)
     native = our_logits(q4, ids, "dense", split=len(ids) - DECODE_STEPS)
     # Every decode step of every layer ran in the native layer step.
-    assert steps == list(range(open_model(q4).config.layers)) * DECODE_STEPS
+    assert steps == {"decode": list(range(open_model(q4).config.layers)) * DECODE_STEPS}
     monkeypatch.setenv("QINFER_NATIVE", "0")
     expanded = our_logits(q4, ids, "dense", split=len(ids) - DECODE_STEPS)
     f32 = our_logits(moe[family]["dense-f32"], ids, "dense", split=len(ids) - DECODE_STEPS)

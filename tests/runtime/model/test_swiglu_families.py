@@ -112,7 +112,7 @@ def decode_logits(path: Path, ids: list[int], native: bool) -> torch.Tensor:
 def test_native_step_gives_the_torch_paths_logits(
     swiglu: dict[str, dict[str, Path]], family: str, tmp_path: Path
 ) -> None:
-    """f16 rows, one native call per layer (biases, rotate-half rope, the window, silu) against the torch path, token
+    """f16 rows, one native call a step (biases, rotate-half rope, the window, silu) against the torch path, token
     by token and in prompt chunks (from the second on, past Mistral's window of 16)."""
     f16 = convert(swiglu[family]["model"], tmp_path / "f16.gguf", None, "f16").outfile
     ids = hf_ids(swiglu[family]["model"], TEXT)

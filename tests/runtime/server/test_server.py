@@ -161,8 +161,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(model: Path) -> Non
     engine = Engine.open(model, slots=1, ctx_size=CTX)
     step = engine.step
 
-    def slow_step() -> list:  # type: ignore[type-arg]
-        # Slowed so that the full answer would take seconds longer than freeing the slot may.
+    def slow_step(group: bool = False) -> list:  # type: ignore[type-arg]
+        # Slowed, and a step at a time, so that the full answer would take seconds longer than freeing the slot may.
         time.sleep(0.05)
         return step()
 

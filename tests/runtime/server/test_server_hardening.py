@@ -162,11 +162,12 @@ def _completion(url: str, prompt: str, extra: JsonBody) -> tuple[int, JsonBody, 
 
 
 def _busiest_batch(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Slow the engine's steps so that concurrent requests overlap; the list gets each step's batch size."""
+    """Slow the engine's steps, a step at a time, so that concurrent requests overlap; the list gets each step's batch
+    size."""
     sizes: list[int] = []
     step = engine.step
 
-    def slow_step() -> list:  # type: ignore[type-arg]
+    def slow_step(group: bool = False) -> list:  # type: ignore[type-arg]
         sizes.append(len(engine.active_slots()))
         time.sleep(0.01)
         return step()

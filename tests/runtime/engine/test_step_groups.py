@@ -1,0 +1,141 @@
+"""Greedy decode steps in groups (Engine.step(group=True), one native call for several steps): the same outputs, step
+by step, as single steps, ending where a single step would end a sequence; no group where a sequence samples, follows
+a grammar, or a schedule weighs each step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qinfer.runtime.engine import engine as engine_module
+from qinfer.runtime.engine.engine import Engine, Request, StepOutput
+from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.model.forward import TransformerForward
+from tests.support.logits_hook import LogitsHook
+
+PROMPTS = ["Once upon a time", "The dog ran fast, and the cat slept.", "Tom said"]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(autouse=True)
+def long_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of GROUP_STEPS whatever a step takes on this machine: the tests ask for groups, not a pace."""
+    monkeypatch.setattr(engine_module, "GROUP_SECONDS", 1e9)
+
+
+def outputs(engine: Engine, requests: list[Request], group: bool) -> tuple[list[StepOutput], int]:
+    """Every output of the requests run together to their ends, in order, and the calls of `step` it took."""
+    for request in requests:
+        engine.submit(request)
+    out, calls = [], 0
+    while engine.active_slots():
+        out += engine.step(group=group)
+        calls += 1
+    return out, calls
+
+
+def requests(engine: Engine, ignore_eos: bool = True, sampling: SamplingParams = GREEDY) -> list[Request]:
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    # Different lengths and one that runs into the end of the context (48 positions).
+    return [
+        Request(ids[0], 30, GREEDY, ignore_eos=ignore_eos),
+        Request(ids[1], 60, sampling, seed=3, ignore_eos=ignore_eos),
+        Request(ids[2], 11, GREEDY, ignore_eos=ignore_eos),
+    ]
+
+
+@pytest.mark.parametrize(("file", "ffn", "chunk"), [("dense-f16", "dense", 512), ("pi-f16", "sparse", 512),
+                                                    ("dense-f16", "dense", 1)])  # fmt: skip
+def test_groups_give_the_single_steps_outputs(gguf_files: dict[str, Path], file: str, ffn: str, chunk: int) -> None:
+    """Three sequences of different lengths, one to the end of the context; with prompts a token a step, a step that
+    carries a prompt's token stays single."""
+    single = Engine.open(gguf_files[file], slots=3, ctx_size=48, ffn=ffn, prefill_chunk=chunk)
+    expected, steps = outputs(single, requests(single), group=False)
+    grouped = Engine.open(gguf_files[file], slots=3, ctx_size=48, ffn=ffn, prefill_chunk=chunk)
+    got, calls = outputs(grouped, requests(grouped), group=True)
+    assert got == expected
+    assert [o.reason for o in expected if o.finished] == ["length"] * 3
+    assert calls < steps / (3 if chunk > 1 else 1)  # groups of several steps were taken
+
+
+def test_an_end_of_text_ends_a_group_where_it_ends_the_sequence(
+    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token the model gives mid-way, made the end of text: the sequence stops there with "stop", grouped or not,
+    and a sequence that ignores it runs to its length."""
+    probe = Engine.open(gguf_files["dense-f16"], slots=3, ctx_size=48)
+    plain, _ = outputs(probe, requests(probe), group=False)
+    end = [o.token for o in plain if o.slot == 0][7]
+    monkeypatch.setattr(probe.tokenizer, "end_ids", frozenset({end}))
+    runs = []
+    for group in (False, True):
+        engine = Engine.open(gguf_files["dense-f16"], slots=3, ctx_size=48)
+        engine.tokenizer = probe.tokenizer
+        reqs = requests(engine, ignore_eos=False)
+        reqs[2].ignore_eos = True
+        runs.append(outputs(engine, reqs, group))
+    (single, steps), (grouped, calls) = runs
+    assert grouped == single and calls < steps
+    first = [o for o in single if o.slot == 0]
+    assert len(first) == 8 and first[-1] == StepOutput(0, None, True, "stop")
+    assert [o for o in single if o.slot == 2][-1].reason == "length"
+    assert len([o for o in single if o.slot == 2]) == 11
+
+
+def test_no_group_where_a_sequence_samples_or_follows_a_grammar(
+    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken: list[int] = []
+    real = TransformerForward.greedy_steps
+
+    def counted(self: TransformerForward, *args: object) -> object:
+        taken.append(1)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TransformerForward, "greedy_steps", counted)
+    sampled = Engine.open(gguf_files["dense-f16"], slots=3, ctx_size=48)
+    outputs(sampled, requests(sampled, sampling=SamplingParams(temperature=0.8)), group=True)
+    constrained = Engine.open(gguf_files["dense-f16"], slots=1, ctx_size=48)
+    any_token = LogitsHook(lambda logits: logits)
+    request = Request(constrained.tokenizer.encode(PROMPTS[0]), 20, GREEDY, constraint=any_token)  # type: ignore[arg-type]
+    outputs(constrained, [request], group=True)
+    assert taken == []
+
+
+def test_a_schedule_that_weighs_each_step_takes_no_group(gguf_files: dict[str, Path]) -> None:
+    """--ffn auto's schedule picks sparse or dense rows per step: the native call declines the group once, and the
+    engine steps one at a time from then on, with the single steps' outputs."""
+    asked: list[int] = []
+    real = TransformerForward.greedy_steps
+
+    def counted(self: TransformerForward, *args: object) -> object:
+        asked.append(1)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    single = Engine.open(gguf_files["pi-f16"], slots=3, ctx_size=48, ffn="auto")
+    expected, steps = outputs(single, requests(single), group=False)
+    grouped = Engine.open(gguf_files["pi-f16"], slots=3, ctx_size=48, ffn="auto")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TransformerForward, "greedy_steps", counted)
+        assert outputs(grouped, requests(grouped), group=True) == (expected, steps)
+    assert asked == [1]
+
+
+def test_a_group_lasts_about_its_seconds(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next group's steps are GROUP_SECONDS at the last step's pace, at most GROUP_STEPS."""
+    engine = Engine.open(gguf_files["dense-f16"], slots=1, ctx_size=128)
+    sizes: list[int] = []
+    real = TransformerForward.greedy_steps
+
+    def sized(self: TransformerForward, batch: object, cache: object, steps: int, ends: object) -> object:
+        sizes.append(steps)
+        return real(self, batch, cache, steps, ends)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TransformerForward, "greedy_steps", sized)
+    outputs(engine, [Request(engine.tokenizer.encode(PROMPTS[0]), 40, GREEDY, ignore_eos=True)], group=True)
+    assert sizes[0] == engine_module.GROUP_STEPS and sum(sizes) > 30
+    monkeypatch.setattr(engine_module, "GROUP_SECONDS", 0.0)
+    sizes.clear()
+    outputs(engine, [Request(engine.tokenizer.encode(PROMPTS[0]), 10, GREEDY, ignore_eos=True)], group=True)
+    assert sizes == []
