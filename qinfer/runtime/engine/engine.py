@@ -88,6 +88,10 @@ class _Sequence:
     def prefilling(self) -> bool:
         return self.position < len(self.request.prompt_ids)
 
+    def left(self, ctx_size: int) -> int:
+        """Tokens it may still generate: its max_tokens, and the context's positions (none: it ends on length)."""
+        return min(self.request.max_tokens - self.generated, ctx_size - self.position)
+
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
     n = 0
@@ -302,8 +306,7 @@ class Engine:
         requests = [seqs[slot].request for slot in running]
         if any(r.constraint is not None or not r.sampling.greedy for r in requests):
             return None
-        steps = min(steps, *(min(r.max_tokens - seqs[slot].generated, self.ctx_size - seqs[slot].position)
-                             for slot, r in zip(running, requests, strict=True)))  # fmt: skip
+        steps = min(steps, *(seqs[slot].left(self.ctx_size) for slot in running))
         if steps < 2:
             return None
         # An end of text ends a sequence, and so the group, unless every sequence ignores it.
@@ -390,7 +393,7 @@ class Engine:
         if constraint is not None and constraint.complete:
             self._end(slot)
             return StepOutput(slot, token, True, "stop")
-        if seq.generated >= seq.request.max_tokens or seq.position >= self.ctx_size:
+        if seq.left(self.ctx_size) <= 0:
             self._end(slot)
             return StepOutput(slot, token, True, "length")
         seq.next_token = token

@@ -492,12 +492,10 @@ class DecodeLayers:
         call = self._call
         logits = picked = None
         wanted = tokens if rows is None else len(rows)
-        if self.output is not None and self._norm is not None and 0 < wanted <= self.dims.tokens:
+        if self.output is not None and 0 < wanted <= self.dims.tokens:
             logits = torch.empty(wanted, self.output.rows)
             picked = None if rows is None else (ctypes.c_int64 * wanted)(*rows)  # alive until the call returns
-            call.rows = None if picked is None else ctypes.addressof(picked)
-            call.n_rows, call.logits = wanted, logits.data_ptr()
-            call.output, (call.norm, call.norm_bias) = ctypes.addressof(self.output), self._norm
+            self._ask_head(logits, picked)
         else:
             call.output = None
         self._run(h, batch, cache, placement)
@@ -516,7 +514,6 @@ class DecodeLayers:
         tokens = h.shape[0]
         if (
             self.output is None
-            or self._norm is None
             or self.schedule is not None
             or embed.dtype not in (torch.float32, torch.float16)
             or embed.dim() != 2
@@ -531,14 +528,21 @@ class DecodeLayers:
         chosen = torch.empty(steps, tokens, dtype=torch.int64)
         ids = _int64(batch.tokens)
         stops = (ctypes.c_int64 * len(ends))(*ends)  # alive until the call returns
-        call.rows, call.n_rows, call.logits = None, tokens, logits.data_ptr()
-        call.output, (call.norm, call.norm_bias) = ctypes.addressof(self.output), self._norm
+        self._ask_head(logits, None)
         call.steps, call.embed, call.embed_stride = steps, embed.data_ptr(), embed.stride(0) * embed.element_size()
         call.embed_rows, call.embed_half = embed.shape[0], int(embed.dtype == torch.float16)
         call.ids, call.next = ids.data_ptr(), chosen.data_ptr()
         call.ends, call.n_ends = ctypes.addressof(stops), len(ends)
         taken = self._run(h, batch, cache, "decode")
         return chosen[:taken].tolist(), logits
+
+    def _ask_head(self, logits: torch.Tensor, picked: ctypes.Array[ctypes.c_int64] | None) -> None:
+        """The call ends in the head, its logits [n, V] those of the tokens `picked` lists (None: every token)."""
+        assert self.output is not None and self._norm is not None
+        call = self._call
+        call.rows = None if picked is None else ctypes.addressof(picked)
+        call.n_rows, call.logits = logits.shape[0], logits.data_ptr()
+        call.output, (call.norm, call.norm_bias) = ctypes.addressof(self.output), self._norm
 
     def _prepare(self, tokens: int, cache: CacheRows, placement: Placement, freq: torch.Tensor | None) -> None:
         """The scratch sized for `tokens` over the cache, the cache described, and one step of no embedding asked
