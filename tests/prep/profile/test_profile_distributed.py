@@ -39,6 +39,13 @@ profile_activations(Path(model), Path(corpus), Path(out), tokens=int(tokens), se
 """
 
 
+@pytest.fixture(autouse=True)
+def own_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun keeps its logs in a directory of its own under TMPDIR: one of pytest's, not the system's, which
+    would keep them after every run."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("torchrun")))
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "stories.txt"

@@ -20,7 +20,9 @@ BROWSER, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
 @pytest.mark.skipif(BROWSER is None or DRIVER is None, reason="no chromium and chromedriver (apt-get install them)")
-def test_the_page_streams_an_answer(gguf_files: dict[str, Path], tmp_path: Path) -> None:
+def test_the_page_streams_an_answer(
+    gguf_files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -30,6 +32,8 @@ def test_the_page_streams_an_answer(gguf_files: dict[str, Path], tmp_path: Path)
     options.binary_location = str(BROWSER)
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(flag)
+    # The browser's scratch directories go under TMPDIR: the test's own, not the system's, which would keep them.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     with serve_in_thread(create_app(EngineWorker(engine), "tiny")) as url:
         browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=str(DRIVER)))
         try:
