@@ -13,6 +13,10 @@
 #   bench/gpu_check.sh [--wheels DIR] [--powerinfer-src DIR] [--build DIR] [--work DIR] [--rounds N] [--tokens N]
 #                      [--models LIST] [--quant Q4_0|none] [--budgets GIB,...]
 # A 7B's full depth is a run of its own: --models 7b --budgets 4,8 --quant none (its f16 files take 27 GB of disk).
+# The wheels, fetched beforehand on a machine with the package index, for the H200 image's Python 3.12 (pip takes
+# only the platform tags it is given, and llguidance's abi3 wheel is tagged manylinux_2_31, cvxopt's 2_28):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_31_x86_64 \
+#       --platform manylinux_2_28_x86_64 -d DIR 'gguf>=0.18' 'pulp>=3.3.1,<4' 'llguidance>=1.7' cvxopt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
