@@ -134,9 +134,10 @@ class Engine:
         self._order = itertools.count()
         self.runtime: LoadedRuntime | None = None  # how `open` set the model up (FFN mode, plan, schedule)
         self._step_seconds = float("inf")  # the last step's forward (per step, a group's), which sizes the next group
-        # Until the forward refuses a group, which it does for what it is (no native step or head, a schedule that
-        # weighs each step, an embedding that is not a table's row alone: greedy_steps), not for a step's tokens.
-        self._groups = True
+        # The step widths (running sequences) the forward refused a group: it does for what it is (no native step or
+        # head, an embedding that is not a table's row alone) and, with a schedule that weighs each step, for every
+        # width over one (greedy_steps), never for a step's tokens themselves.
+        self._ungrouped: set[int] = set()
 
     @classmethod
     def open(
@@ -250,7 +251,7 @@ class Engine:
         chunks = self._chunks()
         if not running and not chunks:
             return []
-        if group and not chunks and self._groups:
+        if group and not chunks and len(running) not in self._ungrouped:
             grouped = self._group(running)
             if grouped is not None:
                 return grouped
@@ -316,7 +317,7 @@ class Engine:
         with torch.inference_mode():
             grouped = self.forward.greedy_steps(batch, self.cache, steps, ends)
         if grouped is None:
-            self._groups = False
+            self._ungrouped.add(len(running))
             return None
         tokens, logits = grouped
         self._step_seconds = (time.perf_counter() - start) / len(tokens)

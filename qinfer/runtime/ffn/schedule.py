@@ -78,6 +78,8 @@ class FFNSchedule:
         self.shares: list[float | None] = [None] * len(layers)
 
     def sparse(self, layer: int, tokens: int) -> bool:
+        """Whether `layer` reads the predictor's rows for a step of `tokens`: always for one token (a group of such
+        steps in one native call relies on it), else the cheaper of the two."""
         share = self.shares[layer]
         if share is None or tokens == 1:
             return True

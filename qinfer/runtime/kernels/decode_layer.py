@@ -510,11 +510,13 @@ class DecodeLayers:
         positions, its input rows looked up in `embed` (the table a token's input row is, alone) into h [T, E]: each
         step's tokens and the last one's logits [T, V]. The steps end after the first that gives -1 or a token of
         `ends`. None where the head does not run natively, `embed` is not float32 or float16 rows, or a schedule
-        weighs each step (it would weigh the steps as one)."""
+        weighs each step of more than one token (the call would weigh its steps as one). A step of one token gets
+        the sparse rows whatever the schedule has learnt, and the schedule learns from the last step's rows alone,
+        so one call of such steps is exactly the steps one by one."""
         tokens = h.shape[0]
         if (
             self.output is None
-            or self.schedule is not None
+            or (self.schedule is not None and tokens > 1)
             or embed.dtype not in (torch.float32, torch.float16)
             or embed.dim() != 2
             or embed.shape[1] != self.cfg.hidden

@@ -1,6 +1,6 @@
 """Greedy decode steps in groups (Engine.step(group=True), one native call for several steps): the same outputs, step
 by step, as single steps, ending where a single step would end a sequence; no group where a sequence samples, follows
-a grammar, or a schedule weighs each step."""
+a grammar, or a schedule weighs each step of several sequences."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from qinfer.runtime.engine import engine as engine_module
 from qinfer.runtime.engine.engine import Engine, Request, StepOutput
 from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.model.forward import TransformerForward
 from tests.support.logits_hook import LogitsHook
 
@@ -103,23 +104,35 @@ def test_no_group_where_a_sequence_samples_or_follows_a_grammar(
     assert taken == []
 
 
-def test_a_schedule_that_weighs_each_step_takes_no_group(gguf_files: dict[str, Path]) -> None:
-    """--ffn auto's schedule picks sparse or dense rows per step: the native call declines the group once, and the
-    engine steps one at a time from then on, with the single steps' outputs."""
-    asked: list[int] = []
+def test_a_schedule_groups_one_sequences_steps_alone(gguf_files: dict[str, Path]) -> None:
+    """--ffn auto's schedule picks sparse or dense rows for each step of several sequences: the native call declines
+    a group once for each such width (three running, then two), and the engine steps those one at a time. One
+    sequence's steps always get the sparse rows, so it groups them, with the single steps' outputs, and the schedule
+    ends where the single steps leave it."""
+    widths: list[int] = []
     real = TransformerForward.greedy_steps
 
-    def counted(self: TransformerForward, *args: object) -> object:
-        asked.append(1)
-        return real(self, *args)  # type: ignore[arg-type]
+    def counted(self: TransformerForward, batch: TokenBatch, *args: object) -> object:
+        widths.append(batch.tokens.shape[0])
+        return real(self, batch, *args)  # type: ignore[arg-type]
+
+    def shortened(engine: Engine) -> list[Request]:
+        """The sequence in the context's way ends first: the first runs on alone."""
+        reqs = requests(engine)
+        reqs[1].max_tokens = 5
+        return reqs
 
     single = Engine.open(gguf_files["pi-f16"], slots=3, ctx_size=48, ffn="auto")
-    expected, steps = outputs(single, requests(single), group=False)
+    expected, steps = outputs(single, shortened(single), group=False)
     grouped = Engine.open(gguf_files["pi-f16"], slots=3, ctx_size=48, ffn="auto")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TransformerForward, "greedy_steps", counted)
-        assert outputs(grouped, requests(grouped), group=True) == (expected, steps)
-    assert asked == [1]
+        got, calls = outputs(grouped, shortened(grouped), group=True)
+    assert got == expected and calls < steps - 10
+    assert widths[:2] == [3, 2] and len(widths) > 2 and set(widths[2:]) == {1}
+    schedules = [engine.forward.native.schedule for engine in (single, grouped)]  # type: ignore[union-attr]
+    assert all(s is not None for s in schedules)
+    assert schedules[0].shares == schedules[1].shares  # type: ignore[union-attr]
 
 
 def test_a_group_lasts_about_its_seconds(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
