@@ -134,9 +134,8 @@ class Engine:
         self._order = itertools.count()
         self.runtime: LoadedRuntime | None = None  # how `open` set the model up (FFN mode, plan, schedule)
         self._step_seconds = float("inf")  # the last step's forward (per step, a group's), which sizes the next group
-        # The step widths (running sequences) the forward refused a group: it does for what it is (no native step or
-        # head, an embedding that is not a table's row alone) and, with a schedule that weighs each step, for every
-        # width over one (greedy_steps), never for a step's tokens themselves.
+        # The step widths (running sequences) the forward refused a group: its refusals depend on what it is and, with
+        # a schedule, on the width (greedy_steps), never on a step's tokens.
         self._ungrouped: set[int] = set()
 
     @classmethod

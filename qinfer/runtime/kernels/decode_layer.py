@@ -145,7 +145,8 @@ class ExpertLayerRunner(Protocol):
 
 class Schedule(Protocol):
     """A predictor-sparse runner's choice per layer and step between the predictor's rows and the dense ones
-    (ffn/schedule.py), told the union each step read."""
+    (ffn/schedule.py), told the union each call's last step read. A step of one token always takes the predictor's
+    rows (`sparse(layer, 1)`), which lets greedy_steps run such steps under a schedule."""
 
     def sparse(self, layer: int, tokens: int) -> bool: ...
     def observe(self, layer: int, tokens: int, union: int) -> None: ...
@@ -510,9 +511,8 @@ class DecodeLayers:
         positions, its input rows looked up in `embed` (the table a token's input row is, alone) into h [T, E]: each
         step's tokens and the last one's logits [T, V]. The steps end after the first that gives -1 or a token of
         `ends`. None where the head does not run natively, `embed` is not float32 or float16 rows, or a schedule
-        weighs each step of more than one token (the call would weigh its steps as one). A step of one token gets
-        the sparse rows whatever the schedule has learnt, and the schedule learns from the last step's rows alone,
-        so one call of such steps is exactly the steps one by one."""
+        weighs each step of more than one token (the call would weigh its steps as one). One token's steps are the
+        steps one by one: each gets the sparse rows (Schedule), and the schedule keeps what the last one read."""
         tokens = h.shape[0]
         if (
             self.output is None

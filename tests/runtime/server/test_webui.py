@@ -21,7 +21,10 @@ BROWSER, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 @pytest.mark.skipif(BROWSER is None or DRIVER is None, reason="no chromium and chromedriver (apt-get install them)")
 def test_the_page_streams_an_answer(
-    gguf_files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gguf_files: dict[str, Path],
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By
@@ -32,8 +35,9 @@ def test_the_page_streams_an_answer(
     options.binary_location = str(BROWSER)
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(flag)
-    # The browser's scratch directories go under TMPDIR: the test's own, not the system's, which would keep them.
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    # The browser's scratch directories go under TMPDIR: one of pytest's, not the system's, which would keep them. A
+    # short one: its singleton socket's path there must fit a socket address (107 bytes), and the test's own is long.
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("chromium")))
     with serve_in_thread(create_app(EngineWorker(engine), "tiny")) as url:
         browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=str(DRIVER)))
         try:
