@@ -118,7 +118,8 @@ def test_a_schedule_groups_one_sequences_steps_alone(gguf_files: dict[str, Path]
         return real(self, batch, *args)  # type: ignore[arg-type]
 
     def shortened(engine: Engine) -> list[Request]:
-        """The sequence in the context's way ends first: the first runs on alone."""
+        """The second request ends first (its long prompt would keep it to the end of the context), the third next:
+        the first runs on alone for its last 19 tokens."""
         reqs = requests(engine)
         reqs[1].max_tokens = 5
         return reqs
