@@ -37,7 +37,7 @@ PROFILE_TOKENS ?= 20000
 TINY_VRAM ?= 0.2518
 TINY_CTX ?= 256
 
-.PHONY: all setup setup-floor test test-floor lint clean tiny model FORCE
+.PHONY: all setup setup-floor setup-floor-dependencies test test-floor lint clean tiny model FORCE
 
 ifeq ($(MODEL),)
 all: tiny
@@ -59,12 +59,20 @@ FLOOR_VENV ?= .venv-floor
 FLOOR_BIN := $(FLOOR_VENV)/bin
 FLOOR_TESTS ?= tests
 
-$(FLOOR_BIN)/.installed: pyproject.toml .ci/floor_constraints.py
+# Its pinned dependencies first, the CUDA torch the bulk of them: they write nothing in the checkout, so this part
+# can run beside `make setup` (.ci/run does), while the two editable installs, which write the same egg-info, cannot.
+$(FLOOR_VENV)/.dependencies: pyproject.toml .ci/floor_constraints.py
 	rm -rf $(FLOOR_VENV)
 	$(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_BIN)/python .ci/floor_constraints.py serve > $(FLOOR_VENV)/floors.txt
+	$(FLOOR_BIN)/pip install -q -r $(FLOOR_VENV)/floors.txt
+	touch $@
+
+$(FLOOR_BIN)/.installed: $(FLOOR_VENV)/.dependencies
 	$(FLOOR_BIN)/pip install -q -c $(FLOOR_VENV)/floors.txt -e '.[serve,dev]'
 	touch $@
+
+setup-floor-dependencies: $(FLOOR_VENV)/.dependencies
 
 setup-floor: $(FLOOR_BIN)/.installed
 
