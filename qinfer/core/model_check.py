@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from qinfer.core.architectures import architecture
 from qinfer.core.errors import UserError
@@ -25,10 +25,6 @@ MATRIX_TYPES = (
 )
 
 Entries = Mapping[str, tuple[tuple[int, ...], GGMLQuantizationType]]  # name -> (ggml ne, type)
-
-
-def tensor_entries(reader: GGUFReader) -> Entries:
-    return {t.name: (tuple(int(n) for n in t.shape), GGMLQuantizationType(t.tensor_type)) for t in reader.tensors}
 
 
 def predictor_ranks(spec: ModelSpec, entries: Entries, path: Path) -> list[int]:

@@ -8,10 +8,12 @@ count shifts the data section, an offset near 2**64 wraps around. This scan refu
 
 from __future__ import annotations
 
+import math
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from qinfer.core.names import KEY_TYPES, Key, Tensor, tensor_name
@@ -29,7 +31,8 @@ ENGINE_INTEGER_TYPES = {
 # The longest token or merge rule accepted, in bytes: real vocabularies' longest are a few hundred bytes (runs of
 # spaces, code indentation), and the GPT-2 tokenizer's rebuild of a vocabulary is quadratic in a token's length.
 MAX_TOKEN_BYTES = 1024
-# String arrays whose items are checked against each other once the scan has them (check_vocabulary).
+# String arrays whose items are read once their number is checked (check_vocabulary_size), then checked
+# against each other (check_vocabulary_items).
 _VOCABULARY_KEYS = (Key.TOKENS, Key.MERGES)
 VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -68,7 +71,7 @@ class TensorEntry:
 class Value:
     kind: GGUFValueType
     item: GGUFValueType | None  # an array's item type
-    value: object  # a scalar or string; an array's length
+    value: Any  # a scalar or string; an array's items: a list of strings, or a numpy array of numbers
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Layout:
     keys: dict[str, Value]
     tensors: tuple[TensorEntry, ...]
     data_start: int
+    alignment: int
 
 
 class _Cursor:
@@ -126,7 +130,7 @@ def _value_type(raw: int, what: str) -> GGUFValueType:
 
 def _value(cur: _Cursor, kind: GGUFValueType, key: str, kept: dict[str, tuple[int, int]]) -> Value:
     """The value at the cursor. A vocabulary key's strings are only stepped over, their offset and count kept in
-    `kept`: they are read once the embedding has confirmed their number (check_vocabulary)."""
+    `kept`, and its value left None: they are read once the embedding has confirmed their number (scan_layout)."""
     if kind == GGUFValueType.STRING:
         return Value(kind, None, cur.string(f"the value of {key}"))
     if kind != GGUFValueType.ARRAY:
@@ -143,12 +147,13 @@ def _value(cur: _Cursor, kind: GGUFValueType, key: str, kept: dict[str, tuple[in
         if key in _VOCABULARY_KEYS:
             kept[key] = (cur.pos, count)
             cur.skip_strings(count, key)
-        else:
-            for i in range(count):
-                cur.string(f"item {i} of {key}")
-    else:
-        cur.take(count * struct.calcsize(_SCALARS[item]), f"the {count} items of {key}")
-    return Value(kind, item, count)
+            return Value(kind, item, None)
+        return Value(kind, item, [cur.string(f"item {i} of {key}") for i in range(count)])
+    fmt = _SCALARS[item]
+    items = np.frombuffer(cur.take(count * struct.calcsize(fmt), f"the {count} items of {key}"), np.dtype(fmt))
+    # A copy, not a view: the scan's buffer is released when it ends. Numbers stay an array, where a list would
+    # take about 20 times the file's bytes.
+    return Value(kind, item, items != 0 if item == GGUFValueType.BOOL else items.copy())
 
 
 def _tensor(
@@ -179,12 +184,11 @@ def _nbytes(name: str, ne: tuple[int, ...], qtype: GGMLQuantizationType, limit: 
     block, size = GGML_QUANT_SIZES[qtype]
     if ne[0] % block:
         raise LayoutError(f"{name} has shape {list(ne)}, which {qtype.name} blocks of {block} cannot hold")
-    count = 1
-    for n in ne:
-        count *= n
-        if count > limit:  # Python ints do not overflow, but a shape this large cannot be in the file
-            raise LayoutError(f"{name} claims shape {list(ne)}, larger than the file")
-    return count // block * size
+    # Python ints do not overflow, but a shape this large cannot be in the file. Empty dimensions count as 1, so
+    # that one of them does not let the others take any size (numpy refuses those, which no view needs).
+    if math.prod(max(n, 1) for n in ne) > limit:
+        raise LayoutError(f"{name} claims shape {list(ne)}, larger than the file")
+    return math.prod(ne) // block * size
 
 
 def check_key_types(keys: dict[str, Value]) -> None:
@@ -245,17 +249,19 @@ def scan_layout(buf: memoryview) -> Layout:
     end = data_start + (tensors[-1].offset + tensors[-1].nbytes if tensors else 0)
     if len(buf) - end >= alignment:
         raise LayoutError(f"{len(buf) - end} bytes follow the last tensor's data, which the header does not describe")
-    check_vocabulary(buf, keys, vocabulary, tensors)
-    return Layout(magic, keys, tuple(tensors), data_start)
+    check_vocabulary_size(keys, vocabulary, tensors)
+    for key, (start, count) in vocabulary.items():
+        keys[key] = Value(keys[key].kind, keys[key].item, _strings(buf, start, count, key))
+    check_vocabulary_items(keys)
+    return Layout(magic, keys, tuple(tensors), data_start, alignment)
 
 
-def check_vocabulary(
-    buf: memoryview, keys: dict[str, Value], vocabulary: dict[str, tuple[int, int]], tensors: list[TensorEntry]
+def check_vocabulary_size(
+    keys: dict[str, Value], vocabulary: dict[str, tuple[int, int]], tensors: list[TensorEntry]
 ) -> None:
-    """The vocabulary agrees with itself and with the embedding, as llama.cpp's loader requires, before any
-    tokenizer is built from it: one row of token_embd per token (checked before a token is read), a score and a
-    type per token where they are given, no token twice, and merge rules that join two tokens into a third. Every
-    item is at most MAX_TOKEN_BYTES long (checked as the scan steps over them)."""
+    """The vocabulary's size agrees with the embedding's, as llama.cpp's loader requires, before any token is read:
+    one row of token_embd per token, and a score and a type per token where they are given. Every item is at most
+    MAX_TOKEN_BYTES long (checked as the scan steps over them)."""
     if Key.TOKENS not in vocabulary:
         return
     n = vocabulary[Key.TOKENS][1]
@@ -264,23 +270,35 @@ def check_vocabulary(
     if embedding is not None and len(embedding.ne) == 2 and embedding.ne[1] != n:
         raise LayoutError(f"the vocabulary has {n} tokens but {embedding_name} has {embedding.ne[1]} rows")
     for key in (Key.SCORES, Key.TOKEN_TYPE):
-        if key in keys and keys[key].value != n:
-            raise LayoutError(f"{key} has {keys[key].value} entries for {n} tokens")
+        if key in keys and len(keys[key].value) != n:
+            raise LayoutError(f"{key} has {len(keys[key].value)} entries for {n} tokens")
+
+
+def check_vocabulary_items(keys: dict[str, Value]) -> None:
+    """The vocabulary read, before any tokenizer is built from it: no token twice, and merge rules that join two
+    tokens into a third."""
+    if Key.TOKENS not in keys:
+        return
     ids: dict[str, int] = {}
-    for i, token in enumerate(_strings(buf, *vocabulary[Key.TOKENS], Key.TOKENS)):
+    for i, token in enumerate(keys[Key.TOKENS].value):
         if ids.setdefault(token, i) != i:
             raise LayoutError(f"the vocabulary holds {token!r} twice (ids {ids[token]} and {i})")
-    if Key.MERGES not in vocabulary:
-        return
-    for i, rule in enumerate(_strings(buf, *vocabulary[Key.MERGES], Key.MERGES)):
+    for i, rule in enumerate(keys[Key.MERGES].value if Key.MERGES in keys else ()):
         parts = rule.split(" ")
         if len(parts) != 2 or not all(part in ids for part in (*parts, "".join(parts))):
             raise LayoutError(f"merge {i} ({rule!r}) does not join two tokens of the vocabulary into a third")
 
 
-def _strings(buf: memoryview, start: int, count: int, key: str) -> Iterator[str]:
-    """The `count` strings from `start`, whose lengths the scan has checked."""
-    cur = _Cursor(buf)
-    cur.pos = start
+def _strings(buf: memoryview, start: int, count: int, key: str) -> list[str]:
+    """The `count` strings from `start`, whose lengths the scan has checked (a vocabulary's hundreds of thousands
+    of items, so no cursor and no message made for each)."""
+    items, pos = [], start
     for i in range(count):
-        yield cur.string(f"item {i} of {key}")
+        (length,) = struct.unpack_from("<Q", buf, pos)
+        pos += 8
+        try:
+            items.append(str(buf[pos : pos + length], "utf-8"))
+        except UnicodeDecodeError as exc:
+            raise LayoutError(f"item {i} of {key} is not valid UTF-8 ({exc.reason})") from None
+        pos += length
+    return items

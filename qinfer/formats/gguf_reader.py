@@ -1,89 +1,123 @@
-"""Read GGUF and PowerInfer GGUF files through the gguf package's memory-mapped reader."""
+"""Read GGUF and PowerInfer GGUF files: the checked header scan's keys and tensors (qinfer.formats.gguf_layout),
+each tensor a numpy view of the memory-mapped file. The scan reads every header byte already, so the reader keeps
+what it read rather than parse it again with gguf's reader, which is slow on large vocabularies
+(docs/formats.md#gguf-and-powerinfer-gguf).
+"""
 
 from __future__ import annotations
 
-import mmap
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import numpy.typing as npt
-from gguf import GGUF_MAGIC, GGUFReader
+from gguf import GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
 
 from qinfer.core.errors import UserError
-from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC, Layout, scan_layout
+from qinfer.core.model_check import Entries
+from qinfer.formats.gguf_layout import POWERINFER_MAGIC, Layout, Value, scan_layout
 
-# The PWRI magic read as a little-endian u32, as the gguf package reads the first four bytes.
-PWRI_MAGIC = int.from_bytes(POWERINFER_MAGIC, "little")
+# Tensor types whose data reads as numpy numbers; any other (the quantized ones, BF16) as rows of raw bytes.
+_ELEMENT_TYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
 
 
-class PowerInferReader(GGUFReader):
-    """A `GGUFReader` that also reads PowerInfer GGUFs; `is_powerinfer` tells which magic the file has.
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    tensor_type: GGMLQuantizationType  # today's numbering, whichever the file uses
+    shape: tuple[int, ...]  # ggml order, innermost first
+    n_elements: int
+    n_bytes: int
+    data_offset: int  # from the start of the file
+    data: np.ndarray  # the elements, outermost dimension first; a quantized type's rows as raw blocks (uint8)
 
-    A PowerInfer GGUF differs in its magic and in the codes of integer tensors (the engine's, which today's gguf
-    takes for i-quants: gguf_layout.ENGINE_INTEGER_TYPES). The reader answers GGUF's magic at offset 0 and today's
-    code at each such tensor's type field (`layout`, the checked scan, says where those are), and leaves every
-    other byte to the gguf package.
-    """
 
-    is_powerinfer: bool = False
-
-    def __init__(self, path: Path, mode: Literal["r", "c"], layout: Layout):
-        integer_types = set(ENGINE_INTEGER_TYPES.values())
-        self._codes = {t.type_at: t.qtype.value for t in layout.tensors if t.qtype in integer_types}
-        super().__init__(path, mode)
-
-    def _get(
-        self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: None | Literal["I", "S", "<"] = None
-    ) -> npt.NDArray[Any]:
-        value = super()._get(offset, dtype, count, override_order)
-        if count != 1 or np.dtype(dtype) != np.uint32:
-            return value
-        if offset == 0 and int(value[0]) == PWRI_MAGIC:
-            self.is_powerinfer = True
-            return np.array([GGUF_MAGIC], dtype=np.uint32)
-        return np.array([self._codes[offset]], dtype=np.uint32) if offset in self._codes else value
+@dataclass(frozen=True)
+class GGUFFile:
+    path: Path
+    is_powerinfer: bool
+    keys: dict[str, Value]  # every metadata key in file order
+    alignment: int
+    data_offset: int  # where the tensors' data starts
+    tensors: tuple[GGUFTensor, ...]
 
 
 MODEL_FIX = "re-download it or re-create it with `qinfer prep convert`"
 
 
-def check_layout(path: Path, fix: str = MODEL_FIX) -> Layout:
-    """The file's layout, every byte of its header checked (qinfer.formats.gguf_layout) before any reader trusts it."""
+def _invalid(path: Path, reason: ValueError, fix: str) -> UserError:
+    return UserError(f"{path} is not a valid GGUF file: {reason}; {fix}")
+
+
+def _map(path: Path, mode: Literal["r", "c"], fix: str) -> np.memmap:
     if path.exists() and not path.is_file():
         # Opening a named pipe would wait for a writer that may never come.
         raise UserError(f"{path} is not a regular file; give the path of a GGUF file")
     try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                return scan_layout(view)
-            finally:
-                view.release()
-    except ValueError as exc:  # LayoutError, and mmap's refusal of an empty file
-        raise UserError(f"{path} is not a valid GGUF file: {exc}; {fix}") from None
+        return np.memmap(path, mode=mode)
+    except ValueError as exc:  # an empty file
+        raise _invalid(path, exc, fix) from None
     except OSError as exc:
         raise UserError(f"cannot read {path} ({exc.strerror or exc})") from None
 
 
-def open_gguf(path: Path, mode: Literal["r", "c"] = "r", fix: str = MODEL_FIX) -> PowerInferReader:
+def _scan(path: Path, mapped: np.memmap, fix: str) -> Layout:
+    view = memoryview(mapped).cast("B")
+    try:
+        return scan_layout(view)
+    except ValueError as exc:  # LayoutError
+        raise _invalid(path, exc, fix) from None
+    finally:
+        view.release()
+
+
+def check_layout(path: Path, fix: str = MODEL_FIX) -> Layout:
+    """The file's layout, every byte of its header checked (qinfer.formats.gguf_layout) before any reader trusts it."""
+    return _scan(path, _map(path, "r", fix), fix)
+
+
+def open_gguf(path: Path, mode: Literal["r", "c"] = "r", fix: str = MODEL_FIX) -> GGUFFile:
     """Memory-map a GGUF or PowerInfer GGUF whose layout has been checked; one clear error for a missing, truncated,
-    corrupt or foreign file."""
+    corrupt or foreign file. Mode "c" maps the file copy-on-write, so that its tensors' views are writable."""
     if not path.exists():
         raise UserError(f"model file not found: {path}")
-    layout = check_layout(path, fix)
-    try:
-        return PowerInferReader(path, mode, layout)
-    except (ValueError, KeyError, IndexError, OverflowError) as exc:
-        raise UserError(f"{path} is not a readable GGUF file ({exc}); {fix}") from exc
+    mapped = _map(path, mode, fix)
+    layout = _scan(path, mapped, fix)
+    tensors = []
+    for entry in layout.tensors:
+        start = layout.data_start + entry.offset
+        raw = mapped[start : start + entry.nbytes]
+        dims = tuple(reversed(entry.ne))
+        element = _ELEMENT_TYPES.get(entry.qtype)
+        if element is None:
+            data = raw.reshape(quant_shape_to_byte_shape(dims, entry.qtype))
+        else:
+            data = raw.view(element).reshape(dims)
+        n_elements = math.prod(entry.ne)
+        tensors.append(GGUFTensor(entry.name, entry.qtype, entry.ne, n_elements, entry.nbytes, start, data))
+    powerinfer = layout.magic == POWERINFER_MAGIC
+    return GGUFFile(path, powerinfer, layout.keys, layout.alignment, layout.data_start, tuple(tensors))
 
 
-def field_value(reader: GGUFReader, key: str) -> Any:
-    """A metadata value as plain Python (str, int, float, bool or list of those); None when absent."""
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
+def plain(value: Value) -> Any:
+    """A key's value as plain Python: str, int, float, bool or a list of those."""
+    return value.value.tolist() if isinstance(value.value, np.ndarray) else value.value
 
 
-def metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All metadata keys in file order, without the reader's own GGUF.* header fields."""
-    return {key: field_value(reader, key) for key in reader.fields if not key.startswith("GGUF.")}
+def metadata(reader: GGUFFile) -> dict[str, Any]:
+    """All metadata keys in file order, as plain Python."""
+    return {key: plain(value) for key, value in reader.keys.items()}
+
+
+def tensor_entries(reader: GGUFFile) -> Entries:
+    return {t.name: (t.shape, t.tensor_type) for t in reader.tensors}

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 
 from qinfer.core.names import Key
 from qinfer.formats.atomic_file import atomic_output
 from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC
-from qinfer.formats.gguf_reader import check_layout
+from qinfer.formats.gguf_reader import GGUFFile, check_layout, plain
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,14 @@ class TensorPlan:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def copy_metadata(reader: GGUFReader, writer: GGUFWriter, skip: Collection[str] = ()) -> None:
-    """Every key of `reader` as it is, but its header's, the architecture (which the writer sets itself) and `skip`;
-    its alignment as the writer's own."""
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in (Key.ARCHITECTURE, Key.ALIGNMENT, *skip):
-            continue
-        kind = field.types[0]
-        sub_type = field.types[-1] if kind == GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
-    alignment = reader.get_field(Key.ALIGNMENT)
-    if alignment is not None:
-        writer.add_custom_alignment(int(alignment.contents()))
+def copy_metadata(reader: GGUFFile, writer: GGUFWriter, skip: Collection[str] = ()) -> None:
+    """Every key of `reader` as it is, but the architecture (which the writer sets itself) and `skip`; its alignment
+    as the writer's own."""
+    for key, value in reader.keys.items():
+        if key not in (Key.ARCHITECTURE, Key.ALIGNMENT, *skip):
+            writer.add_key_value(key, plain(value), value.kind, sub_type=value.item)
+    if Key.ALIGNMENT in reader.keys:
+        writer.add_custom_alignment(reader.alignment)
 
 
 def write_gguf(

@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qinfer.core.architectures import architecture
 from qinfer.core.errors import UserError
-from qinfer.core.model_check import check_model, tensor_entries
+from qinfer.core.model_check import check_model
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import (
     EXPERT_STACKS,
@@ -24,7 +24,7 @@ from qinfer.core.names import (
 )
 from qinfer.core.spec_readers import spec_from_metadata
 from qinfer.formats.activation_files import Unit
-from qinfer.formats.gguf_reader import metadata, open_gguf
+from qinfer.formats.gguf_reader import metadata, open_gguf, tensor_entries
 
 
 @dataclass(frozen=True)
@@ -126,12 +126,12 @@ def read_model_layout(path: Path) -> ModelLayout:
     ffn_element_bytes = 0.0
     up = Tensor.FFN_UP if spec.experts is None else Tensor.FFN_UP_EXPS
     for tensor in reader.tensors:
-        n_bytes, n_weights = int(tensor.n_bytes), int(tensor.n_elements)
+        n_bytes, n_weights = tensor.n_bytes, tensor.n_elements
         where = _classify(tensor.name)
         if where is not None:
             per_layer[where[0]][where[1]].append((n_bytes, n_weights))
             if tensor.name == tensor_name(up, where[0]):
-                ffn_type = GGMLQuantizationType(tensor.tensor_type).name
+                ffn_type = tensor.tensor_type.name
                 ffn_element_bytes = n_bytes / n_weights
         elif tensor.name.startswith((Tensor.TOKEN_EMBD, Tensor.POSITION_EMBD)):
             embedding_bytes += n_bytes

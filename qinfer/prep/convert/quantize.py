@@ -19,14 +19,14 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quant_shape_to_byte_shape
 
 from qinfer.core.errors import UserError
-from qinfer.core.model_check import check_model, tensor_entries
+from qinfer.core.model_check import check_model
 from qinfer.core.names import ROUTERS, WEIGHT, Key, Tensor, split_tensor_name, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
-from qinfer.formats.gguf_reader import metadata, open_gguf
+from qinfer.formats.gguf_reader import GGUFFile, metadata, open_gguf, tensor_entries
 from qinfer.formats.gguf_writer import TensorPlan, copy_metadata, write_gguf
 from qinfer.prep.convert.quant_blocks import quantize_q4_0, quantize_q8_0
 
@@ -88,13 +88,13 @@ def _convert(path: Path, offset: int, src: np.dtype, shape: tuple[int, ...], out
     return result.reshape(quant_shape_to_byte_shape(shape, out))
 
 
-def _plan(path: Path, reader: GGUFReader, target: QType) -> tuple[list[TensorPlan], list[str]]:
+def _plan(path: Path, reader: GGUFFile, target: QType) -> tuple[list[TensorPlan], list[str]]:
     plans, kept_f16 = [], []
     for t in reader.tensors:
         src = _FLOAT_TYPES.get(t.tensor_type)
         if src is None:
             raise UserError(f"{path}: tensor {t.name} is already {t.tensor_type.name}; quantize an F32 or F16 file")
-        shape = tuple(int(n) for n in reversed(t.shape))
+        shape = tuple(reversed(t.shape))
         out = tensor_type(t.name, shape, target)
         if out == QType.F16 and len(shape) > 1 and t.name.endswith(f".{WEIGHT}"):
             kept_f16.append(t.name)
@@ -107,7 +107,7 @@ def _plan(path: Path, reader: GGUFReader, target: QType) -> tuple[list[TensorPla
     return plans, kept_f16
 
 
-def _metadata_writer(reader: GGUFReader, file_type: int) -> Callable[[GGUFWriter], None]:
+def _metadata_writer(reader: GGUFFile, file_type: int) -> Callable[[GGUFWriter], None]:
     def add(writer: GGUFWriter) -> None:
         copy_metadata(reader, writer, _OWN_KEYS)
         writer.add_file_type(file_type)
@@ -141,5 +141,5 @@ def quantize_gguf(
         on_plan(plans)
     add_metadata = _metadata_writer(reader, file_type)
     write_gguf(outfile, spec.arch, add_metadata, plans, powerinfer=reader.is_powerinfer, on_tensor=on_tensor)
-    in_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    in_bytes = sum(t.n_bytes for t in reader.tensors)
     return QuantizeResult(outfile, target, len(plans), in_bytes, sum(p.nbytes for p in plans), kept_f16)

@@ -10,11 +10,11 @@ import torch
 from gguf.quants import dequantize
 
 from qinfer.core.errors import UserError
-from qinfer.core.model_check import check_model, tensor_entries
+from qinfer.core.model_check import check_model
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import Key, Tensor, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
-from qinfer.formats.gguf_reader import PowerInferReader, metadata, open_gguf
+from qinfer.formats.gguf_reader import GGUFFile, metadata, open_gguf, tensor_entries
 from qinfer.runtime.kernels.quant_rows import QUANTIZED_TYPES, QuantizedMatrix
 
 # Quantized matrices stay raw blocks (the native kernels read them as they are; elsewhere rows are expanded as
@@ -39,7 +39,7 @@ class ModelFile:
             raise UserError(f"{self.path} has no tensor {name!r}; was it converted by an older tool?") from None
 
 
-def _tensors(reader: PowerInferReader) -> dict[str, torch.Tensor | QuantizedMatrix]:
+def _tensors(reader: GGUFFile) -> dict[str, torch.Tensor | QuantizedMatrix]:
     tensors: dict[str, torch.Tensor | QuantizedMatrix] = {}
     for t in reader.tensors:
         if t.tensor_type in QUANTIZED_TYPES:

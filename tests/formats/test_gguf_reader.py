@@ -1,0 +1,73 @@
+"""Our reader (the header scan's values, tensors as views of the mapped file) reads a plain GGUF as the gguf
+package's own reader does: every key's type and value, every tensor's type, shape, offset and bytes."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from qinfer.core.errors import UserError
+from qinfer.core.names import Key
+from qinfer.formats.gguf_reader import metadata, open_gguf
+from qinfer.prep.convert.quantize import quantize_gguf
+
+
+def _assert_reads_as_gguf_does(path: Path) -> None:
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    fields = {key: field for key, field in theirs.fields.items() if not key.startswith("GGUF.")}
+    assert list(ours.keys) == list(fields)
+    for key, field in fields.items():
+        kind, item = ours.keys[key].kind, ours.keys[key].item
+        assert ([kind] if item is None else [kind, item]) == field.types, key
+    assert metadata(ours) == {key: field.contents() for key, field in fields.items()}
+    assert (ours.alignment, ours.data_offset) == (theirs.alignment, theirs.data_offset)
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.n_elements, mine.n_bytes, mine.data_offset) == (
+            reference.name,
+            reference.tensor_type,
+            reference.n_elements,
+            reference.n_bytes,
+            reference.data_offset,
+        )
+        assert mine.shape == tuple(int(n) for n in reference.shape)
+        assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+        np.testing.assert_array_equal(mine.data, reference.data)
+
+
+@pytest.mark.parametrize("name", ["dense-f32", "dense-f16"])
+def test_a_tiny_files_keys_and_tensors(gguf_files: dict[str, Path], name: str) -> None:
+    _assert_reads_as_gguf_does(gguf_files[name])
+
+
+def test_quantized_rows_and_a_byte_level_vocabulary(swiglu: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    """Llama-3's vocabulary has merges, token types and a pre-tokenizer name; Q4_0 rows are raw blocks."""
+    dense = swiglu["llama3"]["dense-f32"]
+    assert metadata(open_gguf(dense))[Key.MERGES]
+    _assert_reads_as_gguf_does(dense)
+    _assert_reads_as_gguf_does(quantize_gguf(dense, tmp_path / "q4.gguf", "Q4_0").outfile)
+
+
+def test_copy_on_write_views_can_change_without_touching_the_file(gguf_files: dict[str, Path]) -> None:
+    path = gguf_files["dense-f32"]
+    before = path.read_bytes()
+    tensor = open_gguf(path, mode="c").tensors[0]
+    tensor.data[...] = 7
+    assert (tensor.data == 7).all() and path.read_bytes() == before
+
+
+@pytest.mark.parametrize("ne", [(0, 2**64 - 1), (0, 2**62, 2**62)], ids=["one", "two"])
+def test_an_empty_dimension_does_not_let_the_others_grow(tmp_path: Path, ne: tuple[int, ...]) -> None:
+    """A tensor of no elements whose other dimensions no array can have (numpy refuses them) is refused as larger
+    than the file, as it would be without the empty one."""
+    name = b"t"
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", len(name)) + name
+    header += struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, gguf.GGMLQuantizationType.F32, 0)
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(header + bytes(-len(header) % 32))
+    with pytest.raises(UserError, match=r"claims shape \[0, .*larger than the file"):
+        open_gguf(path)
