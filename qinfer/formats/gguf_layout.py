@@ -184,9 +184,10 @@ def _nbytes(name: str, ne: tuple[int, ...], qtype: GGMLQuantizationType, limit: 
     block, size = GGML_QUANT_SIZES[qtype]
     if ne[0] % block:
         raise LayoutError(f"{name} has shape {list(ne)}, which {qtype.name} blocks of {block} cannot hold")
-    # Python ints do not overflow, but a shape this large cannot be in the file. Empty dimensions count as 1, so
-    # that one of them does not let the others take any size (numpy refuses those, which no view needs).
-    if math.prod(max(n, 1) for n in ne) > limit:
+    # Python ints do not overflow, but a shape whose bytes exceed the file cannot be in it. Empty dimensions count
+    # as 1 here, so that one of them does not let the others take any size (numpy refuses those, which no view
+    # needs); a block type's bytes, not its elements, are what the file holds (a Q4_0 block: 32 in 18 bytes).
+    if math.prod(max(n, 1) for n in ne) // block * size > limit:
         raise LayoutError(f"{name} claims shape {list(ne)}, larger than the file")
     return math.prod(ne) // block * size
 

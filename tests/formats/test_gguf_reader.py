@@ -71,3 +71,16 @@ def test_an_empty_dimension_does_not_let_the_others_grow(tmp_path: Path, ne: tup
     path.write_bytes(header + bytes(-len(header) % 32))
     with pytest.raises(UserError, match=r"claims shape \[0, .*larger than the file"):
         open_gguf(path)
+
+
+def test_a_quantized_tensor_may_fill_most_of_the_file(tmp_path: Path) -> None:
+    """Q4_0 holds 32 elements in 18 bytes, so a tensor of more elements than the file has bytes is still in it."""
+    path = tmp_path / "one.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("t", np.zeros((64, 18 * 64), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert path.stat().st_size < 64 * 32 * 64
+    _assert_reads_as_gguf_does(path)
