@@ -285,8 +285,8 @@ def check_vocabulary_items(keys: dict[str, Value]) -> None:
         if ids.setdefault(token, i) != i:
             raise LayoutError(f"the vocabulary holds {token!r} twice (ids {ids[token]} and {i})")
     for i, rule in enumerate(keys[Key.MERGES].value if Key.MERGES in keys else ()):
-        parts = rule.split(" ")
-        if len(parts) != 2 or not all(part in ids for part in (*parts, "".join(parts))):
+        left, space, right = rule.partition(" ")
+        if not space or " " in right or left not in ids or right not in ids or left + right not in ids:
             raise LayoutError(f"merge {i} ({rule!r}) does not join two tokens of the vocabulary into a third")
 
 
