@@ -28,12 +28,13 @@ ENGINE_INTEGER_TYPES = {
     17: GGMLQuantizationType.I16,
     18: GGMLQuantizationType.I32,
 }
-# The longest token or merge rule accepted, in bytes: real vocabularies' longest are a few hundred bytes (runs of
-# spaces, code indentation), and the GPT-2 tokenizer's rebuild of a vocabulary is quadratic in a token's length.
+# The longest token accepted, in bytes: real vocabularies' longest are runs of spaces of at most 1024 bytes
+# (GPT-NeoX's, MPT's and Command-R's), and the GPT-2 tokenizer's rebuild of a vocabulary is quadratic in a token's
+# length. A merge rule is the two halves of a token and a space between them.
 MAX_TOKEN_BYTES = 1024
 # String arrays whose items are read once their number is checked (check_vocabulary_size), then checked
-# against each other (check_vocabulary_items).
-_VOCABULARY_KEYS = (Key.TOKENS, Key.MERGES)
+# against each other (check_vocabulary_items), and the longest item each may have.
+_VOCABULARY_KEYS = {Key.TOKENS: MAX_TOKEN_BYTES, Key.MERGES: MAX_TOKEN_BYTES + 1}
 VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 64  # GGML_MAX_NAME, terminator included in ggml
@@ -99,15 +100,15 @@ class _Cursor:
     def scalar(self, fmt: str, what: str) -> int | float:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
-    def skip_strings(self, count: int, key: str) -> None:
-        """Step over `count` strings of at most MAX_TOKEN_BYTES each, checking their lengths, not their text."""
+    def skip_strings(self, count: int, key: str, longest: int) -> None:
+        """Step over `count` strings of at most `longest` bytes each, checking their lengths, not their text."""
         buf, pos, end = self.buf, self.pos, len(self.buf)
         for i in range(count):
             if end - pos < 8:
                 raise LayoutError(f"item {i} of {key} needs 8 bytes at offset {pos}, but the file has {end - pos}")
             (length,) = struct.unpack_from("<Q", buf, pos)
-            if length > MAX_TOKEN_BYTES:
-                raise LayoutError(f"item {i} of {key} is {length} bytes long, over the {MAX_TOKEN_BYTES} allowed")
+            if length > longest:
+                raise LayoutError(f"item {i} of {key} is {length} bytes long, over the {longest} allowed")
             pos += 8 + length
             if pos > end:
                 raise LayoutError(f"item {i} of {key} runs past the end of the file")
@@ -146,7 +147,7 @@ def _value(cur: _Cursor, kind: GGUFValueType, key: str, kept: dict[str, tuple[in
             raise LayoutError(f"{key} claims {count} strings, more than the file can hold")
         if key in _VOCABULARY_KEYS:
             kept[key] = (cur.pos, count)
-            cur.skip_strings(count, key)
+            cur.skip_strings(count, key, _VOCABULARY_KEYS[key])
             return Value(kind, item, None)
         return Value(kind, item, [cur.string(f"item {i} of {key}") for i in range(count)])
     fmt = _SCALARS[item]
@@ -261,8 +262,8 @@ def check_vocabulary_size(
     keys: dict[str, Value], vocabulary: dict[str, tuple[int, int]], tensors: list[TensorEntry]
 ) -> None:
     """The vocabulary's size agrees with the embedding's, as llama.cpp's loader requires, before any token is read:
-    one row of token_embd per token, and a score and a type per token where they are given. Every item is at most
-    MAX_TOKEN_BYTES long (checked as the scan steps over them)."""
+    one row of token_embd per token, and a score and a type per token where they are given. Each item's length
+    is checked as the scan steps over it (_VOCABULARY_KEYS)."""
     if Key.TOKENS not in vocabulary:
         return
     n = vocabulary[Key.TOKENS][1]

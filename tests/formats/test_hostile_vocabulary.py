@@ -116,6 +116,22 @@ def test_the_untouched_vocabularies_still_open(gguf_files: dict[str, Path], opt_
         GGUFTokenizer(open_model(copy).metadata).encode("Once upon a time")
 
 
+def test_a_token_of_the_longest_length_and_its_merge_are_read(opt_dense: Path, tmp_path: Path) -> None:
+    """GPT-NeoX's vocabulary ends its runs of spaces at a token of MAX_TOKEN_BYTES, made by a merge of its two
+    halves, a rule one byte longer."""
+    v = vocabulary(opt_dense)
+    used = {part for rule in v["merges"] for part in (*rule.split(" "), rule.replace(" ", ""))}
+    free = [i for i, token in enumerate(v["tokens"]) if token not in used and v["types"][i] == 1][-2:]
+    half, whole = "Ġ" * (MAX_TOKEN_BYTES // 4), "Ġ" * (MAX_TOKEN_BYTES // 2)  # Ġ is 2 bytes of UTF-8
+    tokens = list(v["tokens"])
+    tokens[free[0]], tokens[free[1]] = half, whole
+    merges = [*v["merges"], f"{half} {half}"]
+    assert len(merges[-1].encode()) == MAX_TOKEN_BYTES + 1
+    longest = rewrite_gguf(opt_dense, tmp_path / "longest.gguf", {Key.TOKENS: (tokens, S), Key.MERGES: (merges, S)})
+    tokenizer = GGUFTokenizer(open_model(longest).metadata)
+    assert tokenizer.backend.token_to_id(whole) == free[1]
+
+
 def test_the_cli_says_it_in_one_line(gguf_files: dict[str, Path], tmp_path: Path) -> None:
     replace, _ = duplicate_token(vocabulary(gguf_files["dense-f32"]), random.Random(0))
     hostile = rewrite_gguf(gguf_files["dense-f32"], tmp_path / "dup.gguf", replace)
