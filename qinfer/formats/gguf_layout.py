@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from qinfer.core.architectures import ARCHITECTURES
 from qinfer.core.names import KEY_TYPES, Key, Tensor, tensor_name
 
 POWERINFER_MAGIC = b"PWRI"
@@ -195,10 +196,14 @@ def _nbytes(name: str, ne: tuple[int, ...], qtype: GGMLQuantizationType, limit: 
 
 def check_key_types(keys: dict[str, Value]) -> None:
     """Known keys must have the type the format gives them (docs/formats.md#metadata-keys), as llama.cpp's loader
-    insists; a bool turned into a byte, or a count into a string, is a damaged file, not another model."""
+    insists; a bool turned into a byte, or a count into a string, is a damaged file, not another model. An
+    architecture we do not run may give its keys other types (Gemma 4's head counts are per layer): the runtime
+    refuses such a file by its architecture's name."""
     arch = keys.get(Key.ARCHITECTURE)
     name = arch.value if arch is not None and arch.kind == GGUFValueType.STRING else None
     for template, want in KEY_TYPES.items():
+        if "{arch}" in template and name not in ARCHITECTURES:
+            continue
         key = template.format(arch=name) if "{arch}" in template else template
         found = keys.get(key)
         if found is not None and (found.kind, found.item) != want:

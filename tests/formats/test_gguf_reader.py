@@ -14,6 +14,7 @@ from qinfer.core.errors import UserError
 from qinfer.core.names import Key
 from qinfer.formats.gguf_reader import metadata, open_gguf
 from qinfer.prep.convert.quantize import quantize_gguf
+from qinfer.runtime.model.model_file import open_model
 
 
 def _assert_reads_as_gguf_does(path: Path) -> None:
@@ -84,3 +85,18 @@ def test_a_quantized_tensor_may_fill_most_of_the_file(tmp_path: Path) -> None:
     writer.close()
     assert path.stat().st_size < 64 * 32 * 64
     _assert_reads_as_gguf_does(path)
+
+
+def test_an_architecture_we_do_not_run_is_refused_by_its_name(tmp_path: Path) -> None:
+    """Its keys may have other types than ours (Gemma 4's head counts are per layer): the message names the
+    architecture rather than calling the file damaged."""
+    path = tmp_path / "gemma4.gguf"
+    writer = gguf.GGUFWriter(path, "gemma4")
+    writer.add_array("gemma4.attention.head_count_kv", [8, 8, 1])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert metadata(open_gguf(path))["gemma4.attention.head_count_kv"] == [8, 8, 1]
+    with pytest.raises(UserError, match="architecture 'gemma4' is not supported"):
+        open_model(path)
