@@ -87,16 +87,22 @@ def test_a_quantized_tensor_may_fill_most_of_the_file(tmp_path: Path) -> None:
     _assert_reads_as_gguf_does(path)
 
 
-def test_an_architecture_we_do_not_run_is_refused_by_its_name(tmp_path: Path) -> None:
-    """Its keys may have other types than ours (Gemma 4's head counts are per layer): the message names the
-    architecture rather than calling the file damaged."""
-    path = tmp_path / "gemma4.gguf"
-    writer = gguf.GGUFWriter(path, "gemma4")
-    writer.add_array("gemma4.attention.head_count_kv", [8, 8, 1])
+def _per_layer_head_counts(path: Path, arch: str) -> Path:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_array(f"{arch}.attention.head_count_kv", [8, 8, 1])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_an_architecture_we_do_not_run_is_refused_by_its_name(tmp_path: Path) -> None:
+    """Its keys may have other types than ours (Gemma 4's head counts are per layer): the message names the
+    architecture rather than calling the file damaged. Ours keep the types of our table."""
+    path = _per_layer_head_counts(tmp_path / "gemma4.gguf", "gemma4")
     assert metadata(open_gguf(path))["gemma4.attention.head_count_kv"] == [8, 8, 1]
     with pytest.raises(UserError, match="architecture 'gemma4' is not supported"):
         open_model(path)
+    with pytest.raises(UserError, match="llama.attention.head_count_kv is ARRAY of .*, not UINT32"):
+        open_gguf(_per_layer_head_counts(tmp_path / "llama.gguf", "llama"))

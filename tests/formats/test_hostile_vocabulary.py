@@ -70,8 +70,15 @@ def merge_of_three(v: Vocabulary, rng: random.Random) -> tuple[dict[str, tuple[A
     return {Key.MERGES: (merges, S)}, "does not join two tokens of the vocabulary"
 
 
+def long_merge(v: Vocabulary, rng: random.Random) -> tuple[dict[str, tuple[Any, GGUFValueType]], str]:
+    """One byte over the longest rule (a token of MAX_TOKEN_BYTES, split in two, and a space)."""
+    merges = list(v["merges"])
+    merges[rng.randrange(len(merges))] = "x" * (MAX_TOKEN_BYTES // 2) + " " + "x" * (MAX_TOKEN_BYTES // 2 + 1)
+    return {Key.MERGES: (merges, S)}, f"over the {MAX_TOKEN_BYTES + 1} allowed"
+
+
 LLAMA_ATTACKS = [long_token, million_tokens, few_scores, short_token_types, duplicate_token, every_token_the_same]
-GPT2_ATTACKS = [long_token, duplicate_token, foreign_merge, merge_of_three]
+GPT2_ATTACKS = [long_token, duplicate_token, foreign_merge, merge_of_three, long_merge]
 
 
 def vocabulary(path: Path) -> Vocabulary:
