@@ -74,15 +74,20 @@ def test_an_empty_dimension_does_not_let_the_others_grow(tmp_path: Path, ne: tup
         open_gguf(path)
 
 
-def test_a_quantized_tensor_may_fill_most_of_the_file(tmp_path: Path) -> None:
-    """Q4_0 holds 32 elements in 18 bytes, so a tensor of more elements than the file has bytes is still in it."""
-    path = tmp_path / "one.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("t", np.zeros((64, 18 * 64), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+def _written(writer: gguf.GGUFWriter) -> Path:
+    """The file of gguf's own writer, its keys and tensors written."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return Path(writer.path)
+
+
+def test_a_quantized_tensor_may_fill_most_of_the_file(tmp_path: Path) -> None:
+    """Q4_0 holds 32 elements in 18 bytes, so a tensor of more elements than the file has bytes is still in it."""
+    writer = gguf.GGUFWriter(tmp_path / "one.gguf", "llama")
+    writer.add_tensor("t", np.zeros((64, 18 * 64), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    path = _written(writer)
     assert path.stat().st_size < 64 * 32 * 64
     _assert_reads_as_gguf_does(path)
 
@@ -90,11 +95,7 @@ def test_a_quantized_tensor_may_fill_most_of_the_file(tmp_path: Path) -> None:
 def _per_layer_head_counts(path: Path, arch: str) -> Path:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_array(f"{arch}.attention.head_count_kv", [8, 8, 1])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _written(writer)
 
 
 def test_an_architecture_we_do_not_run_is_refused_by_its_name(tmp_path: Path) -> None:
