@@ -56,7 +56,11 @@ _SCALARS = {
 
 
 class LayoutError(ValueError):
-    """What is wrong with the bytes; the caller names the file and the fix."""
+    """What is wrong with the bytes; the caller names the file and the fix. `architecture` is the file's
+    general.architecture where the scan had read its keys: for a file of an architecture we do not run, that is
+    what to tell (another format version's tensor types or keys are no damage)."""
+
+    architecture: str | None = None
 
 
 @dataclass(frozen=True)
@@ -194,13 +198,17 @@ def _nbytes(name: str, ne: tuple[int, ...], qtype: GGMLQuantizationType, limit: 
     return math.prod(ne) // block * size
 
 
+def _architecture(keys: dict[str, Value]) -> str | None:
+    arch = keys.get(Key.ARCHITECTURE)
+    return arch.value if arch is not None and arch.kind == GGUFValueType.STRING else None
+
+
 def check_key_types(keys: dict[str, Value]) -> None:
     """Known keys must have the type the format gives them (docs/formats.md#metadata-keys), as llama.cpp's loader
     insists; a bool turned into a byte, or a count into a string, is a damaged file, not another model. An
     architecture we do not run may give its keys other types (Gemma 4's head counts are per layer): the runtime
     refuses such a file by its architecture's name."""
-    arch = keys.get(Key.ARCHITECTURE)
-    name = arch.value if arch is not None and arch.kind == GGUFValueType.STRING else None
+    name = _architecture(keys)
     for template, want in KEY_TYPES.items():
         if "{arch}" in template and name not in ARCHITECTURES:
             continue
@@ -233,6 +241,21 @@ def scan_layout(buf: memoryview) -> Layout:
         if key in keys:
             raise LayoutError(f"the key {key} appears twice")
         keys[key] = _value(cur, _value_type(int(cur.scalar("<I", f"the type of {key}")), key), key, vocabulary)
+    try:
+        return _layout_after_keys(buf, cur, magic, n_tensors, keys, vocabulary)
+    except LayoutError as exc:
+        exc.architecture = _architecture(keys)
+        raise
+
+
+def _layout_after_keys(
+    buf: memoryview,
+    cur: _Cursor,
+    magic: bytes,
+    n_tensors: int,
+    keys: dict[str, Value],
+    vocabulary: dict[str, tuple[int, int]],
+) -> Layout:
     check_key_types(keys)
     alignment = keys[Key.ALIGNMENT].value if Key.ALIGNMENT in keys else DEFAULT_ALIGNMENT
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):

@@ -15,9 +15,10 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
+from qinfer.core.architectures import architecture
 from qinfer.core.errors import UserError
 from qinfer.core.model_check import Entries
-from qinfer.formats.gguf_layout import POWERINFER_MAGIC, Layout, Value, scan_layout
+from qinfer.formats.gguf_layout import POWERINFER_MAGIC, Layout, LayoutError, Value, scan_layout
 
 # Tensor types whose data reads as numpy numbers; any other (the quantized ones, BF16) as rows of raw bytes.
 _ELEMENT_TYPES = {
@@ -71,11 +72,15 @@ def _map(path: Path, mode: Literal["r", "c"], fix: str) -> np.memmap:
         raise UserError(f"cannot read {path} ({exc.strerror or exc})") from None
 
 
-def _scan(path: Path, mapped: np.memmap, fix: str) -> Layout:
+def _scan(path: Path, mapped: np.memmap, fix: str, model: bool = False) -> Layout:
+    """The file's layout; for a `model` whose keys name an architecture we do not run, a scan that fails after them
+    says that (a newer format's tensor types, another model's keys) rather than calling the file damaged."""
     view = memoryview(mapped).cast("B")
     try:
         return scan_layout(view)
-    except ValueError as exc:  # LayoutError
+    except LayoutError as exc:
+        if model and exc.architecture is not None:
+            architecture(exc.architecture, path)
         raise _invalid(path, exc, fix) from None
     finally:
         view.release()
@@ -92,7 +97,7 @@ def open_gguf(path: Path, mode: Literal["r", "c"] = "r", fix: str = MODEL_FIX) -
     if not path.exists():
         raise UserError(f"model file not found: {path}")
     mapped = _map(path, mode, fix)
-    layout = _scan(path, mapped, fix)
+    layout = _scan(path, mapped, fix, model=True)
     tensors = []
     for entry in layout.tensors:
         start = layout.data_start + entry.offset

@@ -12,7 +12,7 @@ import pytest
 
 from qinfer.core.errors import UserError
 from qinfer.core.names import Key
-from qinfer.formats.gguf_reader import metadata, open_gguf
+from qinfer.formats.gguf_reader import check_layout, metadata, open_gguf
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.runtime.model.model_file import open_model
 
@@ -107,3 +107,22 @@ def test_an_architecture_we_do_not_run_is_refused_by_its_name(tmp_path: Path) ->
         open_model(path)
     with pytest.raises(UserError, match="llama.attention.head_count_kv is ARRAY of .*, not UINT32"):
         open_gguf(_per_layer_head_counts(tmp_path / "llama.gguf", "llama"))
+
+
+def _with_unknown_tensor_type(path: Path, arch: str) -> Path:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_tensor("t", np.zeros((2, 32), np.float32))
+    _written(writer)
+    with path.open("r+b") as f:
+        f.seek(check_layout(path).tensors[0].type_at)
+        f.write(struct.pack("<I", 99))
+    return path
+
+
+def test_a_foreign_file_the_scan_refuses_is_named_by_its_architecture(tmp_path: Path) -> None:
+    """A tensor type the scan does not know (a newer ggml's) in a file of an architecture we do not run: the message
+    names the architecture, where it called the file damaged. In a file of ours, the same bytes are damage."""
+    with pytest.raises(UserError, match="architecture 'gemma4' is not supported"):
+        open_gguf(_with_unknown_tensor_type(tmp_path / "gemma4.gguf", "gemma4"))
+    with pytest.raises(UserError, match="not a valid GGUF file: t has unknown tensor type 99; re-download"):
+        open_gguf(_with_unknown_tensor_type(tmp_path / "llama.gguf", "llama"))
