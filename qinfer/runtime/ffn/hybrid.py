@@ -296,7 +296,10 @@ class HybridRunner:
             picked = gate_mask(w, x) if h is None else predicted_mask(w, h, self.threshold)
         out, cold, resident = selected_rows(w.form, x, w.gate, w.up, w.down_t, picked, self.resident[layer])
         self.last[layer] = LayerSplit(resident, cold, 0)
-        if self.dynamic:
+        # A layer that has no predictor on the device cannot select among its slots there (device_ffn adds nothing
+        # for it), so a neuron promoted into them would be computed by neither side.
+        device_selects = not (w.has_predictor and self.slots[layer].fc1 is None)
+        if self.dynamic and device_selects:
             self.last[layer].moved = self._choose_promotions(layer, picked.any(0))
         return out
 

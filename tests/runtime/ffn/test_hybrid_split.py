@@ -247,7 +247,8 @@ def test_graphs_that_cannot_be_recorded_leave_the_step_eager(
     """A capture that fails (a CUDA build that refuses some op in a graph) is said once; that step and the rest run
     eagerly, with the same logits."""
     pytest.importorskip("triton")
-    split = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.4), schedule="static", device="cpu")
+    on = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled for a GPU take its tensors alone
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.4), schedule="static", device=on)
     runner, forward = _hybrid(split), split.forward
     runner.in_kernel = True
     graphs = GraphSteps(forward, runner, capture=True)
@@ -259,7 +260,7 @@ def test_graphs_that_cannot_be_recorded_leave_the_step_eager(
     monkeypatch.setattr(GraphStep, "_record", refuse)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     ids = torch.tensor(split.tokenizer.encode(PROMPTS[1]))
-    a, b = (KVCache(forward.cfg, 96, types=F32_KV) for _ in range(2))
+    a, b = (KVCache(forward.cfg, 96, device=forward.device, types=F32_KV) for _ in range(2))
     with torch.inference_mode():
         forward(ids[:4], 0, a), forward(ids[:4], 0, b)
         for j in range(4, 7):
@@ -283,6 +284,31 @@ def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[s
     assert [c.resident for c in _hybrid(split).caches] == [64, 0]
     expected = generate(Engine.open(model, ctx_size=96, ffn="sparse"), PROMPTS[1], 8, GREEDY, ignore_eos=True)
     assert generate(split, PROMPTS[1], 8, GREEDY, ignore_eos=True).tokens == expected.tokens
+
+
+def test_a_layer_without_gpu_neurons_keeps_them_under_the_dynamic_schedule_in_the_kernels(
+    tmp_path: Path, gguf_files: dict[str, Path]
+) -> None:
+    """A layer the plan gave no GPU neuron has room in its slots under the dynamic schedule (the budget's spare),
+    but no predictor on the device to select among them: the kernels' path promotes nothing there, where the
+    neurons it promoted were computed by neither side."""
+    pytest.importorskip("triton")
+    model = tmp_path / "tiny.powerinfer.gguf"
+    shutil.copy(gguf_files["pi-f32"], model)
+    write_power_law_activation(tmp_path / "activation")
+    first = np.zeros(256, np.int32)
+    first[:64] = 1
+    write_gpuidx(gpuidx_path_for(model), GpuIndex(1, (first, np.zeros(256, np.int32))))
+    on = "cuda" if torch.cuda.is_available() else "cpu"
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="dynamic", device=on)
+    runner = _hybrid(split)
+    assert [c.resident for c in runner.caches] == [64, 0] and runner.caches[1].capacity > 0
+    runner.in_kernel = True
+    for cache in runner.caches:
+        cache.policy = CachePolicy(decay=0.5, margin=0.05, period=1)
+    expected = generate(Engine.open(model, ctx_size=96, ffn="sparse"), PROMPTS[1], 12, GREEDY, ignore_eos=True)
+    assert generate(split, PROMPTS[1], 12, GREEDY, ignore_eos=True).tokens == expected.tokens
+    assert runner.caches[0].swaps > 0 and runner.caches[1].resident == 0
 
 
 @pytest.mark.parametrize(("rows", "schedule"), [("f16", "static"), ("f16", "dynamic"), ("Q4_0", "static")])
@@ -401,9 +427,8 @@ def test_dynamic_cache_swaps_keep_device_rows_equal_to_the_file(model: Path, in_
     are, the slots, the device's map of them and the host's view of residency agree with the file and the cache."""
     if in_kernel:
         pytest.importorskip("triton")
-    split = Engine.open(
-        model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3), schedule="dynamic", device="cpu"
-    )
+    on = "cuda" if torch.cuda.is_available() else "cpu"
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3), schedule="dynamic", device=on)
     runner = _hybrid(split)
     runner.in_kernel = in_kernel
     generate(split, PROMPTS[1], 40, GREEDY, ignore_eos=True)
@@ -411,10 +436,11 @@ def test_dynamic_cache_swaps_keep_device_rows_equal_to_the_file(model: Path, in_
     for layer in range(len(runner.layers)):
         runner.promote(layer)
     for i, (w, slots, cache) in enumerate(zip(runner.layers, runner.slots, runner.caches, strict=True)):
-        assert torch.equal(runner.slot_neuron[i].long(), cache.slot_neuron)
+        assert torch.equal(runner.slot_neuron[i].cpu().long(), cache.slot_neuron)
         assert torch.equal(runner.resident[i], cache.neuron_slot >= 0)
         used = torch.nonzero(cache.slot_neuron >= 0).flatten()
         neurons = cache.slot_neuron[used]
-        assert torch.equal(slots.up[used], w.up[neurons]) and torch.equal(slots.down_t[used], w.down_t[neurons])
-        assert slots.gate is not None and w.gate is not None and torch.equal(slots.gate[used], w.gate[neurons])
+        up, down_t = slots.up.cpu(), slots.down_t.cpu()
+        assert torch.equal(up[used], w.up[neurons]) and torch.equal(down_t[used], w.down_t[neurons])
+        assert slots.gate is not None and w.gate is not None and torch.equal(slots.gate.cpu()[used], w.gate[neurons])
         assert cache.resident <= cache.capacity == slots.up.shape[0]
