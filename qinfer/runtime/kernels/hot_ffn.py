@@ -33,9 +33,14 @@ from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
 ROWS_PER_PROGRAM = 32
-COLUMNS_PER_LOOP = 128
 # A program holds [tokens, rows, columns] products in registers: larger batches take more programs.
 TOKENS_PER_PROGRAM = 8
+# Tokens x columns of those products per loop of the row products (activate, matvec), so that a wider token block
+# takes fewer columns at a time: at 8 tokens x 128 columns both kernels spilled (255 registers and 300-800 bytes of
+# stack, compiled for sm_90), where 2 x 128, 4 x 64 and 8 x 32 take 170 registers or fewer and no stack.
+PRODUCTS_PER_LOOP = 256
+# Output columns per program of the down product (128 registers at 8 tokens).
+DOWN_COLUMNS = 128
 # The down product sums this many slots in one program's loop; the groups' partial sums are added in order, from
 # scratch of slots / ROWS_PER_GROUP x tokens x E floats (360 KB for a 7B layer's 11008 slots and one token).
 ROWS_PER_GROUP = 512
@@ -163,6 +168,11 @@ def _token_block(tokens: int) -> int:
     return min(TOKENS_PER_PROGRAM, max(2, triton.next_power_of_2(tokens)))
 
 
+def _column_block(block_t: int) -> int:
+    """Columns per loop of a row product over `block_t` tokens (PRODUCTS_PER_LOOP)."""
+    return max(1, PRODUCTS_PER_LOOP // block_t)
+
+
 def activate(
     form: FfnForm,
     x: torch.Tensor,
@@ -193,7 +203,7 @@ def activate(
         x, picks, slot_neuron, gate_raw, up_raw, act, float(threshold), tokens, slots,
         x.stride(0), picks.stride(0), stride, act.stride(0), N_COLS=up.shape[1],
         SELECT=int(select), GATED=form.gated, SILU=form.act == "silu", RELU_UP=form.relu_up, Q4=q4,
-        BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=COLUMNS_PER_LOOP,
+        BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=_column_block(block_t),
     )  # fmt: skip
     return act
 
@@ -206,9 +216,9 @@ def down(act: torch.Tensor, down_t: Weight) -> torch.Tensor:
     groups = triton.cdiv(slots, ROWS_PER_GROUP)
     block_t = _token_block(tokens)
     partial = torch.empty(groups, tokens, cols, dtype=torch.float32, device=act.device)
-    _down_kernel[(triton.cdiv(cols, COLUMNS_PER_LOOP), groups, triton.cdiv(tokens, block_t))](
+    _down_kernel[(triton.cdiv(cols, DOWN_COLUMNS), groups, triton.cdiv(tokens, block_t))](
         act.contiguous(), raw, partial, tokens, cols, slots, act.stride(0), stride, GROUP_ROWS=ROWS_PER_GROUP,
-        Q4=q4, BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=COLUMNS_PER_LOOP,
+        Q4=q4, BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=DOWN_COLUMNS,
     )  # fmt: skip
     return partial.sum(0)
 
@@ -237,6 +247,6 @@ def matvec(x: torch.Tensor, w: Weight) -> torch.Tensor:
     block_t = _token_block(tokens)
     _matvec_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(tokens, block_t))](
         x, raw, out, tokens, rows, x.stride(0), stride, out.stride(0), N_COLS=w.shape[1], Q4=q4,
-        BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=COLUMNS_PER_LOOP,
+        BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=_column_block(block_t),
     )  # fmt: skip
     return out

@@ -73,10 +73,12 @@ def weights(request: pytest.FixtureRequest) -> dict[str, torch.Tensor | Quantize
 @pytest.fixture(params=["one program", "many programs"])
 def tiling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels' own tiles, or tiles small enough that the test's tokens and slots span several programs (the
-    tokens two, the down product's slot groups two)."""
+    tokens two, the down product's slot groups two), and the row products loop over the columns in steps of a
+    single Q4_0 block, as a block of eight tokens does."""
     if request.param == "many programs":
         monkeypatch.setattr(kernels, "TOKENS_PER_PROGRAM", 2)
         monkeypatch.setattr(kernels, "ROWS_PER_GROUP", kernels.ROWS_PER_PROGRAM)
+        monkeypatch.setattr(kernels, "PRODUCTS_PER_LOOP", 2 * 32)
 
 
 @pytest.mark.parametrize("form_name", list(FORMS))
