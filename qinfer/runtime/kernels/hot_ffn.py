@@ -35,12 +35,10 @@ Q4_0_BLOCK, Q4_0_BYTES = 32, 18
 ROWS_PER_PROGRAM = 32
 # A program holds [tokens, rows, columns] products in registers: larger batches take more programs.
 TOKENS_PER_PROGRAM = 8
-# Tokens x columns of those products per loop of the row products (activate, matvec), so that a wider token block
-# takes fewer columns at a time: at 8 tokens x 128 columns both kernels spilled (255 registers and 300-800 bytes of
-# stack, compiled for sm_90), where 2 x 128, 4 x 64 and 8 x 32 take 170 registers or fewer and no stack.
+# Tokens x columns of those products in one program's loop (activate, matvec) or output (down), so that a wider
+# token block takes fewer columns at a time: at 8 tokens x 128 columns all three kernels spilled (255 registers and
+# 96-800 bytes of stack, compiled for sm_90 by triton 3.6 or 3.9), where 2 x 128, 4 x 64 and 8 x 32 do not.
 PRODUCTS_PER_LOOP = 256
-# Output columns per program of the down product (128 registers at 8 tokens).
-DOWN_COLUMNS = 128
 # The down product sums this many slots in one program's loop; the groups' partial sums are added in order, from
 # scratch of slots / ROWS_PER_GROUP x tokens x E floats (360 KB for a 7B layer's 11008 slots and one token).
 ROWS_PER_GROUP = 512
@@ -169,7 +167,7 @@ def _token_block(tokens: int) -> int:
 
 
 def _column_block(block_t: int) -> int:
-    """Columns per loop of a row product over `block_t` tokens (PRODUCTS_PER_LOOP)."""
+    """Columns per loop (or per program, for down) of a product over `block_t` tokens (PRODUCTS_PER_LOOP)."""
     return max(1, PRODUCTS_PER_LOOP // block_t)
 
 
@@ -216,9 +214,10 @@ def down(act: torch.Tensor, down_t: Weight) -> torch.Tensor:
     groups = triton.cdiv(slots, ROWS_PER_GROUP)
     block_t = _token_block(tokens)
     partial = torch.empty(groups, tokens, cols, dtype=torch.float32, device=act.device)
-    _down_kernel[(triton.cdiv(cols, DOWN_COLUMNS), groups, triton.cdiv(tokens, block_t))](
+    block_e = _column_block(block_t)
+    _down_kernel[(triton.cdiv(cols, block_e), groups, triton.cdiv(tokens, block_t))](
         act.contiguous(), raw, partial, tokens, cols, slots, act.stride(0), stride, GROUP_ROWS=ROWS_PER_GROUP,
-        Q4=q4, BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=DOWN_COLUMNS,
+        Q4=q4, BLOCK_T=block_t, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_E=block_e,
     )  # fmt: skip
     return partial.sum(0)
 
