@@ -21,7 +21,7 @@ from qinfer.runtime.engine.sampling import SamplingParams, sample_next
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.kv.cache import KVCache
 from qinfer.runtime.model.llama import LlamaForward
-from qinfer.runtime.model.loader import FORWARDS
+from qinfer.runtime.model.loader import FORWARDS, gpu_profile_name
 from qinfer.runtime.model.model_file import open_model
 from tests.support.cli_in_process import run_in_process
 
@@ -178,3 +178,12 @@ def test_bamboo_converts_and_runs_with_relu_on_up(tiny: SynthReport, tmp_path: P
 
 def test_every_family_in_the_table_has_a_forward() -> None:
     assert {arch.block for arch in ARCHITECTURES.values()} <= FORWARDS.keys()
+
+
+@pytest.mark.parametrize(
+    ("name", "profile"),
+    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA GeForce RTX 4090", "rtx4090")],
+)
+def test_a_gpu_is_planned_with_its_own_profile(monkeypatch: pytest.MonkeyPatch, name: str, profile: str) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert gpu_profile_name(torch.device("cuda")) == profile
