@@ -185,14 +185,17 @@ def main() -> None:
             _, acct = dry_run_account(v.powerinfer, 1 << 50, PlanOptions(ctx_size=args.ctx, batch=1))
             split = (acct.dense + SPLIT_SHARE * acct.ffn_total) / GIB
             whole = (acct.dense + WHOLE_SHARE * acct.ffn_total) / GIB
+            # Every configuration stays open (its VRAM held) through the rounds: at a 7B's full depth the ablations
+            # (no graphs, torch's ops) would take about 30 GiB more, beside the engine's runs, so only a slice has them.
+            ablations = not depth
             rows: list[tuple[str, str, float | None, str, bool | None, bool]] = [
                 ("split ours static", "split-ours", split, "static", None, True),
-                ("split ours static, no graphs", "split-ours", split, "static", None, False),
-                ("split ours static, torch ops", "split-ours", split, "static", False, False),
+                *[("split ours static, no graphs", "split-ours", split, "static", None, False)] * ablations,
+                *[("split ours static, torch ops", "split-ours", split, "static", False, False)] * ablations,
                 ("split ours dynamic", "split-ours", split, "dynamic", None, True),
-                ("split ours dynamic, torch ops", "split-ours", split, "dynamic", False, False),
+                *[("split ours dynamic, torch ops", "split-ours", split, "dynamic", False, False)] * ablations,
                 ("all FFN ours", "whole-ours", whole, "static", None, True),
-                ("all FFN ours, no graphs", "whole-ours", whole, "static", None, False),
+                *[("all FFN ours, no graphs", "whole-ours", whole, "static", None, False)] * ablations,
                 ("all-CPU ours", "cpu", None, "static", None, False),
                 *((f"split ours static, {b:g} GiB", f"split-ours-{b:g}", b, "static", None, True) for b in budgets),
             ]
@@ -218,10 +221,14 @@ def main() -> None:
                     ("all FFN engine", v.powerinfer, "whole-engine", ("--vram-budget", f"{whole:.4f}")),
                     ("dense all-GPU engine", v.dense, "dense-engine", ("-ngl", "99")),
                     *(
-                        (f"split engine, own plan, {b:g} GiB", v.powerinfer, f"split-engine-{b:g}",
-                         ("--vram-budget", f"{b:g}"))
+                        (
+                            f"split engine, own plan, {b:g} GiB",
+                            v.powerinfer,
+                            f"split-engine-{b:g}",
+                            ("--vram-budget", f"{b:g}"),
+                        )
                         for b in budgets
-                    ),  # fmt: skip
+                    ),
                 ]
                 for label, file, directory, extra in engine_rows:
                     path = placed(file, args.work / "gpu" / v.name.replace(" ", "-"), directory)
