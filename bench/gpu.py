@@ -187,18 +187,19 @@ def main() -> None:
             whole = (acct.dense + WHOLE_SHARE * acct.ffn_total) / GIB
             # Every configuration stays open (its VRAM held) through the rounds: at a 7B's full depth the ablations
             # (no graphs, torch's ops) would take about 30 GiB more, beside the engine's runs, so only a slice has them.
-            ablations = not depth
             rows: list[tuple[str, str, float | None, str, bool | None, bool]] = [
                 ("split ours static", "split-ours", split, "static", None, True),
-                *[("split ours static, no graphs", "split-ours", split, "static", None, False)] * ablations,
-                *[("split ours static, torch ops", "split-ours", split, "static", False, False)] * ablations,
+                ("split ours static, no graphs", "split-ours", split, "static", None, False),
+                ("split ours static, torch ops", "split-ours", split, "static", False, False),
                 ("split ours dynamic", "split-ours", split, "dynamic", None, True),
-                *[("split ours dynamic, torch ops", "split-ours", split, "dynamic", False, False)] * ablations,
+                ("split ours dynamic, torch ops", "split-ours", split, "dynamic", False, False),
                 ("all FFN ours", "whole-ours", whole, "static", None, True),
-                *[("all FFN ours, no graphs", "whole-ours", whole, "static", None, False)] * ablations,
+                ("all FFN ours, no graphs", "whole-ours", whole, "static", None, False),
                 ("all-CPU ours", "cpu", None, "static", None, False),
                 *((f"split ours static, {b:g} GiB", f"split-ours-{b:g}", b, "static", None, True) for b in budgets),
             ]
+            if depth:
+                rows = [row for row in rows if not row[0].endswith((", no graphs", ", torch ops"))]
             for label, directory, budget, schedule, in_kernel, graphs in rows:
                 path = placed(v.powerinfer, args.work / "gpu" / v.name.replace(" ", "-"), directory)
                 key = f"{v.name}|{label}"

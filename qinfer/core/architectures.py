@@ -778,8 +778,12 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def architecture(name: object, where: object = "the model file") -> Architecture:
     if not isinstance(name, str) or name not in ARCHITECTURES:
-        raise UserError(f"{where}: architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        raise unsupported_architecture(name, where)
     return ARCHITECTURES[name]
+
+
+def unsupported_architecture(name: object, where: object) -> UserError:
+    return UserError(f"{where}: architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
 
 
 def architecture_for_hf(classes: list[str], path: Path) -> Architecture:

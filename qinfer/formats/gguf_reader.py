@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-from qinfer.core.architectures import architecture
+from qinfer.core.architectures import ARCHITECTURES, unsupported_architecture
 from qinfer.core.errors import UserError
 from qinfer.core.model_check import Entries
 from qinfer.formats.gguf_layout import POWERINFER_MAGIC, Layout, LayoutError, Value, scan_layout
@@ -78,9 +78,10 @@ def _scan(path: Path, mapped: np.memmap, fix: str, model: bool = False) -> Layou
     view = memoryview(mapped).cast("B")
     try:
         return scan_layout(view)
-    except LayoutError as exc:
-        if model and exc.architecture is not None:
-            architecture(exc.architecture, path)
+    except ValueError as exc:  # LayoutError
+        named = exc.architecture if isinstance(exc, LayoutError) else None
+        if model and named is not None and named not in ARCHITECTURES:
+            raise unsupported_architecture(named, path) from None
         raise _invalid(path, exc, fix) from None
     finally:
         view.release()

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,36 +28,26 @@ HOPPER = 90
 ELEMENT_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
                  torch.int32: "i32", torch.int64: "i64"}  # fmt: skip
 KERNELS = ("_activate_kernel", "_down_kernel", "_matvec_kernel")
-TOKENS = (1, 8)  # a decode step's token block, and the widest
+TOKENS = (1, 4, 8)  # a decode step's token block (2), and the wider ones
 E, ROWS = 4096, 64
+
+Launch = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
 class Recorder:
     """Stands in for a kernel: `kernel[grid](*args, **constexprs)` keeps the call instead of launching it."""
 
-    def __init__(self, name: str, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]]):
+    def __init__(self, name: str, calls: list[Launch]):
         self.name, self.calls = name, calls
 
     def __getitem__(self, grid: object) -> Any:
         return lambda *args, **constexprs: self.calls.append((self.name, args, constexprs))
 
 
-def _type(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + ELEMENT_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(1 << 31) <= value < 1 << 31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no triton type for {value!r}")
-
-
-def _launches() -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+def _launches() -> list[Launch]:
     from qinfer.runtime.kernels import hot_ffn
 
-    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    calls: list[Launch] = []
     for name in KERNELS:
         setattr(hot_ffn, name, Recorder(name, calls))
     q4_0 = QuantizedMatrix(torch.zeros(ROWS, E // 32 * 18, dtype=torch.uint8), GGMLQuantizationType.Q4_0)
@@ -72,6 +61,31 @@ def _launches() -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
             hot_ffn.down(torch.zeros(tokens, ROWS), rows)
             hot_ffn.matvec(x, rows)
     return calls
+
+
+def _source(kernel: Any, args: tuple[Any, ...], constexprs: dict[str, Any]) -> Any:
+    """What triton's launcher compiles for these arguments: their types, an int equal to 1 made a constant, and a
+    pointer or int divisible by 16 marked so (tt.divisibility)."""
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for i, (name, value) in enumerate(zip(names, args, strict=False)):
+        aligned = False
+        if isinstance(value, torch.Tensor):
+            signature[name], aligned = "*" + ELEMENT_TYPES[value.dtype], value.data_ptr() % 16 == 0
+        elif isinstance(value, int) and value == 1:
+            signature[name], constants[name] = "constexpr", 1
+        elif isinstance(value, int):
+            signature[name], aligned = ("i32" if -(1 << 31) <= value < 1 << 31 else "i64"), value % 16 == 0
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"no triton type for {name}={value!r}")
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    signature |= {name: "constexpr" for name in constexprs}
+    return ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}, attrs)
 
 
 def _resources(cubin: bytes, cuobjdump: Path) -> dict[str, int]:
@@ -92,7 +106,6 @@ def main() -> None:
         import triton
         import triton.backends.nvidia as nvidia
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
     except ImportError as exc:
         print(json.dumps({"skip": f"triton cannot build for NVIDIA here ({exc})"}))
         return
@@ -104,14 +117,8 @@ def main() -> None:
 
     kernels = {name: getattr(hot_ffn, name) for name in KERNELS}
     for name, args, constexprs in _launches():
-        kernel = kernels[name]
-        names = list(inspect.signature(kernel.fn).parameters)
-        values = {**dict(zip(names, args, strict=False)), **constexprs}
-        signature = {n: "constexpr" if n in constexprs else _type(values[n]) for n in names}
-        source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()})
-        built = triton.compile(source, target=GPUTarget("cuda", HOPPER, 32))
+        built = triton.compile(_source(kernels[name], args, constexprs), target=GPUTarget("cuda", HOPPER, 32))
         print(json.dumps({"kernel": name, "constexprs": constexprs, **_resources(built.asm["cubin"], cuobjdump)}))
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

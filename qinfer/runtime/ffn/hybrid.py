@@ -266,12 +266,18 @@ class HybridRunner:
             return None
         return predictor_scores(replace(w, fc1=s.fc1, fc2=s.fc2), h)
 
+    def device_selects(self, layer: int) -> bool:
+        """Whether the device can select among the layer's slots: by its predictor there, or by a calibrated model's
+        gate. A layer the plan gave no GPU neuron has no predictor there (none was budgeted), so under the dynamic
+        schedule the kernels' path leaves its slots empty; torch's path selects on the host and fills them."""
+        return not self.layers[layer].has_predictor or self.slots[layer].fc1 is not None
+
     def device_ffn(self, layer: int, x: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         """The selected resident neurons' sum [T, E], selected and computed inside the hot-FFN kernels."""
         from qinfer.runtime.kernels.hot_ffn import Select, hot_ffn
 
         w, s = self.layers[layer], self.slots[layer]
-        if w.has_predictor and scores is None:
+        if not self.device_selects(layer):
             return torch.zeros(x.shape[0], w.down_t.shape[1], device=x.device)
         select = Select.PREDICTOR if scores is not None else Select.GATE
         threshold = self.threshold if scores is not None else w.gate_threshold
@@ -296,10 +302,8 @@ class HybridRunner:
             picked = gate_mask(w, x) if h is None else predicted_mask(w, h, self.threshold)
         out, cold, resident = selected_rows(w.form, x, w.gate, w.up, w.down_t, picked, self.resident[layer])
         self.last[layer] = LayerSplit(resident, cold, 0)
-        # A layer that has no predictor on the device cannot select among its slots there (device_ffn adds nothing
-        # for it), so a neuron promoted into them would be computed by neither side.
-        device_selects = not (w.has_predictor and self.slots[layer].fc1 is None)
-        if self.dynamic and device_selects:
+        # Where the device cannot select (device_selects), a neuron promoted there would be computed by neither side.
+        if self.dynamic and self.device_selects(layer):
             self.last[layer].moved = self._choose_promotions(layer, picked.any(0))
         return out
 

@@ -36,8 +36,9 @@ ROWS_PER_PROGRAM = 32
 # A program holds [tokens, rows, columns] products in registers: larger batches take more programs.
 TOKENS_PER_PROGRAM = 8
 # Tokens x columns of those products in one program's loop (activate, matvec) or output (down), so that a wider
-# token block takes fewer columns at a time: at 8 tokens x 128 columns all three kernels spilled (255 registers and
-# 96-800 bytes of stack, compiled for sm_90 by triton 3.6 or 3.9), where 2 x 128, 4 x 64 and 8 x 32 do not.
+# token block takes fewer columns at a time: at 8 tokens x 128 columns the kernels spilled (255 registers and 104-320
+# bytes of stack, built for sm_90 by triton 3.6 and 3.9 as their launcher specialises them), where 2 x 128, 4 x 64 and
+# 8 x 32 take at most 231 registers and no stack (tests/support/hopper_build.py).
 PRODUCTS_PER_LOOP = 256
 # The down product sums this many slots in one program's loop; the groups' partial sums are added in order, from
 # scratch of slots / ROWS_PER_GROUP x tokens x E floats (360 KB for a 7B layer's 11008 slots and one token).
@@ -168,7 +169,7 @@ def _token_block(tokens: int) -> int:
 
 def _column_block(block_t: int) -> int:
     """Columns per loop (or per program, for down) of a product over `block_t` tokens (PRODUCTS_PER_LOOP)."""
-    return max(1, PRODUCTS_PER_LOOP // block_t)
+    return PRODUCTS_PER_LOOP // block_t
 
 
 def activate(

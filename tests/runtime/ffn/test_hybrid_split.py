@@ -435,6 +435,7 @@ def test_dynamic_cache_swaps_keep_device_rows_equal_to_the_file(model: Path, in_
     assert sum(c.swaps for c in runner.caches) > 0
     for layer in range(len(runner.layers)):
         runner.promote(layer)
+        runner.await_promoted(layer)  # a GPU copies them on a side stream
     for i, (w, slots, cache) in enumerate(zip(runner.layers, runner.slots, runner.caches, strict=True)):
         assert torch.equal(runner.slot_neuron[i].cpu().long(), cache.slot_neuron)
         assert torch.equal(runner.resident[i], cache.neuron_slot >= 0)
