@@ -272,14 +272,21 @@ def test_graphs_that_cannot_be_recorded_leave_the_step_eager(
     assert capsys.readouterr().err.count("decoding without CUDA graphs") == 1
 
 
-def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[str, Path]) -> None:
-    """A plan may give a layer no GPU neuron: its empty slots add nothing to a prompt, in f16 rows too."""
+def _second_layer_planned_empty(source: Path, tmp_path: Path) -> Path:
+    """The tiny PowerInfer model with a plan that puts 64 of the first layer's neurons on the GPU and none of the
+    second's, in 1 GiB (room to spare)."""
     model = tmp_path / "tiny.powerinfer.gguf"
-    shutil.copy(gguf_files["pi-f16"], model)
+    shutil.copy(source, model)
     write_power_law_activation(tmp_path / "activation")
     first = np.zeros(256, np.int32)
     first[:64] = 1
     write_gpuidx(gpuidx_path_for(model), GpuIndex(1, (first, np.zeros(256, np.int32))))
+    return model
+
+
+def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[str, Path]) -> None:
+    """A plan may give a layer no GPU neuron: its empty slots add nothing to a prompt, in f16 rows too."""
+    model = _second_layer_planned_empty(gguf_files["pi-f16"], tmp_path)
     split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="static", device="cpu")
     assert [c.resident for c in _hybrid(split).caches] == [64, 0]
     expected = generate(Engine.open(model, ctx_size=96, ffn="sparse"), PROMPTS[1], 8, GREEDY, ignore_eos=True)
@@ -293,12 +300,7 @@ def test_a_layer_without_gpu_neurons_keeps_them_under_the_dynamic_schedule_in_th
     but no predictor on the device to select among them: the kernels' path promotes nothing there, where the
     neurons it promoted were computed by neither side."""
     pytest.importorskip("triton")
-    model = tmp_path / "tiny.powerinfer.gguf"
-    shutil.copy(gguf_files["pi-f32"], model)
-    write_power_law_activation(tmp_path / "activation")
-    first = np.zeros(256, np.int32)
-    first[:64] = 1
-    write_gpuidx(gpuidx_path_for(model), GpuIndex(1, (first, np.zeros(256, np.int32))))
+    model = _second_layer_planned_empty(gguf_files["pi-f32"], tmp_path)
     on = "cuda" if torch.cuda.is_available() else "cpu"
     split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="dynamic", device=on)
     runner = _hybrid(split)
