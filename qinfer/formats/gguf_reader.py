@@ -78,7 +78,7 @@ def _scan(path: Path, mapped: np.memmap, fix: str, model: bool = False) -> Layou
     view = memoryview(mapped).cast("B")
     try:
         return scan_layout(view)
-    except ValueError as exc:  # LayoutError
+    except ValueError as exc:  # a LayoutError, or any other the bytes provoke: one line either way
         named = exc.architecture if isinstance(exc, LayoutError) else None
         if model and named is not None and named not in ARCHITECTURES:
             raise unsupported_architecture(named, path) from None
