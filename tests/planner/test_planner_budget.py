@@ -94,7 +94,7 @@ def test_device_profiles() -> None:
     assert load_profile("h200", "gpu").bandwidth == 4800e9
     assert load_profile("rtx2080ti", "gpu").pcie_bandwidth == 12e9
     assert load_profile("h100", "gpu").bandwidth == 3350e9
-    with pytest.raises(UserError, match="known gpu profiles: h100, h200, rtx2080ti, rtx4090"):
+    with pytest.raises(UserError, match="known gpu profiles: h100, h100-pcie, h200, rtx2080ti, rtx4090"):
         load_profile("a100", "gpu")
     with pytest.raises(UserError, match="is a cpu profile"):
         load_profile("generic-desktop", "gpu")

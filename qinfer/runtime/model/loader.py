@@ -108,7 +108,14 @@ def gpu_profile_name(device: torch.device | None) -> str:
     """The planner's GPU profile for this device; the default one when it is unknown or simulated."""
     if device is not None and device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
-        for key, profile in (("h200", "h200"), ("h100", "h100"), ("4090", "rtx4090"), ("2080", "rtx2080ti")):
+        # The first key the device's name contains: an H100 PCIe's before the H100 SXM's.
+        for key, profile in (
+            ("h200", "h200"),
+            ("h100 pcie", "h100-pcie"),
+            ("h100", "h100"),
+            ("4090", "rtx4090"),
+            ("2080", "rtx2080ti"),
+        ):
             if key in name:
                 return profile
     from qinfer.planner.make_plan import PlanOptions

@@ -182,7 +182,12 @@ def test_every_family_in_the_table_has_a_forward() -> None:
 
 @pytest.mark.parametrize(
     ("name", "profile"),
-    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA GeForce RTX 4090", "rtx4090")],
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ],
 )
 def test_a_gpu_is_planned_with_its_own_profile(monkeypatch: pytest.MonkeyPatch, name: str, profile: str) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
