@@ -157,6 +157,8 @@ def test_the_kernels_build_for_a_hopper_gpu_without_spilling() -> None:
     process without the interpreter: what only a GPU would otherwise show, a kernel that does not build, or one that
     spills its products to memory (kernels/hot_ffn.py's PRODUCTS_PER_LOOP). A frame of a few bytes is no spill:
     spilled products took a hundred bytes and more."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU builds the kernels for itself in the tests beside this one (the GPU check's time is short)")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[3]
     command = [sys.executable, "-m", "tests.support.hopper_build"]
