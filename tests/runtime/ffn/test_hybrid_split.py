@@ -34,6 +34,9 @@ from tests.support.cli_in_process import run_in_process
 from tests.support.devices import device
 from tests.support.fake_activation import write_power_law_activation
 
+# The split's device side: the GPU where there is one (the kernels compiled for it take its tensors alone), else a
+# simulated one on the CPU, the kernels in Triton's interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["Once upon a time", "The dog ran fast, and the cat slept.", "Tom said"]
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -110,7 +113,7 @@ def test_in_kernel_split_logits_match_cpu_logits(model: Path, rows: str, monkeyp
     cuda = torch.cuda.is_available()
     cpu_only = Engine.open(model, ctx_size=96, ffn="sparse")
     budget = _budget_gib(model, 1, 0.4)  # the engine has one slot
-    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="static", device="cuda" if cuda else "cpu")
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="static", device=DEVICE)
     runner = _hybrid(split)
     assert runner.in_kernel == cuda  # a simulated device takes torch's ops unless asked
     runner.in_kernel = True
@@ -132,8 +135,7 @@ def test_in_kernel_split_computes_a_prompt_on_the_calling_thread(model: Path, mo
     thread of its own it left an idle OpenMP team beside the caller's, whose barriers then slept (a wake each) where
     the two teams outnumber the cores, and each decode step's host part took twice as long."""
     budget = _budget_gib(model, 1, 0.4)
-    on = "cuda" if torch.cuda.is_available() else "cpu"
-    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="static", device=on)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="static", device=DEVICE)
     runner = _hybrid(split)
     runner.in_kernel = True
     computed_on: list[int] = []
@@ -158,9 +160,8 @@ def test_in_kernel_split_decodes_several_sequences(model: Path) -> None:
     pytest.importorskip("triton")
     cpu_only = Engine.open(model, slots=3, ctx_size=96, ffn="sparse")
     cpu_only.forward.native = None  # the native step keeps the file's threshold
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     budget = _budget_gib(model, 3, 0.4)
-    split = Engine.open(model, slots=3, ctx_size=96, vram_budget_gib=budget, schedule="static", device=device)
+    split = Engine.open(model, slots=3, ctx_size=96, vram_budget_gib=budget, schedule="static", device=DEVICE)
     runner = _hybrid(split)
     runner.in_kernel = True
     for sparse in (cpu_only.forward.ffn, runner):
@@ -177,8 +178,7 @@ def test_graphed_step_gives_the_eager_split_logits(model: Path, share: float) ->
     pytest.importorskip("triton")
     cuda = torch.cuda.is_available()
     budget = _budget_gib(model, 3, share)
-    device = "cuda" if cuda else "cpu"
-    split = Engine.open(model, slots=3, ctx_size=96, vram_budget_gib=budget, schedule="static", device=device)
+    split = Engine.open(model, slots=3, ctx_size=96, vram_budget_gib=budget, schedule="static", device=DEVICE)
     runner, forward = _hybrid(split), split.forward
     runner.in_kernel = True
     graphs = forward.graphs if cuda else GraphSteps(forward, runner, capture=False)
@@ -217,10 +217,8 @@ def test_the_dynamic_schedule_in_the_kernels_gives_the_cpu_logits_while_neurons_
     pytest.importorskip("triton")
     cuda = torch.cuda.is_available()
     cpu_only = Engine.open(model, ctx_size=96, ffn="sparse")
-    split = Engine.open(
-        model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.4), schedule="dynamic",
-        device="cuda" if cuda else "cpu",
-    )  # fmt: skip
+    budget = _budget_gib(model, 1, 0.4)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="dynamic", device=DEVICE)
     runner, forward = _hybrid(split), split.forward
     runner.in_kernel = True
     for cache in runner.caches:
@@ -247,8 +245,8 @@ def test_graphs_that_cannot_be_recorded_leave_the_step_eager(
     """A capture that fails (a CUDA build that refuses some op in a graph) is said once; that step and the rest run
     eagerly, with the same logits."""
     pytest.importorskip("triton")
-    on = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled for a GPU take its tensors alone
-    split = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.4), schedule="static", device=on)
+    budget = _budget_gib(model, 1, 0.4)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="static", device=DEVICE)
     runner, forward = _hybrid(split), split.forward
     runner.in_kernel = True
     graphs = GraphSteps(forward, runner, capture=True)
@@ -301,8 +299,7 @@ def test_a_layer_without_gpu_neurons_keeps_them_under_the_dynamic_schedule_in_th
     neurons it promoted were computed by neither side."""
     pytest.importorskip("triton")
     model = _second_layer_planned_empty(gguf_files["pi-f32"], tmp_path)
-    on = "cuda" if torch.cuda.is_available() else "cpu"
-    split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="dynamic", device=on)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="dynamic", device=DEVICE)
     runner = _hybrid(split)
     assert [c.resident for c in runner.caches] == [64, 0] and runner.caches[1].capacity > 0
     runner.in_kernel = True
@@ -429,8 +426,8 @@ def test_dynamic_cache_swaps_keep_device_rows_equal_to_the_file(model: Path, in_
     are, the slots, the device's map of them and the host's view of residency agree with the file and the cache."""
     if in_kernel:
         pytest.importorskip("triton")
-    on = "cuda" if torch.cuda.is_available() else "cpu"
-    split = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3), schedule="dynamic", device=on)
+    budget = _budget_gib(model, 1, 0.3)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=budget, schedule="dynamic", device=DEVICE)
     runner = _hybrid(split)
     runner.in_kernel = in_kernel
     generate(split, PROMPTS[1], 40, GREEDY, ignore_eos=True)
