@@ -268,8 +268,8 @@ class HybridRunner:
 
     def device_selects(self, layer: int) -> bool:
         """Whether the device can select among the layer's slots: by its predictor there, or by a calibrated model's
-        gate. A layer the plan gave no GPU neuron has no predictor there (none was budgeted), so under the dynamic
-        schedule the kernels' path leaves its slots empty; torch's path selects on the host and fills them."""
+        gate. A layer the plan gave no GPU neuron has no predictor there (none was budgeted), and the loader gives it
+        no spare slots; given some, the kernels' path leaves them empty, while torch's selects on the host."""
         return not self.layers[layer].has_predictor or self.slots[layer].fc1 is not None
 
     def device_ffn(self, layer: int, x: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:

@@ -149,10 +149,16 @@ def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOpti
         return Placement(None, layout, empty, [0] * len(empty), True)
     plan = load_or_make_gpuidx(model.path, budget, options=plan_options, reset=options.reset_gpu_index)
     resident = [torch.from_numpy(np.flatnonzero(m)).long() for m in plan.placement.gpu_neurons]
-    spare_per_layer = max(budget - plan.vram_total, 0) / len(resident)
+    # The budget left over becomes spare slots for the dynamic schedule, shared by the layers whose GPU can select
+    # among them: one the plan gave no neuron has no predictor there (none was budgeted), so the kernels could not
+    # pick its slots' neurons (HybridRunner.device_selects). A layer with no predictor selects by its gate.
+    takers = [
+        r.numel() > 0 or layer.predictor_bytes == 0 for layer, r in zip(plan.layout.layers, resident, strict=True)
+    ]
+    spare_per_taker = max(budget - plan.vram_total, 0) / max(sum(takers), 1)
     capacity = [
-        min(layer.ffn_neurons, int(r.numel()) + math.floor(spare_per_layer / layer.neuron_bytes))
-        for layer, r in zip(plan.layout.layers, resident, strict=True)
+        min(layer.ffn_neurons, int(r.numel()) + (math.floor(spare_per_taker / layer.neuron_bytes) if takes else 0))
+        for layer, r, takes in zip(plan.layout.layers, resident, takers, strict=True)
     ]
     share = sum(int(r.numel()) for r in resident) / sum(layer.ffn_neurons for layer in plan.layout.layers)
     verb = "reused" if plan.reused else "wrote"

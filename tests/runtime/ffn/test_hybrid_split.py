@@ -97,7 +97,9 @@ def test_split_logits_match_cpu_logits_whichever_way_neurons_move(model: Path) -
             for j in range(4, len(ids)):
                 expected = cpu_only.forward(ids[j : j + 1], j, a)
                 assert torch.allclose(split.forward(ids[j : j + 1], j, b), expected, rtol=0, atol=1e-4)
-        assert all(s.moved * moved > 0 for s in runner.last)
+        # The plan gives the first layer no GPU neuron, and so no slots: it has none to give the CPU.
+        movable = runner.last if moved > 0 else runner.last[1:]
+        assert runner.caches[0].capacity == 0 and all(s.moved * moved > 0 for s in movable)
 
 
 @pytest.mark.parametrize("rows", ["f32", "Q4_0"])
@@ -291,23 +293,36 @@ def test_a_layer_without_gpu_neurons_prefills(tmp_path: Path, gguf_files: dict[s
     assert generate(split, PROMPTS[1], 8, GREEDY, ignore_eos=True).tokens == expected.tokens
 
 
-def test_a_layer_without_gpu_neurons_keeps_them_under_the_dynamic_schedule_in_the_kernels(
+def test_the_spare_goes_to_the_layers_whose_gpu_can_select(tmp_path: Path, gguf_files: dict[str, Path]) -> None:
+    """Under the dynamic schedule the budget's spare fills the slots of a layer the plan gave GPU neurons (and so
+    its predictor there); one it gave none gets no slots, since nothing on the GPU could select among them."""
+    model = _second_layer_planned_empty(gguf_files["pi-f16"], tmp_path)
+    split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="dynamic", device="cpu")
+    assert [(c.resident, c.capacity) for c in _hybrid(split).caches] == [(64, 256), (0, 0)]
+
+
+def test_a_layer_without_a_gpu_predictor_takes_no_promotions_in_the_kernels(
     tmp_path: Path, gguf_files: dict[str, Path]
 ) -> None:
-    """A layer the plan gave no GPU neuron has room in its slots under the dynamic schedule (the budget's spare),
-    but no predictor on the device to select among them: the kernels' path promotes nothing there, where the
-    neurons it promoted were computed by neither side."""
+    """A runner given slots for a layer with no predictor on the device (the loader gives none) promotes nothing
+    there on the kernels' path: the device could not select them, and the host would skip them as resident, so the
+    neurons promoted would be computed by neither side."""
     pytest.importorskip("triton")
     model = _second_layer_planned_empty(gguf_files["pi-f32"], tmp_path)
     split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="dynamic", device=DEVICE)
-    runner = _hybrid(split)
-    assert [c.resident for c in runner.caches] == [64, 0] and runner.caches[1].capacity > 0
-    runner.in_kernel = True
+    planned = _hybrid(split)
+    assert split.runtime is not None
+    resident = [torch.arange(64), torch.empty(0, dtype=torch.long)]
+    runner = HybridRunner(
+        planned.layers, planned.threshold, planned.device, resident, [256, 256], planned.costs, dynamic=True,
+        in_kernel=True,
+    )  # fmt: skip
+    split.runtime.forward.ffn = runner
     for cache in runner.caches:
         cache.policy = CachePolicy(decay=0.5, margin=0.05, period=1)
     expected = generate(Engine.open(model, ctx_size=96, ffn="sparse"), PROMPTS[1], 12, GREEDY, ignore_eos=True)
     assert generate(split, PROMPTS[1], 12, GREEDY, ignore_eos=True).tokens == expected.tokens
-    assert runner.caches[0].swaps > 0 and runner.caches[1].resident == 0
+    assert runner.caches[0].swaps > 0 and runner.caches[1].capacity == 256 and runner.caches[1].resident == 0
 
 
 @pytest.mark.parametrize(("rows", "schedule"), [("f16", "static"), ("f16", "dynamic"), ("Q4_0", "static")])
