@@ -11,6 +11,13 @@ import numpy as np
 import torch
 
 
+def table_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table[ids] for 1-D ids (a step's tokens in an embedding table), copied on the calling thread where they are
+    few: indexing makes an OpenMP region of a few dozen rows, which under load waits for every thread of its team (a
+    32-token lookup of the tiny model took 3.7 ms instead of 7 us beside the test suite, on 2 cores)."""
+    return torch.index_select(table, 0, ids)
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """tokens, positions and KV-cache slots, one entry per token. Each slot's tokens are one run at consecutive

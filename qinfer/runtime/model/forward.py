@@ -22,7 +22,7 @@ from qinfer.runtime.ffn.runners import DenseRunner
 from qinfer.runtime.ffn.sparse import FFNWeights
 from qinfer.runtime.kernels.decode_layer import DecodeLayers, HeadRows, LayerRows
 from qinfer.runtime.kernels.quant_rows import Weight
-from qinfer.runtime.kv.batch import Step, TokenBatch, batch_step, by_part, rows_mask
+from qinfer.runtime.kv.batch import Step, TokenBatch, batch_step, by_part, rows_mask, table_rows
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.model_file import ModelFile
 from qinfer.runtime.model.rope import inv_freq, rope_tables
@@ -200,7 +200,7 @@ class TransformerForward:
         return by_part(step, lambda part, rows: self.ffn(i, x[rows], h[rows], not part.batch.one_per_slot), keep)
 
     def embed_tokens(self, batch: TokenBatch) -> torch.Tensor:
-        return self.embed[batch.tokens].float().to(self.device)
+        return table_rows(self.embed, batch.tokens).float().to(self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Rope's cos/sin tables at `positions`, on their device; (None, None) for a model without rope."""

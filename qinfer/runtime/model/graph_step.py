@@ -30,7 +30,7 @@ import torch
 
 from qinfer.core.model_spec import ModelSpec
 from qinfer.runtime.ffn.hybrid import HybridRunner, host_buffer
-from qinfer.runtime.kv.batch import Step, TokenBatch
+from qinfer.runtime.kv.batch import Step, TokenBatch, table_rows
 from qinfer.runtime.kv.cache import Cache, KVCache
 
 # Set to 0, decode steps on a GPU run eagerly (the same numbers, more launches): a way around a CUDA build whose
@@ -254,7 +254,7 @@ class GraphStep:
         for name, host in zip(fields, self.host_batch, strict=True):
             host.copy_(getattr(batch, name))
             getattr(self.batch, name).copy_(host, non_blocking=True)
-        self.host_h.copy_(self.forward.embed[batch.tokens])
+        self.host_h.copy_(table_rows(self.forward.embed, batch.tokens))
         self.h0.copy_(self.host_h, non_blocking=True)
         if self.graphs is not None:
             self._replay()

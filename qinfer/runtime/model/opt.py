@@ -15,7 +15,7 @@ from qinfer.core.architectures import architecture
 from qinfer.core.names import BIAS, Tensor, tensor_name
 from qinfer.runtime.kernels.decode_layer import HeadRows, LayerRows
 from qinfer.runtime.kernels.weight_rows import linear
-from qinfer.runtime.kv.batch import Step, TokenBatch
+from qinfer.runtime.kv.batch import Step, TokenBatch, table_rows
 from qinfer.runtime.kv.cache import Cache
 from qinfer.runtime.model.forward import TransformerForward, down_bias, kept_rows
 from qinfer.runtime.model.model_file import ModelFile
@@ -76,7 +76,8 @@ class OPTForward(TransformerForward):
         self.offset = architecture(model.config.arch).position_offset
 
     def embed_tokens(self, batch: TokenBatch) -> torch.Tensor:
-        rows = self.embed[batch.tokens].float() + self.positions[batch.positions + self.offset].float()
+        positions = table_rows(self.positions, batch.positions + self.offset)
+        rows = table_rows(self.embed, batch.tokens).float() + positions.float()
         return rows.to(self.device)
 
     def block(
