@@ -18,6 +18,7 @@ nothing is reused; nor with `reuse_prompts` off, where whoever learns how much o
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 # Greedy decode steps go to the native layer step in groups (vLLM's multi-step scheduling) of at most GROUP_STEPS,
 # lasting about GROUP_SECONDS: where a step is short, what Python does around each one (its batch, the argmax, the
 # bookkeeping) took as long as the step (the tiny synth model: 4 layers in 120 us, and about as much around them). A
-# request that arrives, or is cancelled, during a group waits for it to end.
+# request that arrives during a group ends it after the step under way (Engine.arrival); one cancelled waits for it.
 GROUP_SECONDS = 0.002
 GROUP_STEPS = 16
 
@@ -137,6 +138,9 @@ class Engine:
         # The step widths (running sequences) the forward refused a group: its refusals depend on what it is and, with
         # a schedule, on the width (greedy_steps), never on a step's tokens.
         self._ungrouped: set[int] = set()
+        # Set by another thread when a request arrives (the server's EngineWorker.submit): a group of steps under way
+        # ends after its current step, so that the request waits a step for its slot rather than the whole group.
+        self.arrival = ctypes.c_int32(0)
 
     @classmethod
     def open(
@@ -314,7 +318,7 @@ class Engine:
         batch = TokenBatch.decode(list(running.values()), [seqs[slot].position for slot in running], list(running))
         start = time.perf_counter()
         with torch.inference_mode():
-            grouped = self.forward.greedy_steps(batch, self.cache, steps, ends)
+            grouped = self.forward.greedy_steps(batch, self.cache, steps, ends, self.arrival)
         if grouped is None:
             self._ungrouped.add(len(running))
             return None

@@ -81,6 +81,7 @@ class EngineWorker:
         output = TokenText(self.engine.tokenizer.decode, request.prompt_ids)
         job = Job(request, output, loop=asyncio.get_running_loop(), every_piece=every_piece)
         self._incoming.put(job)
+        self.engine.arrival.value = 1
         return job
 
     def cancel(self, job: Job) -> None:
@@ -130,6 +131,8 @@ class EngineWorker:
                 loop.call_soon_threadsafe(_put_all, pairs)
 
     def _take(self, block: bool) -> None:
+        # Cleared before the queue is read: a job queued after the read sets it again, for the next group to see.
+        self.engine.arrival.value = 0
         try:
             if block:
                 self._admission.add(self._incoming.get(timeout=self._idle_poll_s))

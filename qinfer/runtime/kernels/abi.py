@@ -133,7 +133,7 @@ class Call(ctypes.Structure):
         ("mass_cache", ptr), ("pos_stride", i64), ("mass_stride", i64), ("freq", ptr), ("sparse", ptr), ("read", ptr),
         ("output", ptr), ("norm", ptr), ("norm_bias", ptr), ("rows", ptr), ("n_rows", i64), ("logits", ptr),
         ("steps", i64), ("embed", ptr), ("embed_stride", i64), ("embed_rows", i64), ("embed_half", i32), ("ids", ptr),
-        ("ends", ptr), ("n_ends", i64), ("next", ptr),
+        ("ends", ptr), ("n_ends", i64), ("next", ptr), ("stop", ptr),
     ]  # fmt: skip
 
 

@@ -919,7 +919,8 @@ typedef struct {
     /* Greedy steps in a row (steps > 1, every token's logits asked for): each step's input rows are looked up in
      * the embedding table, its tokens `ids` first, then each step's argmax, which `next` [steps, tokens] gets (-1
      * where the logits hold NaN or +inf, or nothing finite). The steps end after the first that gives a token of
-     * `ends` (n_ends of them), -1, or a token outside the table. */
+     * `ends` (n_ends of them), -1, or a token outside the table, or once another thread sets `*stop` (a server's
+     * new request, which would otherwise wait for every step of the call). */
     int64_t steps;
     const uint8_t *embed;         /* [embed_rows, E] rows of float (embed_half 0) or f16 (1), embed_stride bytes apart */
     int64_t embed_stride, embed_rows;
@@ -928,6 +929,7 @@ typedef struct {
     const int64_t *ends;
     int64_t n_ends;
     int64_t *next;
+    const volatile int32_t *stop; /* NULL: nothing ends the steps from outside */
 } call;
 
 /* The argmax of n logits, the first of equal ones, or -1 where they hold a NaN or +inf or nothing finite: what
@@ -1014,7 +1016,7 @@ int64_t qinfer_decode_step(const layer *layers, int64_t n_layers, const call *c,
             last |= ends_steps(c, id);
             at[t]++;
         }
-        if (last) break;
+        if (last || (c->stop && *c->stop)) break;
     }
     free(at);
     return status < 0 ? status : taken;
@@ -1073,7 +1075,7 @@ static const abi_fact abi_facts[] = {
     FIELD(call, output), FIELD(call, norm), FIELD(call, norm_bias), FIELD(call, rows),
     FIELD(call, n_rows), FIELD(call, logits), FIELD(call, steps), FIELD(call, embed), FIELD(call, embed_stride),
     FIELD(call, embed_rows), FIELD(call, embed_half), FIELD(call, ids), FIELD(call, ends), FIELD(call, n_ends),
-    FIELD(call, next),
+    FIELD(call, next), FIELD(call, stop),
     SIZE(scratch), FIELD(scratch, x), FIELD(scratch, q), FIELD(scratch, k), FIELD(scratch, v),
     FIELD(scratch, att), FIELD(scratch, scores), FIELD(scratch, pred), FIELD(scratch, g), FIELD(scratch, out),
     FIELD(scratch, held), FIELD(scratch, probs), FIELD(scratch, weights), FIELD(scratch, chosen),

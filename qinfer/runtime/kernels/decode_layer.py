@@ -504,15 +504,16 @@ class DecodeLayers:
 
     def greedy_steps(
         self, h: torch.Tensor, batch: Tokens, cache: CacheRows, freq: torch.Tensor | None, embed: torch.Tensor,
-        steps: int, ends: Sequence[int],
+        steps: int, ends: Sequence[int], stop: ctypes.c_int32 | None = None,
     ) -> tuple[list[list[int]], torch.Tensor] | None:  # fmt: skip
         """Up to `steps` decode steps (placement "decode") of the batch's tokens in one native call, each step's
         tokens the argmax of the last one's logits (-1 where they are unusable: sampling.greedy_rows) at the next
         positions, its input rows looked up in `embed` (the table a token's input row is, alone) into h [T, E]: each
         step's tokens and the last one's logits [T, V]. The steps end after the first that gives -1 or a token of
-        `ends`. None where the head does not run natively, `embed` is not float32 or float16 rows, or a schedule
-        weighs each step of more than one token (the call would weigh its steps as one). One token's steps are the
-        steps one by one: each gets the sparse rows (Schedule), and the schedule keeps what the last one read."""
+        `ends`, or once `stop` is set (by another thread: the call reads it after each step). None where the head
+        does not run natively, `embed` is not float32 or float16 rows, or a schedule weighs each step of more than
+        one token (the call would weigh its steps as one). One token's steps are the steps one by one: each gets the
+        sparse rows (Schedule), and the schedule keeps what the last one read."""
         tokens = h.shape[0]
         if (
             self.output is None
@@ -535,6 +536,7 @@ class DecodeLayers:
         call.embed_rows, call.embed_half = embed.shape[0], int(embed.dtype == torch.float16)
         call.ids, call.next = ids.data_ptr(), chosen.data_ptr()
         call.ends, call.n_ends = ctypes.addressof(stops), len(ends)
+        call.stop = None if stop is None else ctypes.addressof(stop)
         taken = self._run(h, batch, cache, "decode")
         return chosen[:taken].tolist(), logits
 
@@ -556,7 +558,7 @@ class DecodeLayers:
         call.freq = None if freq is None else freq.data_ptr()
         # One step, every token's logits where a head is asked for; nothing left pointing at a past call's arrays.
         call.steps, call.n_ends = 1, 0
-        call.embed = call.ids = call.next = call.ends = call.rows = None
+        call.embed = call.ids = call.next = call.ends = call.rows = call.stop = None
         # A prompt's tokens alone get every neuron; the schedule weighs decode steps.
         decode = placement != "prompt"
         if self.predictor:

@@ -7,6 +7,7 @@ positions) to logits, reading and extending each sequence's rows of the KV cache
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -120,7 +121,7 @@ class ModelForward(Protocol):
     def forward(self, batch: TokenBatch, cache: Cache, rows: list[int] | None = None) -> torch.Tensor: ...
 
     def greedy_steps(
-        self, batch: TokenBatch, cache: Cache, steps: int, ends: Sequence[int]
+        self, batch: TokenBatch, cache: Cache, steps: int, ends: Sequence[int], stop: ctypes.c_int32 | None = None
     ) -> tuple[list[list[int]], torch.Tensor] | None: ...
 
 
@@ -248,11 +249,12 @@ class TransformerForward:
         return self.head(h if rows is None or keep is not None else h[rows])
 
     def greedy_steps(
-        self, batch: TokenBatch, cache: Cache, steps: int, ends: Sequence[int]
+        self, batch: TokenBatch, cache: Cache, steps: int, ends: Sequence[int], stop: ctypes.c_int32 | None = None
     ) -> tuple[list[list[int]], torch.Tensor] | None:
         """Up to `steps` greedy decode steps of a decode batch (one token per slot) in one native call
-        (DecodeLayers.greedy_steps): each step's tokens and the last one's logits, every step at the next positions.
-        None where that call does not apply: the caller steps one at a time."""
+        (DecodeLayers.greedy_steps, which ends them early once another thread sets `stop`): each step's tokens and
+        the last one's logits, every step at the next positions. None where that call does not apply: the caller
+        steps one at a time."""
         # The kernel looks each step's input rows up in the table: a family whose input is more (OPT adds its
         # position's row) keeps single steps.
         embeds_alone = type(self).embed_tokens is TransformerForward.embed_tokens
@@ -261,7 +263,7 @@ class TransformerForward:
         h = torch.empty(batch.tokens.shape[0], self.cfg.hidden)
         if self.native.placement(h, batch, self.inv_freq, cache, self.ffn) != "decode":
             return None
-        return self.native.greedy_steps(h, batch, cache, self.inv_freq, self.embed, steps, ends)
+        return self.native.greedy_steps(h, batch, cache, self.inv_freq, self.embed, steps, ends, stop)
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: Cache, slot: int = 0) -> torch.Tensor:
         return self.forward(TokenBatch.prompt(tokens, start, slot), cache)

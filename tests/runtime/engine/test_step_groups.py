@@ -1,9 +1,10 @@
 """Greedy decode steps in groups (Engine.step(group=True), one native call for several steps): the same outputs, step
-by step, as single steps, ending where a single step would end a sequence; no group where a sequence samples, follows
-a grammar, or a schedule weighs each step of several sequences."""
+by step, as single steps, ending where a single step would end a sequence, or after the step under way where a request
+arrives; no group where a sequence samples, follows a grammar, or a schedule weighs each step of several sequences."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from qinfer.runtime.engine import engine as engine_module
 from qinfer.runtime.engine.engine import Engine, Request, StepOutput
 from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.engine.worker import EngineWorker
 from qinfer.runtime.ffn.schedule import FFNSchedule
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.model.forward import TransformerForward
@@ -150,9 +152,9 @@ def test_a_group_lasts_about_its_seconds(gguf_files: dict[str, Path], monkeypatc
     sizes: list[int] = []
     real = TransformerForward.greedy_steps
 
-    def sized(self: TransformerForward, batch: object, cache: object, steps: int, ends: object) -> object:
+    def sized(self: TransformerForward, batch: object, cache: object, steps: int, *rest: object) -> object:
         sizes.append(steps)
-        return real(self, batch, cache, steps, ends)  # type: ignore[arg-type]
+        return real(self, batch, cache, steps, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(TransformerForward, "greedy_steps", sized)
     outputs(engine, [Request(engine.tokenizer.encode(PROMPTS[0]), 40, GREEDY, ignore_eos=True)], group=True)
@@ -161,3 +163,32 @@ def test_a_group_lasts_about_its_seconds(gguf_files: dict[str, Path], monkeypatc
     sizes.clear()
     outputs(engine, [Request(engine.tokenizer.encode(PROMPTS[0]), 10, GREEDY, ignore_eos=True)], group=True)
     assert sizes == []
+
+
+def test_an_arrival_ends_each_group_after_the_step_under_way(gguf_files: dict[str, Path]) -> None:
+    """With Engine.arrival set (a request waits for a slot) every group ends after its first step, and the outputs
+    are the single steps'."""
+    single = Engine.open(gguf_files["dense-f16"], slots=3, ctx_size=48)
+    expected, steps = outputs(single, requests(single), group=False)
+    engine = Engine.open(gguf_files["dense-f16"], slots=3, ctx_size=48)
+    engine.arrival.value = 1
+    got, calls = outputs(engine, requests(engine), group=True)
+    assert got == expected and calls == steps
+
+
+def test_the_server_worker_signals_an_arrival_until_it_takes_the_request(gguf_files: dict[str, Path]) -> None:
+    engine = Engine.open(gguf_files["dense-f16"], slots=1, ctx_size=48)
+    worker = EngineWorker(engine)
+
+    async def run() -> list[int]:
+        job = worker.submit(Request(engine.tokenizer.encode(PROMPTS[0]), 4, GREEDY))
+        seen = [engine.arrival.value]
+        worker.start()
+        while not (await job.events.get()).finished:
+            pass
+        return [*seen, engine.arrival.value]
+
+    try:
+        assert asyncio.run(run()) == [1, 0]
+    finally:
+        worker.stop()
