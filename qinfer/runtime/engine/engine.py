@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 # Greedy decode steps go to the native layer step in groups (vLLM's multi-step scheduling) of at most GROUP_STEPS,
 # lasting about GROUP_SECONDS: where a step is short, what Python does around each one (its batch, the argmax, the
 # bookkeeping) took as long as the step (the tiny synth model: 4 layers in 120 us, and about as much around them). A
-# request that arrives during a group ends it after the step under way (Engine.arrival); one cancelled waits for it.
+# request that arrives during a group, while a slot is free, ends it after the step under way (Engine.arrival); one
+# cancelled waits for it.
 GROUP_SECONDS = 0.002
 GROUP_STEPS = 16
 
@@ -302,7 +303,8 @@ class Engine:
         """Greedy steps of the running sequences (slot: the token to compute) in one native call, as many as fit
         GROUP_SECONDS at the last step's pace, GROUP_STEPS and every sequence's tokens and context left: each step's
         outputs, as `step` gives them. The call ends a group at a step that gives an end of text or unusable logits,
-        and that step, the last, goes through `_sample` as any step's. None where no group applies: one step then."""
+        or, while a slot is free, after the step under way once a request arrives (`arrival`); that step, the last,
+        goes through `_sample` as any step's. None where no group applies: one step then."""
         steps = min(GROUP_STEPS, int(GROUP_SECONDS / self._step_seconds))
         if steps < 2:
             return None
@@ -316,9 +318,11 @@ class Engine:
         # An end of text ends a sequence, and so the group, unless every sequence ignores it.
         ends = [] if all(r.ignore_eos for r in requests) else sorted(self.tokenizer.end_ids)
         batch = TokenBatch.decode(list(running.values()), [seqs[slot].position for slot in running], list(running))
+        # With every slot busy an arrival waits for a sequence to end, and a group already ends there.
+        stop = self.arrival if self.free_slots() > 0 else None
         start = time.perf_counter()
         with torch.inference_mode():
-            grouped = self.forward.greedy_steps(batch, self.cache, steps, ends, self.arrival)
+            grouped = self.forward.greedy_steps(batch, self.cache, steps, ends, stop)
         if grouped is None:
             self._ungrouped.add(len(running))
             return None

@@ -929,7 +929,7 @@ typedef struct {
     const int64_t *ends;
     int64_t n_ends;
     int64_t *next;
-    const volatile int32_t *stop; /* NULL: nothing ends the steps from outside */
+    const int32_t *stop;          /* NULL: nothing ends the steps from outside */
 } call;
 
 /* The argmax of n logits, the first of equal ones, or -1 where they hold a NaN or +inf or nothing finite: what
@@ -1016,7 +1016,7 @@ int64_t qinfer_decode_step(const layer *layers, int64_t n_layers, const call *c,
             last |= ends_steps(c, id);
             at[t]++;
         }
-        if (last || (c->stop && *c->stop)) break;
+        if (last || (c->stop && __atomic_load_n(c->stop, __ATOMIC_RELAXED))) break;
     }
     free(at);
     return status < 0 ? status : taken;

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import F32_KV
 from qinfer.formats.activation_files import read_activations
+from qinfer.formats.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.predictor.training import TrainSettings, train_predictors
 from qinfer.prep.profile.activation_profile import profile_activations
@@ -153,6 +156,22 @@ def test_gpu_split_of_a_calibrated_model(calibrated: dict, swiglu: dict[str, dic
         # The device side selecting by its gate inside the hot-FFN kernels (kernels/hot_ffn.py), in the interpreter;
         # compiled for a GPU, they take its tensors alone (tests/runtime/kernels/test_hot_ffn.py checks them there).
         assert (decode(calibrated["f32"], ids, split, in_kernel=True) - cpu).abs().max().item() < 1e-4
+
+
+def test_the_spare_fills_every_layer_of_a_model_its_gates_select(calibrated: dict, tmp_path: Path) -> None:
+    """A calibrated model's gate selects its neurons on the GPU too, so a layer the plan gave no neuron still takes
+    slots from the budget's spare under the dynamic schedule (a predictor model's would not: test_hybrid_split)."""
+    model = tmp_path / "calibrated.gguf"
+    shutil.copy(calibrated["f32"], model)
+    shutil.copytree(calibrated["result"].out, tmp_path / "activation")
+    ffn = open_model(model).config.ffn
+    first = np.zeros(ffn, np.int32)
+    first[:8] = 1
+    write_gpuidx(gpuidx_path_for(model), GpuIndex(1, (first, np.zeros(ffn, np.int32))))
+    options = RuntimeOptions(vram_budget_gib=1.0, device="cpu", schedule="dynamic")
+    runner = load_forward(open_model(model), options).forward.ffn
+    assert isinstance(runner, HybridRunner)
+    assert [(c.resident, c.capacity) for c in runner.caches] == [(8, ffn), (0, ffn)]
 
 
 def test_refusals(swiglu: dict[str, dict[str, Path]], corpus: Path, calibrated: dict, tmp_path: Path) -> None:

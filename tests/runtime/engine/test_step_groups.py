@@ -165,15 +165,29 @@ def test_a_group_lasts_about_its_seconds(gguf_files: dict[str, Path], monkeypatc
     assert sizes == []
 
 
-def test_an_arrival_ends_each_group_after_the_step_under_way(gguf_files: dict[str, Path]) -> None:
-    """With Engine.arrival set (a request waits for a slot) every group ends after its first step, and the outputs
-    are the single steps'."""
-    single = Engine.open(gguf_files["dense-f16"], slots=3, ctx_size=48)
-    expected, steps = outputs(single, requests(single), group=False)
-    engine = Engine.open(gguf_files["dense-f16"], slots=3, ctx_size=48)
+@pytest.mark.parametrize(("slots", "longest"), [(4, 1), (3, 10)])
+def test_an_arrival_ends_each_group_after_the_step_under_way_while_a_slot_is_free(
+    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, slots: int, longest: int
+) -> None:
+    """With Engine.arrival set (a request has come) every group ends after its first step where a slot is free to
+    take the request. With the three slots busy the first group runs until the shortest sequence ends (its 11th
+    token, the prompt's step gave the first); the groups after it have a free slot. The outputs are the single
+    steps' either way."""
+    sizes: list[int] = []
+    real = TransformerForward.greedy_steps
+
+    def sized(self: TransformerForward, *args: object) -> object:
+        grouped = real(self, *args)  # type: ignore[arg-type]
+        sizes.append(len(grouped[0]))  # type: ignore[index]
+        return grouped
+
+    single = Engine.open(gguf_files["dense-f16"], slots=slots, ctx_size=48)
+    expected, _ = outputs(single, requests(single), group=False)
+    engine = Engine.open(gguf_files["dense-f16"], slots=slots, ctx_size=48)
     engine.arrival.value = 1
-    got, calls = outputs(engine, requests(engine), group=True)
-    assert got == expected and calls == steps
+    monkeypatch.setattr(TransformerForward, "greedy_steps", sized)
+    got, _ = outputs(engine, requests(engine), group=True)
+    assert got == expected and max(sizes) == longest and set(sizes[1:]) == {1}
 
 
 def test_the_server_worker_signals_an_arrival_until_it_takes_the_request(gguf_files: dict[str, Path]) -> None:

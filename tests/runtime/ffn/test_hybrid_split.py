@@ -29,7 +29,7 @@ from qinfer.runtime.ffn.split_cost import SplitCosts
 from qinfer.runtime.kernels.weight_rows import weighted_row_sum
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
-from qinfer.runtime.model.graph_step import GraphStep, GraphSteps
+from qinfer.runtime.model.graph_step import GRAPHS_VARIABLE, GraphStep, GraphSteps
 from tests.support.cli_in_process import run_in_process
 from tests.support.devices import device
 from tests.support.fake_activation import write_power_law_activation
@@ -302,12 +302,14 @@ def test_the_spare_goes_to_the_layers_whose_gpu_can_select(tmp_path: Path, gguf_
 
 
 def test_a_layer_without_a_gpu_predictor_takes_no_promotions_in_the_kernels(
-    tmp_path: Path, gguf_files: dict[str, Path]
+    tmp_path: Path, gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A runner given slots for a layer with no predictor on the device (the loader gives none) promotes nothing
     there on the kernels' path: the device could not select them, and the host would skip them as resident, so the
     neurons promoted would be computed by neither side."""
     pytest.importorskip("triton")
+    # The runner is swapped in after loading: on a GPU the graphs made at load would still step the loader's.
+    monkeypatch.setenv(GRAPHS_VARIABLE, "0")
     model = _second_layer_planned_empty(gguf_files["pi-f32"], tmp_path)
     split = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, schedule="dynamic", device=DEVICE)
     planned = _hybrid(split)
