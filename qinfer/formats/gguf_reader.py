@@ -37,10 +37,13 @@ class GGUFTensor:
     name: str
     tensor_type: GGMLQuantizationType  # today's numbering, whichever the file uses
     shape: tuple[int, ...]  # ggml order, innermost first
-    n_elements: int
     n_bytes: int
     data_offset: int  # from the start of the file
     data: np.ndarray  # the elements, outermost dimension first; a quantized type's rows as raw blocks (uint8)
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,7 @@ def open_gguf(path: Path, mode: Literal["r", "c"] = "r", fix: str = MODEL_FIX) -
             data = raw.reshape(quant_shape_to_byte_shape(dims, entry.qtype))
         else:
             data = raw.view(element).reshape(dims)
-        n_elements = math.prod(entry.ne)
-        tensors.append(GGUFTensor(entry.name, entry.qtype, entry.ne, n_elements, entry.nbytes, start, data))
+        tensors.append(GGUFTensor(entry.name, entry.qtype, entry.ne, entry.nbytes, start, data))
     powerinfer = layout.magic == POWERINFER_MAGIC
     return GGUFFile(path, powerinfer, layout.keys, layout.alignment, layout.data_start, tuple(tensors))
 
