@@ -71,7 +71,7 @@ class DeviceSlots:
 
     @classmethod
     def allocate(cls, w: FFNWeights, capacity: int, device: torch.device, predictors: bool) -> DeviceSlots:
-        """`predictors`: whether fc1/fc2 go to the device too (the planner budgets them where a layer has neurons)."""
+        """`predictors`: whether fc1/fc2 go to the device too."""
 
         def empty(t: Weight | None) -> Weight | None:
             return None if t is None else empty_rows(t, capacity, device)
@@ -171,13 +171,16 @@ class HybridRunner:
         device: torch.device,
         resident: list[torch.Tensor],
         capacity: list[int],
+        device_predictors: list[bool],
         costs: SplitCosts,
         dynamic: bool,
         policy: CachePolicy | None = None,
         in_kernel: bool | None = None,
     ):
         """`in_kernel`: the device side selects and computes its neurons in the hot-FFN kernels (kernels/hot_ffn.py)
-        rather than in torch ops over a host list of ids; None: where it can, on a CUDA device."""
+        rather than in torch ops over a host list of ids; None: where it can, on a CUDA device.
+        `device_predictors`: per layer, whether its predictor goes to the device (the plan's
+        `Placement.predictor_on_gpu`, which budgeted it)."""
         require_split_support(layers[0].form)
         self.layers = layers
         self.threshold = threshold
@@ -189,8 +192,8 @@ class HybridRunner:
         policy = policy or CachePolicy()
         self.caches = [NeuronCache(w.neurons, c, r, policy) for w, c, r in zip(layers, caps, resident, strict=True)]
         self.slots = []
-        for w, cache, r in zip(layers, self.caches, resident, strict=True):
-            slots = DeviceSlots.allocate(w, cache.capacity, device, predictors=r.numel() > 0)
+        for w, cache, predictor in zip(layers, self.caches, device_predictors, strict=True):
+            slots = DeviceSlots.allocate(w, cache.capacity, device, predictors=predictor)
             used = torch.nonzero(cache.slot_neuron >= 0).flatten()
             slots.load(w, used, cache.slot_neuron[used])
             self.slots.append(slots)
@@ -268,8 +271,8 @@ class HybridRunner:
 
     def device_selects(self, layer: int) -> bool:
         """Whether the device can select among the layer's slots: by its predictor there, or by a calibrated model's
-        gate. A layer the plan gave no GPU neuron has no predictor there (none was budgeted), and the loader gives it
-        no spare slots; given some, the kernels' path leaves them empty, while torch's selects on the host."""
+        gate. A layer whose predictor stays on the host gets no spare slots from the loader; given some, the kernels'
+        path leaves them empty, while torch's selects on the host."""
         return not self.layers[layer].has_predictor or self.slots[layer].fc1 is not None
 
     def device_ffn(self, layer: int, x: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
@@ -368,7 +371,7 @@ class HybridRunner:
             # A calibrated model without predictors: its gate decides, over every row (the mapped ones, on the CPU).
             mask = gate_mask(w, x.cpu())
         elif s.fc1 is None:
-            # The plan gave this layer no GPU neuron, so it budgeted no room for its predictor there either.
+            # The plan left this layer's predictor on the host: the layer has no GPU neuron for it to pick.
             mask = predicted_mask(w, h.cpu(), self.threshold)
         else:
             mask = predicted_mask(replace(w, fc1=s.fc1, fc2=s.fc2), h, self.threshold).cpu()

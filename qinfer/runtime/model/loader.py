@@ -131,6 +131,7 @@ class Placement:
     layout: ModelLayout
     resident: list[torch.Tensor]
     capacity: list[int]
+    device_predictors: list[bool]  # per layer, whether its predictor goes to the GPU with its neurons
     dense_on_gpu: bool
 
 
@@ -146,14 +147,15 @@ def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOpti
         unit = "expert" if model.config.experts is not None else "FFN neuron"
         notes.append(f"--disable-gpu-index: every {unit} stays on the CPU")
         empty = [torch.empty(0, dtype=torch.long) for _ in layout.layers]
-        return Placement(None, layout, empty, [0] * len(empty), True)
+        return Placement(None, layout, empty, [0] * len(empty), [False] * len(empty), True)
     plan = load_or_make_gpuidx(model.path, budget, options=plan_options, reset=options.reset_gpu_index)
     resident = [torch.from_numpy(np.flatnonzero(m)).long() for m in plan.placement.gpu_neurons]
+    predictors = [plan.placement.predictor_on_gpu(i) for i in range(len(resident))]
     # The budget left over becomes spare slots for the dynamic schedule, shared by the layers whose GPU can select
-    # among them: one the plan gave no neuron has no predictor there (none was budgeted), so the kernels could not
-    # pick its slots' neurons (HybridRunner.device_selects). A layer with no predictor selects by its gate.
+    # among them: one whose predictor the plan left on the CPU could not pick its slots' neurons in the kernels
+    # (HybridRunner.device_selects). A layer with no predictor selects by its gate.
     takers = [
-        r.numel() > 0 or layer.predictor_bytes == 0 for layer, r in zip(plan.layout.layers, resident, strict=True)
+        on_gpu or layer.predictor_bytes == 0 for layer, on_gpu in zip(plan.layout.layers, predictors, strict=True)
     ]
     spare_per_taker = max(budget - plan.vram_total, 0) / max(sum(takers), 1)
     capacity = [
@@ -168,7 +170,7 @@ def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOpti
         f"{plan.gpuidx_path})"
     )
     dense_on_gpu = all(plan.placement.attention_on_gpu) and plan.placement.output_on_gpu
-    return Placement(plan, plan.layout, resident, capacity, dense_on_gpu)
+    return Placement(plan, plan.layout, resident, capacity, predictors, dense_on_gpu)
 
 
 # The context of a run that names none: the model's own where that is shorter.
@@ -265,6 +267,8 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
         load_profile(plan_options.gpu, "gpu"),
         load_profile(plan_options.cpu, "cpu"),
     )
-    hybrid = HybridRunner(layers, threshold, device, placed.resident, placed.capacity, costs, dynamic)
+    hybrid = HybridRunner(
+        layers, threshold, device, placed.resident, placed.capacity, placed.device_predictors, costs, dynamic
+    )
     forward = make_forward(model, hybrid, device if placed.dense_on_gpu else cpu)
     return LoadedRuntime(forward, mode, "dynamic" if dynamic else "static", placed.plan, notes)

@@ -316,8 +316,8 @@ def test_a_layer_without_a_gpu_predictor_takes_no_promotions_in_the_kernels(
     assert split.runtime is not None
     resident = [torch.arange(64), torch.empty(0, dtype=torch.long)]
     runner = HybridRunner(
-        planned.layers, planned.threshold, planned.device, resident, [256, 256], planned.costs, dynamic=True,
-        in_kernel=True,
+        planned.layers, planned.threshold, planned.device, resident, [256, 256], [True, False], planned.costs,
+        dynamic=True, in_kernel=True,
     )  # fmt: skip
     split.runtime.forward.ffn = runner
     for cache in runner.caches:
