@@ -37,12 +37,18 @@ from qinfer.runtime.kernels.quant_rows import TransposedQuantized, Weight
 # chunks), or both (a mixed step: the running sequences' tokens beside chunks).
 Placement = Literal["decode", "prompt", "mixed"]
 
-# The most prompt tokens a call gives the layer step: chunks alone, and beside decode tokens. The kernel computes the
-# last layer for every token, where the torch path computes that layer's FFN for the rows asked for alone; below these
-# a call costs mostly torch's operators (alone), or the torch path's reading the weights once per part (mixed). Time
-# native / torch on an Intel Xeon (two threads): the tiny synth model's chunk of 6 tokens 0.23, of 128 0.81, and of 6
-# beside 32 decode tokens 0.24; the 7B slice's (4 layers) f16 chunk of 6 0.87, 16 0.99, 32 1.01, 128 1.07, Q4_0 16
-# 0.99, 32 1.18, 128 1.19; beside 8 or 32 decode tokens, chunks of 6 to 64 tokens 0.52-0.92 (f16 and Q4_0).
+# The longest prompt chunk a call gives the layer step: a chunk alone, and a chunk in a step of several parts (chunks
+# beside one another or beside decode tokens). The torch path computes a step part by part, reading the weights once a
+# part, where the kernel reads them once for the whole step but computes the last layer for every token (the torch
+# path computes that layer's FFN for the rows asked for alone). Time native / torch on an Intel Xeon (two threads):
+# the tiny synth model's chunk of 6 tokens 0.23, of 128 0.81, and of 6 beside 32 decode tokens 0.24; the 7B slice's
+# (4 layers) f16 chunk of 6 0.87, 16 0.99, 32 1.01, 128 1.07, Q4_0 16 0.99, 32 1.18, 128 1.19; beside 8 or 32 decode
+# tokens, chunks of 6 to 64 tokens 0.52-0.92 (f16 and Q4_0). Several chunks of 5 tokens: the tiny model's 4 to 32
+# alone 0.14-0.16 (13 beside 16 decode tokens 0.15), the 7B slice's 4 to 32 alone 0.44-0.51 (f16) and 8 alone 0.47
+# (Q4_0), 13 beside 16 decode tokens 0.46 (f16), 4 of 24 beside 8 decode tokens 0.77-0.83; where one long chunk rules
+# the cost, 128 + 5 alone 1.02 (f16) and 1.08 (Q4_0), 256 + 8 1.13, and beside 8 decode tokens 64 + 5 0.85, 200 + 5
+# 1.03. The scratch then holds a step's every token (a server's steps: its slots and --prefill-chunk's prompt tokens;
+# the 7B slice's 544 tokens, 112 MB, where 96 took 20).
 PROMPT_TOKENS = 16
 MIXED_PROMPT_TOKENS = 64
 # The most attention scores (floats: tokens x heads x (context + 1)) a call with prompt tokens may size the scratch
@@ -420,10 +426,10 @@ class DecodeLayers:
 
     def _placement(self, batch: Positions, tokens: int, cache: CacheRows) -> Placement | None:
         """One token per slot of the cache (a decode step); or, over the full cache and where prompts get the kernel's
-        FFN, runs of tokens at distinct positions of their slots, at most PROMPT_TOKENS of them alone, or at most
-        MIXED_PROMPT_TOKENS beside single ones (a mixed step, where the decode tokens' FFN is the prompt's: no
-        predictor), whose attention scores fit PROMPT_SCORES. A step's few slots go through a list: the same checks
-        in torch took 9 us of dispatch."""
+        FFN, runs of tokens at distinct positions of their slots whose attention scores fit PROMPT_SCORES: one run
+        alone of at most PROMPT_TOKENS, or several parts (runs beside one another, or beside single tokens in a mixed
+        step, where the decode tokens' FFN is the prompt's: no predictor) whose longest run is at most
+        MIXED_PROMPT_TOKENS. A step's few slots go through a list: the same checks in torch took 9 us of dispatch."""
         slots = batch.slots.tolist()
         if not (len(slots) == tokens > 0 and min(slots) >= 0 and max(slots) < cache.k.shape[1]):
             return None
@@ -434,7 +440,7 @@ class DecodeLayers:
             return None
         runs = [n for n in Counter(slots).values() if n > 1]
         alone = len(runs) == len(distinct)
-        if sum(runs) > (PROMPT_TOKENS if alone else MIXED_PROMPT_TOKENS):
+        if max(runs) > (PROMPT_TOKENS if alone and len(runs) == 1 else MIXED_PROMPT_TOKENS):
             return None
         if tokens * self.cfg.heads * (cache.ctx + 1) > PROMPT_SCORES:
             return None

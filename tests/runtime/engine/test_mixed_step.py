@@ -13,6 +13,7 @@ import torch
 from qinfer.core.kv_policy import F32_KV, KVPolicy
 from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.sampling import SamplingParams
+from qinfer.runtime.kernels.decode_layer import MIXED_PROMPT_TOKENS
 from qinfer.runtime.kv.batch import TokenBatch, batch_step, parts_take_queries
 from tests.support.native_placement import counting_runs
 
@@ -97,6 +98,37 @@ def test_the_layer_kernel_takes_a_mixed_step_and_gives_each_sequence_its_own_log
     gguf_files: dict[str, Path],
 ) -> None:
     mixed_equals_alone(gguf_files["dense-f16"], native=True)
+
+
+def test_several_prompts_beside_decode_tokens_go_in_one_native_call(gguf_files: dict[str, Path]) -> None:
+    """Whole prompts, together longer than the longest chunk the kernel takes, go in one call of the layer kernel
+    beside two running sequences' tokens (the torch path would read the weights once a prompt), and every sequence
+    gets the logits it gets alone, to the rounding of the products' order."""
+    engine = open_engine(gguf_files["dense-f16"], 5)
+    encode = engine.tokenizer.encode
+    running = [encode(p) for p in RUNNING]
+    prompts = [encode(LONG), encode(RUNNING[1]), encode(f"{RUNNING[0]}, and {RUNNING[1].lower()}")]
+    assert max(map(len, prompts)) <= MIXED_PROMPT_TOKENS < sum(map(len, prompts))
+    alone = open_engine(gguf_files["dense-f16"], 1)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        nexts = []
+        for slot, ids in enumerate(running):
+            last = engine.forward.forward(TokenBatch.prompt(torch.tensor(ids), 0, slot), engine.cache, [len(ids) - 1])
+            nexts.append(int(last.argmax()))
+        runs = counting_runs(patch)
+        parts = [TokenBatch.decode(nexts, [len(ids) for ids in running], [0, 1])]
+        parts += [TokenBatch.prompt(torch.tensor(ids), 0, 2 + i) for i, ids in enumerate(prompts)]
+        ends = torch.tensor([len(ids) for ids in prompts]).cumsum(0) + 1
+        logits = engine.forward.forward(TokenBatch.join(parts), engine.cache, [0, 1, *ends.tolist()])
+        assert runs == {"mixed": list(range(engine.forward.cfg.layers))}
+        expected = []
+        for ids, token in zip(running, nexts, strict=True):
+            alone.forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), alone.cache)
+            expected.append(alone.forward.forward(TokenBatch.decode([token], [len(ids)], [0]), alone.cache)[0])
+        for ids in prompts:
+            expected.append(alone.forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), alone.cache)[-1])
+    for got, want in zip(logits, expected, strict=True):
+        assert close(got, want, 1e-4)
 
 
 def test_a_mixed_step_through_the_window_cache(gguf_files: dict[str, Path]) -> None:
