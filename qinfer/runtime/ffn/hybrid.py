@@ -263,7 +263,7 @@ class HybridRunner:
 
     def device_scores(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
         """The predictor's scores [T, F] on the device, where the layer has one there (None: a calibrated model,
-        which its gate selects, or a layer the plan gave no GPU neuron and so no predictor on the GPU)."""
+        which its gate selects, or a layer whose predictor stays on the host: `device_predictors`)."""
         w, s = self.layers[layer], self.slots[layer]
         if not w.has_predictor or s.fc1 is None:
             return None
@@ -371,7 +371,8 @@ class HybridRunner:
             # A calibrated model without predictors: its gate decides, over every row (the mapped ones, on the CPU).
             mask = gate_mask(w, x.cpu())
         elif s.fc1 is None:
-            # The plan left this layer's predictor on the host: the layer has no GPU neuron for it to pick.
+            # The plan left this layer's predictor on the host: it selects there (the loader gives such a layer no
+            # spare slots).
             mask = predicted_mask(w, h.cpu(), self.threshold)
         else:
             mask = predicted_mask(replace(w, fc1=s.fc1, fc2=s.fc2), h, self.threshold).cpu()

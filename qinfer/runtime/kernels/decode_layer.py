@@ -47,12 +47,14 @@ Placement = Literal["decode", "prompt", "mixed"]
 # alone 0.14-0.16 (13 beside 16 decode tokens 0.15), the 7B slice's 4 to 32 alone 0.44-0.51 (f16) and 8 alone 0.47
 # (Q4_0), 13 beside 16 decode tokens 0.46 (f16), 4 of 24 beside 8 decode tokens 0.77-0.83; where one long chunk rules
 # the cost, 128 + 5 alone 1.02 (f16) and 1.08 (Q4_0), 256 + 8 1.13, and beside 8 decode tokens 64 + 5 0.85, 200 + 5
-# 1.03. The scratch then holds a step's every token (a server's steps: its slots and --prefill-chunk's prompt tokens;
-# the 7B slice's 544 tokens, 112 MB, where 96 took 20).
+# 1.03.
 PROMPT_TOKENS = 16
 MIXED_PROMPT_TOKENS = 64
-# The most attention scores (floats: tokens x heads x (context + 1)) a call with prompt tokens may size the scratch
-# for, which keeps its largest size for as long as the model is loaded: 64 MiB, a long context's few tokens.
+# The scratch holds a call's every token and keeps its largest size for as long as the model is loaded, so a call with
+# prompt tokens takes at most STEP_TOKENS tokens (a server's step of 32 slots and the default --prefill-chunk's 512
+# prompt tokens fits), and attention scores (floats: tokens x heads x (context + 1)) of at most PROMPT_SCORES, 64 MiB,
+# a long context's few tokens. Beside the scores the 7B slice's scratch took 20 MB for 96 tokens and 112 MB for 544.
+STEP_TOKENS = 1024
 PROMPT_SCORES = 1 << 24
 
 
@@ -426,10 +428,11 @@ class DecodeLayers:
 
     def _placement(self, batch: Positions, tokens: int, cache: CacheRows) -> Placement | None:
         """One token per slot of the cache (a decode step); or, over the full cache and where prompts get the kernel's
-        FFN, runs of tokens at distinct positions of their slots whose attention scores fit PROMPT_SCORES: one run
-        alone of at most PROMPT_TOKENS, or several parts (runs beside one another, or beside single tokens in a mixed
-        step, where the decode tokens' FFN is the prompt's: no predictor) whose longest run is at most
-        MIXED_PROMPT_TOKENS. A step's few slots go through a list: the same checks in torch took 9 us of dispatch."""
+        FFN, runs of tokens at distinct positions of their slots, at most STEP_TOKENS whose attention scores fit
+        PROMPT_SCORES: one run alone of at most PROMPT_TOKENS, or several parts (runs beside one another, or beside
+        single tokens in a mixed step, where the decode tokens' FFN is the prompt's: no predictor) whose longest run
+        is at most MIXED_PROMPT_TOKENS. A step's few slots go through a list: the same checks in torch took 9 us of
+        dispatch."""
         slots = batch.slots.tolist()
         if not (len(slots) == tokens > 0 and min(slots) >= 0 and max(slots) < cache.k.shape[1]):
             return None
@@ -442,7 +445,7 @@ class DecodeLayers:
         alone = len(runs) == len(distinct)
         if max(runs) > (PROMPT_TOKENS if alone and len(runs) == 1 else MIXED_PROMPT_TOKENS):
             return None
-        if tokens * self.cfg.heads * (cache.ctx + 1) > PROMPT_SCORES:
+        if tokens > STEP_TOKENS or tokens * self.cfg.heads * (cache.ctx + 1) > PROMPT_SCORES:
             return None
         if len(set(zip(slots, batch.positions.tolist(), strict=True))) < tokens:
             return None

@@ -13,7 +13,7 @@ import torch
 from qinfer.core.kv_policy import F32_KV, KVPolicy
 from qinfer.runtime.engine.engine import Engine, Request
 from qinfer.runtime.engine.sampling import SamplingParams
-from qinfer.runtime.kernels.decode_layer import MIXED_PROMPT_TOKENS
+from qinfer.runtime.kernels.decode_layer import MIXED_PROMPT_TOKENS, PROMPT_TOKENS
 from qinfer.runtime.kv.batch import TokenBatch, batch_step, parts_take_queries
 from tests.support.native_placement import counting_runs
 
@@ -129,6 +129,25 @@ def test_several_prompts_beside_decode_tokens_go_in_one_native_call(gguf_files: 
             expected.append(alone.forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), alone.cache)[-1])
     for got, want in zip(logits, expected, strict=True):
         assert close(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("ffn", ["sparse", "dense"])
+def test_several_prompts_alone_go_in_one_native_call(gguf_files: dict[str, Path], ffn: str) -> None:
+    """Whole prompts, together longer than the longest prompt the kernel takes alone, go in one call of the layer
+    kernel, on a predictor model too (a prompt gets every neuron), and each gets the logits it gets alone."""
+    engine = open_engine(gguf_files["pi-f16"], 3, ffn=ffn)
+    prompts = [engine.tokenizer.encode(text) for text in (LONG, RUNNING[1], RUNNING[0])]
+    assert max(map(len, prompts)) <= MIXED_PROMPT_TOKENS and sum(map(len, prompts)) > PROMPT_TOKENS
+    alone = open_engine(gguf_files["pi-f16"], 1, ffn=ffn)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        runs = counting_runs(patch)
+        joined = TokenBatch.join([TokenBatch.prompt(torch.tensor(ids), 0, s) for s, ids in enumerate(prompts)])
+        ends = (torch.tensor([len(ids) for ids in prompts]).cumsum(0) - 1).tolist()
+        logits = engine.forward.forward(joined, engine.cache, ends)
+        assert runs == {"prompt": list(range(engine.forward.cfg.layers))}
+        for got, ids in zip(logits, prompts, strict=True):
+            want = alone.forward.forward(TokenBatch.prompt(torch.tensor(ids), 0), alone.cache, [len(ids) - 1])[0]
+            assert close(got, want, 1e-4)
 
 
 def test_a_mixed_step_through_the_window_cache(gguf_files: dict[str, Path]) -> None:

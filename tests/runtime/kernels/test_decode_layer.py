@@ -483,9 +483,9 @@ def test_other_steps_keep_the_torch_path(gguf_files: dict[str, Path], monkeypatc
 
 def test_prompt_tokens_run_natively_up_to_a_bound(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Over the full cache, a prompt's chunk alone up to PROMPT_TOKENS tokens, and chunks beside other chunks, or
-    beside decode tokens where those get a prompt's FFN (no predictor), up to MIXED_PROMPT_TOKENS each, however many
-    tokens they make together, and attention scores up to PROMPT_SCORES; never a window cache's, nor two tokens for
-    one row of the cache, which the kernel refuses too, writing nothing."""
+    beside decode tokens where those get a prompt's FFN (no predictor), up to MIXED_PROMPT_TOKENS each, up to
+    STEP_TOKENS in all, and attention scores up to PROMPT_SCORES; never a window cache's, nor two tokens for one row
+    of the cache, which the kernel refuses too, writing nothing."""
     dense, sparse = forward_for(gguf_files["dense-f16"], "dense"), forward_for(gguf_files["pi-f16"], "sparse")
     cache = make_kv_cache(dense.cfg, 2 * MIXED_PROMPT_TOKENS, slots=4)
     window = make_kv_cache(dense.cfg, CTX, slots=4, policy=KVPolicy("window", 8))
@@ -510,6 +510,10 @@ def test_prompt_tokens_run_natively_up_to_a_bound(gguf_files: dict[str, Path], m
         assert placement_of(forward, chunks, cache) == mixed
         assert placement_of(forward, prompt(4), window) is None
         assert placement_of(forward, twice, cache) is None
+    monkeypatch.setattr(decode_layer, "STEP_TOKENS", 2 * MIXED_PROMPT_TOKENS - 1)
+    assert placement_of(dense, most, cache) is None
+    fits = TokenBatch.join([prompt(MIXED_PROMPT_TOKENS - 1, 1), prompt(MIXED_PROMPT_TOKENS)])
+    assert placement_of(dense, fits, cache) == "prompt"
     monkeypatch.setattr(decode_layer, "PROMPT_SCORES", PROMPT_TOKENS * dense.cfg.heads * (cache.ctx + 1) - 1)
     assert placement_of(dense, prompt(PROMPT_TOKENS), cache) is None
     assert placement_of(dense, prompt(PROMPT_TOKENS - 1), cache) == "prompt"
