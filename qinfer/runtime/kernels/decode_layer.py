@@ -428,7 +428,7 @@ class DecodeLayers:
 
     def _placement(self, batch: Positions, tokens: int, cache: CacheRows) -> Placement | None:
         """One token per slot of the cache (a decode step); or, over the full cache and where prompts get the kernel's
-        FFN, runs of tokens at distinct positions of their slots, at most STEP_TOKENS whose attention scores fit
+        FFN, runs of tokens at distinct positions of their slots, at most STEP_TOKENS tokens whose attention scores fit
         PROMPT_SCORES: one run alone of at most PROMPT_TOKENS, or several parts (runs beside one another, or beside
         single tokens in a mixed step, where the decode tokens' FFN is the prompt's: no predictor) whose longest run
         is at most MIXED_PROMPT_TOKENS. A step's few slots go through a list: the same checks in torch took 9 us of
