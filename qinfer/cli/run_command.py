@@ -127,6 +127,8 @@ def run_cmd(
         results = generate_many(engine, [prompt] * parallel, max_tokens, sampling, seed, ignore_eos)
         for i, result in enumerate(results):
             out.write(f"[{i}] {prompt}{result.text}\n")
+    # The text before the speeds, where both go to one pipe or file (a log), as they do on a terminal.
+    out.flush()
     first = results[0]
     tokens = sum(len(r.tokens) for r in results)
     steps = sum(len(r.tokens) if r.stopped_at_eos else max(len(r.tokens) - 1, 0) for r in results)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,17 +121,19 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p() -> None:
     assert set(draws(SamplingParams(temperature=0.0), 5)) == {1}
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qinfer", *args], capture_output=True, text=True, timeout=300)
-
-
 def test_run_command_streams_and_summarises(gguf_files: dict[str, Path]) -> None:
-    result = run_cli("run", "-m", str(gguf_files["pi-f16"]), "-p", PROMPT, "-n", "12", "-t", "2", "--temp", "0")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(PROMPT)
-    assert len(result.stdout) > len(PROMPT) + 3
-    summary = result.stderr.strip().splitlines()[-1]
-    assert "prompt:" in summary and "decode:" in summary and "tokens/s" in summary
+    """The text on stdout, then the speeds on stderr on a line of their own, in that order also where both go to one
+    pipe (a log) and stdout is buffered."""
+    args = ["run", "-m", str(gguf_files["pi-f16"]), "-p", PROMPT, "-n", "12", "-t", "2", "--temp", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "qinfer", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout
+    body, summary = result.stdout.rstrip("\n").rsplit("\n", 1)
+    assert summary.startswith("prompt: ") and "decode: 12 tokens" in summary and "tokens/s" in summary, summary
+    assert len(body.split(PROMPT, 1)[1]) > 3
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "garbage"])
