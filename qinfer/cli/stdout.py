@@ -1,6 +1,6 @@
 """stdout as the commands write to it: characters its encoding lacks are replaced rather than fatal, and a write
-that fails (a full disk, a closed descriptor, a reader that went away) raises `StdoutError`, which no other
-OSError is, so that the entry point can end it in one line, or quietly for a broken pipe, never a traceback."""
+that fails (a full disk, a closed descriptor, a reader that went away) raises `StdoutError`, so that the entry point
+can end it in one line, or quietly for a broken pipe, never a traceback."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ import sys
 from collections.abc import Iterator
 
 
-class StdoutError(OSError):
-    """A write to stdout failed; errno and strerror say why."""
+class StdoutError(Exception):
+    """A write to stdout failed; errno and strerror say why. Not an OSError: click ends a command whose write
+    fails with EPIPE in its own way (exit 1), where the entry point ends it as a shell expects of a broken pipe."""
+
+    def __init__(self, errno: int | None, strerror: str | None):
+        super().__init__(errno, strerror)
+        self.errno = errno
+        self.strerror = strerror
 
 
 class _StdoutBytes(io.RawIOBase):
@@ -70,7 +76,7 @@ def guarded_stdout() -> Iterator[None]:
         yield
         stream.flush()
     finally:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, StdoutError):
             stream.flush()
         # What could not be written is lost either way; discarding it keeps the stream's close, when it is
         # collected, from reporting the failure a second time.

@@ -32,11 +32,15 @@ def test_a_closed_stdout() -> None:
     _stderr_line(result, "cannot write to stdout: it is closed")
 
 
-def test_a_reader_that_went_away() -> None:
+@pytest.mark.parametrize("command", ["profiles", "run"])
+def test_a_reader_that_went_away(gguf_files: dict[str, Path], command: str) -> None:
+    """A reader that closed (`| head`) ends the command quietly with a broken pipe's status, whether its write failed
+    at the end (profiles' table, flushed on exit) or inside the command (run's text, flushed piece by piece)."""
+    args = ["profiles"] if command == "profiles" else ["run", "-m", str(gguf_files["pi-f16"]), "-n", "4"]
     read, write = os.pipe()
     os.close(read)
     try:
-        result = subprocess.run([*QINFER, "profiles"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+        result = subprocess.run([*QINFER, *args], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
     finally:
         os.close(write)
     assert result.returncode == 128 + signal.SIGPIPE and result.stderr == ""
