@@ -40,14 +40,14 @@ Placement = Literal["decode", "prompt", "mixed"]
 # The longest prompt chunk a call gives the layer step: a chunk alone, and a chunk in a step of several parts (chunks
 # beside one another or beside decode tokens). The torch path computes a step part by part, reading the weights once a
 # part, where the kernel reads them once for the whole step but computes the last layer for every token (the torch
-# path computes that layer's FFN for the rows asked for alone). Time native / torch on an Intel Xeon (two threads):
-# the tiny synth model's chunk of 6 tokens 0.23, of 128 0.81, and of 6 beside 32 decode tokens 0.24; the 7B slice's
-# (4 layers) f16 chunk of 6 0.87, 16 0.99, 32 1.01, 128 1.07, Q4_0 16 0.99, 32 1.18, 128 1.19; beside 8 or 32 decode
-# tokens, chunks of 6 to 64 tokens 0.52-0.92 (f16 and Q4_0). Several chunks of 5 tokens: the tiny model's 4 to 32
-# alone 0.14-0.16 (13 beside 16 decode tokens 0.15), the 7B slice's 4 to 32 alone 0.44-0.51 (f16) and 8 alone 0.47
-# (Q4_0), 13 beside 16 decode tokens 0.46 (f16), 4 of 24 beside 8 decode tokens 0.77-0.83; where one long chunk rules
-# the cost, 128 + 5 alone 1.02 (f16) and 1.08 (Q4_0), 256 + 8 1.13, and beside 8 decode tokens 64 + 5 0.85, 200 + 5
-# 1.03.
+# path computes that layer's FFN for the rows asked for alone). Time native / torch (bench/prompt_steps.py times such
+# cases) on an Intel Xeon (two threads): the tiny synth model's chunk of 6 tokens 0.23, of 128 0.81, and of 6 beside
+# 32 decode tokens 0.24; the 7B slice's (4 layers) f16 chunk of 6 0.87, 16 0.99, 32 1.01, 128 1.07, Q4_0 16 0.99, 32
+# 1.18, 128 1.19; beside 8 or 32 decode tokens, chunks of 6 to 64 tokens 0.52-0.92 (f16 and Q4_0). Several chunks of 5
+# tokens: the tiny model's 4 to 32 alone 0.14-0.16 (13 beside 16 decode tokens 0.15), the 7B slice's 4 to 32 alone
+# 0.44-0.51 (f16) and 8 alone 0.47 (Q4_0), 13 beside 16 decode tokens 0.46 (f16), 4 of 24 beside 8 decode tokens
+# 0.77-0.83; where one long chunk rules the cost, 128 + 5 alone 1.02 (f16) and 1.08 (Q4_0), 256 + 8 1.13, and beside 8
+# decode tokens 64 + 5 0.85, 200 + 5 1.03.
 PROMPT_TOKENS = 16
 MIXED_PROMPT_TOKENS = 64
 # The scratch holds a call's every token and keeps its largest size for as long as the model is loaded, so a call with
