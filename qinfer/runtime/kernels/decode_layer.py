@@ -443,7 +443,8 @@ class DecodeLayers:
             return None
         runs = [n for n in Counter(slots).values() if n > 1]
         alone = len(runs) == len(distinct)
-        if max(runs) > (PROMPT_TOKENS if alone and len(runs) == 1 else MIXED_PROMPT_TOKENS):
+        # One slot's chunk is the torch path's one part; several parts it would read the weights for each.
+        if max(runs) > (PROMPT_TOKENS if len(distinct) == 1 else MIXED_PROMPT_TOKENS):
             return None
         if tokens > STEP_TOKENS or tokens * self.cfg.heads * (cache.ctx + 1) > PROMPT_SCORES:
             return None
