@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from qinfer.cli.app import app, err, progress_bar
+from qinfer.cli.app import app, err, progress_when_started
 from qinfer.cli.options import (
     CacheTypeK,
     CacheTypeV,
@@ -53,8 +53,10 @@ def perplexity_cmd(
     types = kv_types(cache_type_k, cache_type_v)
     if file.is_dir():
         raise UserError(f"{file} is a directory; name a text file")
-    if not file.is_file():
+    if not file.exists():
         raise UserError(f"text file not found: {file}")
+    if not file.is_file():
+        raise UserError(f"{file} is not a regular file (a device or a pipe); name a text file")
     opened = open_model(model)
     ctx_size, clamped = fit_context(opened, ctx_size)
     if clamped is not None:
@@ -62,18 +64,15 @@ def perplexity_cmd(
     tokenizer = GGUFTokenizer(opened.metadata)
     ids = tokenizer.encode(file.read_text(encoding="utf-8", errors="replace"))
     forward = load_forward(opened, RuntimeOptions(ffn=ffn), ctx_size=ctx_size).forward
-    bar = progress_bar()
-    task = bar.add_task("perplexity", total=None)
+    with progress_when_started() as bar:
+        task = bar.add_task("perplexity", total=None)
 
-    def step(i: int, n: int, ppl: float) -> None:
-        # Started on the first window, so that a refused input prints only its error line.
-        bar.start()
-        bar.update(task, completed=i + 1, total=n, description=f"perplexity {ppl:.4f}")
+        def step(i: int, n: int, ppl: float) -> None:
+            # Started on the first window, so that a refused input prints only its error line.
+            bar.start()
+            bar.update(task, completed=i + 1, total=n, description=f"perplexity {ppl:.4f}")
 
-    try:
         result = perplexity(forward, ids, ctx_size, tokenizer.bos_id, ffn == "sparse", step, policy, types)
-    finally:
-        bar.stop()
     kept = "" if not policy.windowed else f", KV window of {policy.rows(ctx_size)} rows"
     err.print(f"{result.windows} windows of {ctx_size} tokens, {result.scored_tokens} tokens scored ({ffn} FFN{kept})")
     print(f"Final estimate: PPL = {result.perplexity:.4f} +/- {result.stderr:.5f}")

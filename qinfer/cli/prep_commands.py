@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from qinfer.cli.app import err, prep, progress_bar
+from qinfer.cli.app import err, prep, progress_bar, progress_when_started
 from qinfer.cli.options import SEED_MAX, Real
 
 if TYPE_CHECKING:
@@ -92,19 +92,16 @@ def synth_cmd(
 @contextmanager
 def tensor_progress(stage: str) -> Iterator[tuple[Callable[[list[TensorPlan]], None], Callable[[TensorPlan], None]]]:
     """Callbacks for a tensor-by-tensor writer: (on_plan, on_tensor) driving one progress bar."""
-    bar = progress_bar()
-    task = bar.add_task(stage, total=None)
+    with progress_when_started() as bar:
+        task = bar.add_task(stage, total=None)
 
-    def planned(plans: list[TensorPlan]) -> None:
-        # The bar appears only once every input has been checked, so an error is the only output.
-        bar.update(task, total=len(plans))
-        bar.start()
+        def planned(plans: list[TensorPlan]) -> None:
+            # The bar appears only once every input has been checked, so an error is the only output.
+            bar.update(task, total=len(plans))
+            bar.start()
 
-    try:
         yield planned, lambda plan: bar.update(task, advance=1, description=plan.name)
         bar.update(task, description=stage)
-    finally:
-        bar.stop()
 
 
 def _convert(

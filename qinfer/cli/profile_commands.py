@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from qinfer.cli.app import err, prep, progress_bar
+from qinfer.cli.app import err, prep, progress_when_started
 from qinfer.cli.options import SEED_MAX, Real
 
 ModelDir = Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, weights, tokenizer).")]
@@ -165,19 +165,16 @@ def train_predictor_cmd(
         device=device,
         calibration=calibration,
     )
-    bar = progress_bar()
-    tasks: dict[str, int] = {}
+    with progress_when_started() as bar:
+        tasks: dict[str, int] = {}
 
-    def progress(stage: str, done: int, total: int) -> None:
-        bar.start()
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done, total=total)
+        def progress(stage: str, done: int, total: int) -> None:
+            bar.start()
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
 
-    try:
         report = train_predictors(model_dir, data, out, settings, progress, force=force)
-    finally:
-        bar.stop()
     if report.fell_back_to_cpu:
         err.print("CUDA is not available: trained on the CPU")
     err.print(

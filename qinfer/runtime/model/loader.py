@@ -226,7 +226,7 @@ def _plan_options(device: torch.device | None, options: RuntimeOptions, slots: i
 
 def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_size: int = 512) -> LoadedRuntime:
     if options.schedule not in SCHEDULES:
-        raise UserError(f"unknown schedule {options.schedule!r}; use static or dynamic")
+        raise UserError(f"unknown schedule {options.schedule!r}; use {', '.join(SCHEDULES)}")
     make_forward = forward_class(model)
     if model.config.experts is not None:
         return _experts_runtime(model, model.config.experts, options, make_forward, slots, ctx_size)

@@ -22,6 +22,7 @@ from qinfer.formats.gguf_writer import TensorPlan, write_gguf
 from qinfer.prep.convert.quant_blocks import quantize_q4_0, quantize_q8_0
 from qinfer.prep.convert.quantize import quantize_gguf
 from qinfer.runtime.kernels.quant_rows import dequantize_rows
+from tests.support.cli_in_process import run_in_process
 
 Q4_0, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0
 
@@ -285,3 +286,20 @@ def test_quantize_command(tiny_file: Path, tmp_path: Path) -> None:
     )
     assert failed.returncode == 2
     assert failed.stderr.strip().splitlines() == [f"error: model file not found: {tmp_path / 'none.gguf'}"]
+
+
+def test_a_refused_quantize_prints_its_error_line_alone(tiny_file: Path, tmp_path: Path) -> None:
+    # Refused before the progress bar starts: rich would print an empty line for a bar stopped unstarted.
+    for args in ([str(tiny_file), str(tmp_path / "x.gguf"), "Q5_K"], [str(tiny_file), str(tiny_file)]):
+        result = run_in_process("prep", "quantize", *args)
+        assert result.returncode == 2 and result.stderr.startswith("error: "), result.stderr
+        assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_quantize_reports_its_output_on_one_line_as_named(tiny_file: Path, tmp_path: Path) -> None:
+    # A long path, and brackets that rich would have read as markup and dropped.
+    out = tmp_path / ("models[old]" + "-x" * 40) / "tiny.q4.gguf"
+    out.parent.mkdir()
+    result = run_in_process("prep", "quantize", str(tiny_file), str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"wrote {out} (Q4_0, ")

@@ -133,4 +133,6 @@ def test_perplexity_command(q4: Path, heldout: Path, tmp_path: Path) -> None:
     short.write_text("Once upon a time")
     result = run_in_process("perplexity", "-m", str(q4), "-f", str(short), "-c", str(CTX))
     assert result.returncode == 2
-    assert result.stderr.strip().startswith("error:") and "fewer than one window" in result.stderr
+    # One line: no empty one before it from a progress bar that never started.
+    assert result.stderr.startswith("error:") and result.stderr.count("\n") == 1
+    assert "fewer than one window" in result.stderr
