@@ -29,8 +29,8 @@ QUANT ?=
 MODELS_DIR ?= models
 
 # Tiny pipeline knobs: extra `qinfer prep synth` options (shape, --train-steps), corpus and profile sizes, and a
-# VRAM budget (GiB) that leaves room for about half of the default tiny FFN beside the 256 MiB scratch reserve,
-# so the plan really splits it between GPU and CPU.
+# VRAM budget (GiB) that leaves room for about a third of the default tiny FFN's neurons (the hottest, about half
+# of its activations) beside the 256 MiB scratch reserve, so the plan really splits it between GPU and CPU.
 SYNTH_ARGS ?=
 CORPUS_CHARS ?= 200000
 PROFILE_TOKENS ?= 20000
@@ -50,7 +50,7 @@ setup: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[serve,dev]'
+	$(BIN)/pip install -q -e '.[serve,dev,plot]'
 	touch $@
 
 # The suite on the oldest release of every dependency that pyproject.toml allows (itself and the `serve` extra;

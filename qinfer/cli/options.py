@@ -118,6 +118,10 @@ def kv_types(k: str, v: str) -> KVTypes:
     return KVTypes(k, v)
 
 
+ResetGpuIndex = Annotated[
+    bool, typer.Option(help="Re-plan the .gpuidx even if one exists (needed where it is stale: other settings).")
+]
+
 Threads = Annotated[
     int, typer.Option("-t", "--threads", min=0, help="CPU threads (default: all cores; capped at the core count).")
 ]
@@ -136,5 +140,6 @@ def use_threads(threads: int) -> None:
         print(f"note: --threads {threads} is more than the {cores} cores here; using {cores}", file=sys.stderr)
         threads = cores
     torch.set_num_threads(threads)
+
 
 CTX_HELP = "Context length: 512 by default, or the model's if shorter; 0 takes the model's; a longer one is clamped."

@@ -8,7 +8,7 @@ from typing import Annotated, Literal, cast
 import typer
 
 from qinfer.cli.app import app, err
-from qinfer.cli.options import VRAM_BUDGET, KvBudgetOption, KvPolicyOption, Real, kv_policy
+from qinfer.cli.options import VRAM_BUDGET, KvBudgetOption, KvPolicyOption, Real, ResetGpuIndex, kv_policy
 from qinfer.planner.device_profiles import DEFAULT_CPU
 
 TIME_LIMIT = Real(0.0, low_open=True)
@@ -58,9 +58,7 @@ def plan_cmd(
         float, typer.Option(parser=TIME_LIMIT, help=f"Seconds the solver may spend on the plan ({TIME_LIMIT}).")
     ] = 10.0,
     dry_run: Annotated[bool, typer.Option(help="Only print the VRAM account; solve and write nothing.")] = False,
-    reset_gpu_index: Annotated[
-        bool, typer.Option(help="Rebuild the .gpuidx even if one exists (needed when it is stale).")
-    ] = False,
+    reset_gpu_index: ResetGpuIndex = False,
     report: Annotated[Path | None, typer.Option(help="Write a per-layer PNG of the plan (needs matplotlib).")] = None,
 ) -> None:
     """Decide which FFN neurons (or experts) live on the GPU and write <model>.generated.gpuidx beside the model;
@@ -77,7 +75,7 @@ def plan_cmd(
         load_or_make_gpuidx,
     )
     from qinfer.planner.placement_ilp import Objective
-    from qinfer.planner.plan_report import account_table, summary_table, write_report_png
+    from qinfer.planner.plan_report import account_table, require_plotting, summary_table, write_report_png
 
     if objective not in ("time", "activation"):
         raise typer.BadParameter("use time or activation", param_hint="--objective")
@@ -100,18 +98,20 @@ def plan_cmd(
     if dry_run:
         layout, acct = dry_run_account(model, budget, options)
         full = full_kv_account(layout, options) if windowed else None
-        err.print(account_table(acct, budget, dense_on_gpu=options.dense == "gpu", full_kv=full))
+        err.print(account_table(acct, budget, dense_on_gpu=options.dense == "gpu", full_kv=full), soft_wrap=False)
         return
     if report is not None:
         if report.suffix.lower() != ".png":
             raise typer.BadParameter("the report is a PNG file; name it *.png", param_hint="--report")
-        check_output_file(report)  # before the solver's seconds, not after them
+        # Before the solver's seconds, not after them.
+        check_output_file(report)
+        require_plotting()
     # The solver runs as a subprocess with files of its own: a stop signal must end it and remove them.
     with stop_signals_raise():
         plan = load_or_make_gpuidx(model, budget, activation, options, reset=reset_gpu_index)
         for note in plan.notes:
             err.print(f"note: {note}")
-        err.print(summary_table(plan, compare_with_full_kv(plan, activation) if windowed else None))
+        err.print(summary_table(plan, compare_with_full_kv(plan, activation) if windowed else None), soft_wrap=False)
         verb = "reused" if plan.reused else "wrote"
         err.print(f"{verb} {plan.gpuidx_path}")
         if report is not None:

@@ -18,6 +18,7 @@ from qinfer.cli.options import (
     KvBudgetOption,
     KvPolicyOption,
     Real,
+    ResetGpuIndex,
     Threads,
     kv_policy,
     kv_types,
@@ -61,7 +62,7 @@ def run_cmd(
             help=f"GiB of GPU memory the model may use; plans (or reuses) <model>.generated.gpuidx ({VRAM_BUDGET}).",
         ),
     ] = None,
-    reset_gpu_index: Annotated[bool, typer.Option(help="Re-plan the .gpuidx even if one exists.")] = False,
+    reset_gpu_index: ResetGpuIndex = False,
     disable_gpu_index: Annotated[bool, typer.Option(help="Ignore any .gpuidx: no FFN neurons on the GPU.")] = False,
     schedule: Annotated[
         str,

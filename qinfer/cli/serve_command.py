@@ -18,6 +18,7 @@ from qinfer.cli.options import (
     KvBudgetOption,
     KvPolicyOption,
     Real,
+    ResetGpuIndex,
     Threads,
     kv_policy,
     kv_types,
@@ -90,6 +91,7 @@ def serve_cmd(
             "this machine (DNS rebinding) use the server through its visitors' browsers."
         ),
     ] = "",
+    reset_gpu_index: ResetGpuIndex = False,
     shutdown_timeout: Annotated[
         float,
         typer.Option(
@@ -119,9 +121,9 @@ def serve_cmd(
     from qinfer.runtime.engine.worker import EngineWorker
 
     with needs_extra("serve", "qinfer serve"):
-        from qinfer.runtime.engine.chat_template import load_chat_template
+        from qinfer.runtime.engine.chat_template import load_chat_template, read_chat_template
         from qinfer.runtime.server.app import ServerOptions, create_app
-        from qinfer.runtime.server.thread import uvicorn_server
+        from qinfer.runtime.server.thread import listening_socket, uvicorn_server
 
     if api_key is None:
         # click reads a variable set to "" as unset; an empty key must be refused, not mean "no key".
@@ -139,36 +141,39 @@ def serve_cmd(
     use_threads(threads)
     policy = kv_policy(kv_policy_kind, kv_budget)
     types = kv_types(cache_type_k, cache_type_v)
-    # A budget may start the planner's solver: a stop signal must end it and its files too.
-    with stop_signals_raise():
-        engine = Engine.open(
-            model,
-            slots=slots,
-            ctx_size=ctx_size,
-            vram_budget_gib=vram_budget,
-            schedule=schedule,
-            kv_policy=policy,
-            kv_types=types,
-            reuse_prompts=prompt_cache,
-            prefill_chunk=prefill_chunk,
+    template_source = None if chat_template is None else read_chat_template(chat_template)
+    # Bound before the model loads: an address in use is refused at once; closed however the command ends.
+    with listening_socket(host, port) as sock:
+        # A budget may start the planner's solver: a stop signal must end it and its files too.
+        with stop_signals_raise():
+            engine = Engine.open(
+                model,
+                slots=slots,
+                ctx_size=ctx_size,
+                vram_budget_gib=vram_budget,
+                schedule=schedule,
+                kv_policy=policy,
+                kv_types=types,
+                reuse_prompts=prompt_cache,
+                prefill_chunk=prefill_chunk,
+                reset_gpu_index=reset_gpu_index,
+            )
+        for note in engine.runtime.notes if engine.runtime is not None else []:
+            err.print(f"note: {note}")
+        tokenizer = engine.tokenizer
+        template = load_chat_template(tokenizer.chat_template, tokenizer.special_tokens, template_source)
+        worker = EngineWorker(engine)
+        app = create_app(worker, model.name, options, template, webui)
+        server = uvicorn_server(app, options, host, port, on_exit=worker.close)
+        guarded = ", API key required" if api_key else ""
+        chat = "its chat template" if template is not None else "a plain transcript (no chat template)"
+        err.print(
+            f"serving {model.name} on http://{host}:{port}/v1 ({slots} slots, context {engine.ctx_size}{guarded}); "
+            f"chat turns through {chat}"
         )
-    for note in engine.runtime.notes if engine.runtime is not None else []:
-        err.print(f"note: {note}")
-    tokenizer = engine.tokenizer
-    template = load_chat_template(tokenizer.chat_template, tokenizer.special_tokens, chat_template)
-    worker = EngineWorker(engine)
-    app = create_app(worker, model.name, options, template, webui)
-    server = uvicorn_server(app, options, host, port, on_exit=worker.close)
-    guarded = ", API key required" if api_key else ""
-    chat = "its chat template" if template is not None else "a plain transcript (no chat template)"
-    err.print(
-        f"serving {model.name} on http://{host}:{port}/v1 ({slots} slots, context {engine.ctx_size}{guarded}); "
-        f"chat turns through {chat}"
-    )
-    # What the imports, the model and its tokenizer made lives as long as the server. Frozen, it is left out of the
-    # collector's full passes, each of which walked all of it (254,000 objects: 77-132 ms with every thread
-    # stopped, the engine's too). What is garbage already is collected first: frozen, it would stay.
-    gc.collect()
-    gc.freeze()
-    # uvicorn logs a failed start (a port in use) and exits with its own code.
-    server.run()
+        # What the imports, the model and its tokenizer made lives as long as the server. Frozen, it is left out of the
+        # collector's full passes, each of which walked all of it (254,000 objects: 77-132 ms with every thread
+        # stopped, the engine's too). What is garbage already is collected first: frozen, it would stay.
+        gc.collect()
+        gc.freeze()
+        server.run(sockets=[sock])

@@ -16,7 +16,7 @@ from qinfer.formats.atomic_file import check_not_special
 from qinfer.formats.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.planner.activation_stats import ActivationStats, load_activation
 from qinfer.planner.baselines import NCpuMoe, greedy_placement, smallest_n_cpu_moe
-from qinfer.planner.budget import BudgetOptions, VramAccount, account, minimum_budget, require_budget, vram_used
+from qinfer.planner.budget import GIB, BudgetOptions, VramAccount, account, minimum_budget, require_budget, vram_used
 from qinfer.planner.device_profiles import DEFAULT_CPU, load_profile
 from qinfer.planner.model_layout import ModelLayout, read_model_layout
 from qinfer.planner.neuron_groups import group_neurons
@@ -324,10 +324,21 @@ def _short(values: tuple[int, ...]) -> str:
     return str(list(values)) if len(set(values)) > 1 else f"{len(values)} x {values[0] if values else 0}"
 
 
+# Provenance that a user sets, shown with its values where it changed: a plan made by `make all` (batch 1) and
+# reused by `serve` (a batch of its slots) says which setting differs, and how.
+_SHOWN_SETTINGS = ("vram_budget", "group_size", "objective", "ctx_size", "batch", "gpu", "cpu", "dense", "kv_policy")
+
+
 def _require_fresh(path: Path, made: Provenance, now: Provenance) -> None:
     inputs = [(name, label) for name, (_, label) in PLAN_KEYS.items() if label is not None]
-    changed = [label for name, label in inputs if getattr(made, name) != getattr(now, name)]
+    changed = []
+    for name, label in inputs:
+        then, current = getattr(made, name), getattr(now, name)
+        if then == current:
+            continue
+        if name == "vram_budget":
+            then, current = f"{then / GIB:.4g} GiB", f"{current / GIB:.4g} GiB"
+        shown = name in _SHOWN_SETTINGS
+        changed.append(f"{label} was {then}, is now {current}" if shown else f"{label} changed since it was made")
     if changed:
-        raise UserError(
-            f"{path} is stale: {', '.join(changed)} changed since it was made; rebuild it with --reset-gpu-index"
-        )
+        raise UserError(f"{path} is stale: {'; '.join(changed)}; rebuild it with --reset-gpu-index")

@@ -134,14 +134,21 @@ def _window_rows(plan: Plan, full_kv: FullKVComparison) -> list[tuple[str, str]]
     ]
 
 
+def require_plotting() -> None:
+    """Refuse a report where matplotlib is missing: a command asks before its solver's seconds, not after them."""
+    with needs_extra("plot", "--report"):
+        import matplotlib  # noqa: F401
+
+
 def write_report_png(plan: Plan, path: Path) -> None:
     """Per layer: neurons (or experts) on GPU vs CPU (bars) and the share of firing the GPU serves (line)."""
-    with needs_extra("plot", "--report"):
-        import matplotlib
+    require_plotting()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     layers = list(range(len(plan.placement.gpu_neurons)))
     gpu = [int(m.sum()) for m in plan.placement.gpu_neurons]
     cpu = [len(m) - g for m, g in zip(plan.placement.gpu_neurons, gpu, strict=True)]

@@ -18,6 +18,7 @@ from qinfer.prep.synth.build import SynthReport
 from qinfer.prep.synth.corpus import synth_corpus
 from tests.support.cli_in_process import run_in_process
 from tests.support.gguf_rewrite import rewrite_gguf
+from tests.support.ports import free_port
 
 
 def _one_line(result: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -40,7 +41,7 @@ def test_a_prompt_that_is_not_utf8(gguf_files: dict[str, Path]) -> None:
 def test_more_sequences_than_memory_holds(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     model = str(gguf_files["pi-f16"])
     _one_line(run_in_process("run", "-m", model, "-p", "Once", "--parallel", "100000000"), "--parallel", "GiB")
-    _one_line(run_in_process("serve", "-m", model, "--slots", "100000000", "--port", "1"), "--slots")
+    _one_line(run_in_process("serve", "-m", model, "--slots", "100000000", "--port", str(free_port())), "--slots")
 
     def refuse(*_args: object, **_kwargs: object) -> torch.Tensor:
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
@@ -71,7 +72,10 @@ def test_json_lines_decode_as_plain_text_does_and_deep_nesting_is_refused(
 
 
 def test_perplexity_of_a_directory(gguf_files: dict[str, Path], tmp_path: Path) -> None:
-    _one_line(run_in_process("perplexity", "-m", str(gguf_files["pi-f16"]), "-f", str(tmp_path)), "is a directory")
+    model = str(gguf_files["pi-f16"])
+    _one_line(run_in_process("perplexity", "-m", model, "-f", str(tmp_path)), "is a directory")
+    _one_line(run_in_process("perplexity", "-m", model, "-f", "/dev/null"), "/dev/null is not a regular file")
+    _one_line(run_in_process("perplexity", "-m", model, "-f", str(tmp_path / "absent.txt")), "text file not found")
 
 
 def test_a_context_longer_than_the_models_is_clamped_with_a_note(gguf_files: dict[str, Path], tmp_path: Path) -> None:

@@ -86,24 +86,31 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed on these messages ({reason})") from None
 
 
+def read_chat_template(path: Path) -> str:
+    """The text of a template file (`--chat-template`), checked to parse: a command reads it before the model
+    loads, so that a wrong path costs no load."""
+    try:
+        # A pipe would block the read, and a device such as /dev/zero never end it.
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise UserError(f"the chat template {path} is not a regular file; give a template file")
+        with path.open("rb") as file:
+            data = file.read(MAX_TEMPLATE_BYTES + 1)
+        if len(data) > MAX_TEMPLATE_BYTES:
+            raise UserError(f"{path} is over {MAX_TEMPLATE_BYTES >> 10} KiB; is it a chat template?")
+        source = data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read the chat template {path} ({exc})") from None
+    ChatTemplate(source, {})
+    return source
+
+
 def load_chat_template(
-    own: str | None, special_tokens: dict[str, str], override: Path | None = None
+    own: str | None, special_tokens: dict[str, str], override: str | None = None
 ) -> ChatTemplate | None:
-    """The template of `override` (a file), else the model file's own (`own`); None where there is neither."""
+    """The template `override` (a file's text: `read_chat_template`), else the model file's own (`own`); None
+    where there is neither."""
     if override is not None:
-        try:
-            # A pipe would block the read, and a device such as /dev/zero never end it.
-            if not stat.S_ISREG(override.stat().st_mode):
-                raise UserError(f"the chat template {override} is not a regular file; give a template file")
-            with override.open("rb") as file:
-                data = file.read(MAX_TEMPLATE_BYTES + 1)
-            if len(data) > MAX_TEMPLATE_BYTES:
-                raise UserError(f"{override} is over {MAX_TEMPLATE_BYTES >> 10} KiB; is it a chat template?")
-            source = data.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read the chat template {override} ({exc})") from None
-    elif own is None or not own.strip():
+        return ChatTemplate(override, special_tokens)
+    if own is None or not own.strip():
         return None
-    else:
-        source = own
-    return ChatTemplate(source, special_tokens)
+    return ChatTemplate(own, special_tokens)

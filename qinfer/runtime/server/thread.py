@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from qinfer.core.errors import UserError
 from qinfer.runtime.server.app import CLOSE, DEFAULT_OPTIONS, ServerOptions, error_response
 
 
@@ -113,6 +114,22 @@ def uvicorn_server(
     return ClosingServer(config, on_exit)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), for uvicorn to serve on: bound before the model loads, so
+    that an address in use is refused at once, in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --host or --port"
+        ) from None
+    return sock
+
+
 @contextlib.contextmanager
 def serve_in_thread(
     app: FastAPI, host: str = "127.0.0.1", port: int = 0, options: ServerOptions = DEFAULT_OPTIONS
@@ -120,9 +137,7 @@ def serve_in_thread(
     """Yield the base URL (http://host:port) once the server accepts requests; stop it on exit.
 
     Port 0 takes a free port; binding first means the URL is known before uvicorn starts."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = listening_socket(host, port)
     server = uvicorn_server(app, options, host, port)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

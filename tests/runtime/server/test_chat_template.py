@@ -13,7 +13,12 @@ from transformers import AutoTokenizer
 from qinfer.core.errors import UserError
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.synth.swiglu import build_swiglu
-from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from qinfer.runtime.engine.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    load_chat_template,
+    read_chat_template,
+)
 from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.tokenizer import GGUFTokenizer
 from qinfer.runtime.engine.worker import EngineWorker
@@ -92,8 +97,11 @@ def test_the_sandbox_keeps_python_out(tmp_path: Path) -> None:
         buggy.render([{"role": "assistant", "content": None}])
     override = tmp_path / "t.jinja"
     override.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ bos_token }}")
-    chosen = load_chat_template("ignored", {"bos_token": "<s>"}, override)
+    chosen = load_chat_template("ignored", {"bos_token": "<s>"}, read_chat_template(override))
     assert chosen is not None and chosen.render([{"role": "user", "content": "hi"}]) == "<user>hi<s>"
     assert load_chat_template(None, {}) is None
     with pytest.raises(UserError, match="cannot read"):
-        load_chat_template(None, {}, tmp_path / "missing.jinja")
+        read_chat_template(tmp_path / "missing.jinja")
+    override.write_text("{% for %}")
+    with pytest.raises(UserError, match="does not parse"):
+        read_chat_template(override)

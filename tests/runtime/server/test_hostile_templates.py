@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from qinfer.core.errors import UserError
-from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from qinfer.runtime.engine.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
 from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.engine.worker import EngineWorker
 from qinfer.runtime.server import template_process
@@ -124,7 +124,7 @@ def test_a_template_file_that_is_a_pipe_or_a_device_is_refused(tmp_path: Path) -
 
 def _refusal(path: Path) -> BaseException:
     try:
-        load_chat_template(None, {}, path)
+        read_chat_template(path)
     except UserError as exc:
         return exc
     raise AssertionError(f"{path} was read as a template")
