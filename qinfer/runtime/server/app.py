@@ -102,8 +102,12 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, object]:
+    """OpenAI's error object: a response's body, and a stream's last event."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class ApiKeyGuard:
@@ -641,7 +645,7 @@ async def stream_events(worker: EngineWorker, completion: Completion) -> AsyncIt
                 yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
     except ApiError as exc:
-        yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"
+        yield f"data: {json.dumps(error_body(exc.message, exc.kind, exc.param))}\n\n"
     finally:
         worker.cancel(job)
 

@@ -61,8 +61,9 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # NaN is refused as not finite, rather than as over the bound it fails to compare with.
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     # Not in OpenAI's API; llama.cpp's server takes the same two.
     top_k: int = Field(default=0, ge=0)
     ignore_eos: bool = False
@@ -125,6 +126,26 @@ class ChatMessage(BaseModel):
     content: str | None = None
 
     _valid_content = field_validator("content")(lambda v: v if v is None else _valid_unicode(v))
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: object) -> object:
+        """OpenAI's list form of content (what its SDKs send for parts), as the text templates expect: its text
+        parts joined by newlines, as vLLM joins them. A part of another kind (an image) is refused: the models
+        served here read text alone."""
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise PydanticCustomError(
+                    "content_part",
+                    'content parts must be text, {"type": "text", "text": "..."}; this server reads no {kind} part',
+                    {"kind": repr(kind)},
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ToolFunction(BaseModel):

@@ -213,7 +213,10 @@ def test_shutdown_ends_every_stream_with_a_final_event_and_exits_soon(
         for out in outputs:
             last = out[-1] if out else ""
             assert last == "data: [DONE]" or "shutting down" in last, out[-3:]
-        assert sum("shutting down" in out[-1] for out in outputs if out) >= 10
+        ended = [json.loads(out[-1].removeprefix("data: ")) for out in outputs if out and "shutting down" in out[-1]]
+        assert len(ended) >= 10
+        # A stream's error event is OpenAI's error object, as a response's body is.
+        assert all(set(event["error"]) == {"message", "type", "param", "code"} for event in ended), ended[0]
     finally:
         if server.poll() is None:
             server.kill()

@@ -113,6 +113,20 @@ def test_chat_uses_the_transcript_template_and_streams(client: openai.OpenAI, re
     assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_chat_content_as_text_parts_is_the_joined_text(client: openai.OpenAI, base_url: str) -> None:
+    parts = [{"type": "text", "text": "A story"}, {"type": "text", "text": "about Tom"}]
+    args = {"model": "tiny", "max_tokens": 6, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    listed = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **args)
+    joined = client.chat.completions.create(messages=[{"role": "user", "content": "A story\nabout Tom"}], **args)
+    assert listed.choices[0].message.content == joined.choices[0].message.content
+    assert listed.usage is not None and joined.usage is not None
+    assert listed.usage.prompt_tokens == joined.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [parts[0], image]}], "max_tokens": 2}
+    status, refused = _http(f"{base_url}/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "reads no 'image_url' part" in refused["error"]["message"]
+
+
 def test_malformed_requests_get_openai_shaped_400s(client: openai.OpenAI, base_url: str) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="tiny", prompt="Hi", max_tokens=-3)
@@ -124,6 +138,9 @@ def test_malformed_requests_get_openai_shaped_400s(client: openai.OpenAI, base_u
     assert "context holds" in str(long.value.body)
     status, broken = _http(f"{base_url}/v1/chat/completions", b"{not json")
     assert status == 400 and broken["error"]["type"] == "invalid_request_error" and broken["error"]["message"]
+    for field in ("temperature", "top_p"):
+        status, nan = _http(f"{base_url}/v1/completions", f'{{"prompt": "Hi", "{field}": NaN}}'.encode())
+        assert status == 400 and nan["error"]["message"] == f"{field}: Input should be a finite number"
     assert _http(f"{base_url}/v1/models")[1]["data"][0]["id"] == "tiny"
 
 
@@ -307,7 +324,7 @@ def test_qinfer_serve_freezes_what_it_loaded_before_it_serves(model: Path) -> No
         "main()\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, "serve", "-m", str(model), "--port", "1"],
+        [sys.executable, "-c", code, "serve", "-m", str(model), "--port", str(free_port())],
         capture_output=True,
         text=True,
         timeout=120,
