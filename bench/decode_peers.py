@@ -167,10 +167,18 @@ def parse_engine_timings(stderr: str) -> Speed:
 
 
 def powerinfer_decoder(
-    main: Path, path: Path, prompt: str, n: int, threads: int, ctx: int, extra: tuple[str, ...] = ()
+    main: Path,
+    path: Path,
+    prompt: str,
+    n: int,
+    threads: int,
+    ctx: int,
+    extra: tuple[str, ...] = (),
+    timeout_s: float = 900,
 ) -> Timer:
     """The engine's `main` on `path` with our options: greedy (its default repeat penalty is 1.1), n tokens;
-    `extra`: more of its options (a GPU build's --vram-budget or -ngl)."""
+    `extra`: more of its options (a GPU build's --vram-budget or -ngl). A run past `timeout_s` (a CPU's 7B run
+    with its own solver's first plan can take minutes) fails its row."""
     # Its tokenizer drops SentencePiece's leading space, so a leading space gives it the same ids as ours. A path
     # is given as it is, not resolved: the engine looks for the file's .gpuidx and activations beside that name.
     command = [str(main.resolve()), "-m", str(path.absolute()), "-p", f" {prompt}", "-n", str(n), "-t", str(threads)]
@@ -186,7 +194,7 @@ def powerinfer_decoder(
                 capture_output=True,
                 text=True,
                 errors="replace",
-                timeout=900,
+                timeout=timeout_s,
             )
         if done.returncode != 0:
             tail = done.stderr.strip().splitlines()[-3:]

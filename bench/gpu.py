@@ -138,6 +138,35 @@ def _failing() -> Speed:
     raise AssertionError("unreachable: a configuration that did not open is never timed")
 
 
+def decode_table(
+    title: str,
+    keys: list[str],
+    best: dict[str, Speed],
+    failed: dict[str, str],
+    peaks: dict[str, tuple[Callable[[], float | None], float]],
+    budgets: list[float],
+) -> Table:
+    """One row per "file|configuration" key: its best tokens/s, its peak VRAM against its budget, and ours over the
+    engine's on the same file and budget."""
+    table = Table(title=title)
+    for column in ("file", "configuration", "tokens/s", "peak VRAM / budget GiB", "vs engine"):
+        table.add_column(column, justify="right" if column != "configuration" else "left")
+    peers = {"split ours static": "split engine, own plan", "all FFN ours": "all FFN engine"}
+    peers |= {f"split ours static, {b:g} GiB": f"split engine, own plan, {b:g} GiB" for b in budgets}
+    for key in keys:
+        file, label = key.split("|")
+        tps = best[key].decode if key in best else math.nan
+        peak = ""
+        if key in peaks:
+            measured, budget = peaks[key][0](), peaks[key][1]
+            peak = f"{measured:.3f} / {budget:.3f}" if measured is not None else f"- / {budget:.3f}"
+        peer = peers.get(label)
+        versus = best.get(f"{file}|{peer}") if peer else None
+        ratio = f"{tps / versus.decode:.2f}x" if versus is not None and not math.isnan(tps) else ""
+        table.add_row(file, label, "failed" if key in failed else f"{tps:.1f}", peak, ratio)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="7b-slice", help="comma-separated, from bench/decode.py's shapes")
@@ -233,15 +262,17 @@ def main() -> None:
                 ]
                 for label, file, directory, extra in engine_rows:
                     path = placed(file, args.work / "gpu" / v.name.replace(" ", "-"), directory)
+                    # A hung run must fail its row, not use up a GPU session's few minutes.
                     timers[f"{v.name}|{label}"] = powerinfer_decoder(
-                        args.powerinfer_main, path, prompt, args.tokens, threads, args.ctx, extra
+                        args.powerinfer_main, path, prompt, args.tokens, threads, args.ctx, extra, timeout_s=180
                     )
         if cuda and not depth:
             timers[f"{model.name}|transformers eager, GPU f16"] = transformers_decoder(
                 model.model_dir, prompt_ids, args.tokens, torch.float16, "cuda"
             )
         best: dict[str, Speed] = {}
-        for _ in range(args.rounds):
+
+        for done in range(1, args.rounds + 1):
             for key, timer in timers.items():
                 if key in failed:
                     continue
@@ -252,23 +283,10 @@ def main() -> None:
                     traceback.print_exc()
                     continue
                 best[key] = best[key].best(speed) if key in best else speed
-        table = Table(title=f"{name}: decode tokens/s, best of {args.rounds} interleaved rounds, {args.tokens} tokens")
-        for column in ("file", "configuration", "tokens/s", "peak VRAM / budget GiB", "vs engine"):
-            table.add_column(column, justify="right" if column != "configuration" else "left")
-        for key in timers:
-            file, label = key.split("|")
-            tps = best[key].decode if key in best else math.nan
-            peak = ""
-            if key in peaks:
-                measured, budget = peaks[key][0](), peaks[key][1]
-                peak = f"{measured:.3f} / {budget:.3f}" if measured is not None else f"- / {budget:.3f}"
-            peers = {"split ours static": "split engine, own plan", "all FFN ours": "all FFN engine"}
-            peers |= {f"split ours static, {b:g} GiB": f"split engine, own plan, {b:g} GiB" for b in budgets}
-            peer = peers.get(label)
-            versus = best.get(f"{file}|{peer}") if peer else None
-            ratio = f"{tps / versus.decode:.2f}x" if versus is not None and not math.isnan(tps) else ""
-            table.add_row(file, label, "failed" if key in failed else f"{tps:.1f}", peak, ratio)
-        console.print(table)
+            # After every round: a run stopped by a time limit still leaves the rounds it finished.
+            title = f"{name}: decode tokens/s, best of {done} interleaved rounds"
+            title += f" of {args.rounds} (so far)" if done < args.rounds else ""
+            console.print(decode_table(f"{title}, {args.tokens} tokens", list(timers), best, failed, peaks, budgets))
         for key, why in failed.items():
             console.print(f"{key}: {why}", markup=False)
         for key, note in graph_notes.items():
