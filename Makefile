@@ -82,15 +82,18 @@ test-floor: setup-floor
 	$(FLOOR_BIN)/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
 # Plan settings that changed since the last plan (the echo differs from the file) make this stamp newer, so the
-# plan is made again; unchanged ones leave it alone.
+# plan is made again; unchanged ones leave it alone. So does a .gpuidx written after make's last plan (the `plan`
+# stamp beside this one): a `qinfer plan` by hand, with other settings, which run would refuse as stale.
 %/plan-settings: FORCE
 	@mkdir -p $(@D)
 	@echo "$(PLAN_SETTINGS)" | cmp -s - $@ || echo "$(PLAN_SETTINGS)" > $@
+	@index="$(PLAN_INDEX)"; if [ -e "$$index" ] && [ -e $(@D)/plan ] && [ "$$index" -nt $(@D)/plan ]; then touch $@; fi
 
 # --- the tiny synth model -------------------------------------------------------------------------------------
 TINY := $(WORK)/tiny.powerinfer.gguf
 
 tiny: PLAN_SETTINGS := vram $(TINY_VRAM) ctx $(TINY_CTX)
+tiny: PLAN_INDEX := $(TINY).generated.gpuidx
 tiny: $(TINY).generated.gpuidx
 	$(BIN)/qinfer run -m $(TINY) -p "$(PROMPT)" -n $(N_PREDICT) -t $(THREADS) --temp 0 -c $(TINY_CTX) \
 		--vram-budget $(TINY_VRAM)
@@ -111,6 +114,7 @@ $(WORK)/activation/summary.json: $(WORK)/synth/model/config.json $(WORK)/corpus.
 
 $(TINY).generated.gpuidx: $(TINY) $(WORK)/activation/summary.json $(WORK)/plan-settings
 	$(BIN)/qinfer plan -m $(TINY) --vram-budget $(TINY_VRAM) --ctx-size $(TINY_CTX) --reset-gpu-index
+	touch $(WORK)/plan
 
 # --- a supported model from the hub ---------------------------------------------------------------------------
 # File names come from the model's profile, so each stage's stamp in $(STAGE) holds the path that stage produced.
@@ -119,6 +123,7 @@ STAGE := $(DIR)/.make
 FINAL := $(STAGE)/$(if $(QUANT),quantized,gguf)
 
 model: PLAN_SETTINGS := vram $(VRAM) ctx $(CTX)
+model: PLAN_INDEX = $$(cat $(FINAL) 2>/dev/null).generated.gpuidx
 model: $(STAGE)/plan
 	$(BIN)/qinfer run -m "$$(cat $(FINAL))" -p "$(PROMPT)" -n $(N_PREDICT) -t $(THREADS) --temp 0 -c $(CTX) \
 		--vram-budget $(VRAM)

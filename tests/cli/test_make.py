@@ -59,6 +59,13 @@ def test_make_all_runs_the_tiny_pipeline_and_skips_what_is_up_to_date(tmp_path: 
     # would run), though not the first case: its plan-settings rule always runs, so a dry run lists the plan too.
     again = _make(work, "all")
     assert "qinfer prep" not in again.stdout and "qinfer plan" not in again.stdout and "qinfer run" in again.stdout
+    # A plan made by hand with other settings (as the README's step-by-step section shows) is planned again with
+    # make's, where the run would refuse it as stale.
+    by_hand = [str(VENV / "bin" / "qinfer"), "plan", "-m", str(model), "--vram-budget", "0.3", "--batch", "2"]
+    assert subprocess.run([*by_hand, "--reset-gpu-index"], capture_output=True, timeout=300).returncode == 0
+    replanned = _make(work, "all")
+    assert replanned.returncode == 0, replanned.stdout + replanned.stderr
+    assert "qinfer prep" not in replanned.stdout and "qinfer plan" in replanned.stdout
     (work / "corpus.txt").touch()
     changed = _make(work, "-n", "all")
     assert "prep profile" in changed.stdout and "qinfer plan" in changed.stdout
