@@ -57,6 +57,7 @@ def download(
 ) -> DownloadResult:
     """Download `profile` from `source` into `dest`; files already complete in the cache are not fetched again."""
     notify = on_file or (lambda done, total, what: None)
+    _require_directory(dest)
     if source == "gguf":
         return _download_gguf(profile, dest, variant or ("f16" if profile.gguf_f16 else "q4"), notify)
     if source == "original":
@@ -74,12 +75,18 @@ def _download_gguf(profile: ModelProfile, dest: Path, variant: Variant, notify: 
             f"use --source original (then convert) or the other variant"
         )
     names = [model_name, *profile.activation_files]
+    for name in names:
+        _require_file_target(dest / name)
     files = _fetch_files(profile.gguf_repo, names, dest, notify, 0, len(names))
     return DownloadResult(dest, files, files[0], None, None)
 
 
 def _download_original(profile: ModelProfile, dest: Path, notify: OnFile) -> DownloadResult:
     total = 2 + len(profile.activation_files)
+    for part in ("model", "predictor"):
+        _require_directory(dest / part)
+    for name in profile.activation_files:
+        _require_file_target(dest / name)
     notify(0, total, profile.original_repo)
     model_files = _fetch_repo(profile.original_repo, _weight_patterns(profile.original_repo), dest / "model")
     notify(1, total, profile.predictor_repo)
@@ -118,6 +125,26 @@ def _weight_patterns(repo: str) -> list[str]:
     return [*CHECKPOINT_EXTRAS, kind]
 
 
+def _require_directory(path: Path) -> None:
+    """Make the directory `path` (and its parents), or refuse it in one line: checked before anything is fetched,
+    since a file can be gigabytes."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot use {path} as a directory ({exc.strerror}); name another --dir") from None
+
+
+def _require_file_target(path: Path) -> None:
+    """Refuse a file's place in the layout that holds something a file cannot replace (a directory, a pipe), before
+    anything is fetched."""
+    if path.is_dir():
+        raise UserError(f"{path} is a directory where the download puts a file; move it or name another --dir")
+    check_not_special(path, "regular file")
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise UserError(f"{parent} is a file where the download puts a directory; move it or name another --dir")
+
+
 def _place(cached: Path, target: Path) -> Path:
     """Hard-link the cached blob to `target` (a symlink across file systems), swapped in atomically."""
     blob = cached.resolve()
@@ -131,7 +158,10 @@ def _place(cached: Path, target: Path) -> Path:
         os.link(blob, tmp)
     except OSError:
         tmp.symlink_to(blob)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
     return target
 
 

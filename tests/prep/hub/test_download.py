@@ -239,3 +239,24 @@ def test_original_source_from_a_prepopulated_cache_offline(tmp_path: Path) -> No
     assert {p.name: p.read_bytes() for p in (out / "model").iterdir()} == checkpoint
     assert {p.name: p.read_bytes() for p in (out / "predictor").iterdir()} == predictor
     assert (out / "activation" / "activation_7.pt").read_bytes() == b"activation/activation_7.pt"
+
+
+def test_a_target_the_layout_cannot_take_is_refused_before_any_fetch(tmp_path: Path) -> None:
+    """No hub answers here: a download that went as far as fetching would say it cannot reach one instead."""
+    profile = load_model_profile(MODEL)
+    assert profile.gguf_f16 is not None
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    blocked = tmp_path / "blocked"
+    (blocked / profile.gguf_f16).mkdir(parents=True)
+    cases = {
+        str(a_file): "as a directory (File exists); name another --dir",
+        str(a_file / "below"): "as a directory (Not a directory); name another --dir",
+        str(blocked): "is a directory where the download puts a file",
+    }
+    for target, words in cases.items():
+        done = _run([MODEL, "--dir", target], tmp_path / "cache", nowhere, prelude=NO_BACKOFF)
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and words in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+    assert sorted(p.name for p in blocked.iterdir()) == [profile.gguf_f16]
