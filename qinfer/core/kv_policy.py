@@ -74,6 +74,15 @@ class KVPolicy:
     def windowed(self) -> bool:
         return self.kind == "window"
 
+    def require_fits(self, cfg: ModelSpec) -> None:
+        """Refuse a window for a model that attends to a sliding window of its own (Mistral): the runtime, which
+        would keep the wrong rows, and the planner, which would budget them."""
+        if self.windowed and cfg.sliding_window is not None:
+            raise UserError(
+                f"this model attends to its last {cfg.sliding_window} tokens itself (a sliding window); "
+                "use --kv-policy full"
+            )
+
     def rows(self, ctx: int) -> int:
         """KV rows kept per layer, sequence and kv head for a context of `ctx` tokens."""
         if not self.windowed:

@@ -82,14 +82,18 @@ def is_activation_output(path: Path, others: re.Pattern[str]) -> bool:
     )
 
 
+# The commands that write a model's counts: a ReLU model's (and a mixture's) profile, a SwiGLU model's calibration.
+MAKE_COUNTS = "profile the model with `qinfer prep profile` (a SwiGLU model: `qinfer prep calibrate`)"
+
+
 def activation_paths(directory: Path, n_layers: int | None = None) -> list[Path]:
     """The layer files sorted by integer index (2 before 10); with `n_layers`, exactly those of layers 0 to
     n_layers - 1, else a contiguous run from 0. A missing or extra layer is a user error."""
     if not directory.is_dir():
-        raise UserError(f"activation directory {directory} not found; profile the model with `qinfer prep profile`")
+        raise UserError(f"activation directory {directory} not found; {MAKE_COUNTS}")
     found = {int(m.group(1)): p for p in directory.iterdir() if (m := LAYER_FILE.fullmatch(p.name))}
     if not found:
-        raise UserError(f"{directory} holds no activation_{{i}}.pt files; profile the model with `qinfer prep profile`")
+        raise UserError(f"{directory} holds no activation_{{i}}.pt files; {MAKE_COUNTS}")
     layers = n_layers if n_layers is not None else max(found) + 1
     missing = sorted(set(range(layers)) - set(found))
     extra = sorted(set(found) - set(range(layers)))

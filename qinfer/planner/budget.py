@@ -8,6 +8,7 @@ copies of those rows' keys and values that attention makes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from qinfer.core.errors import UserError
@@ -117,7 +118,9 @@ def require_budget(acct: VramAccount, budget: int, dense_on_gpu: bool) -> None:
     need = minimum_budget(acct, dense_on_gpu)
     if budget < need:
         what = "the dense parts (attention, KV cache, output head, scratch)" if dense_on_gpu else "the scratch reserve"
+        # The need rounded up, so that the figure given is a budget that holds it (0.25 GiB against 0.25 did not).
+        least = math.ceil(need / GIB * 1e4) / 1e4
         raise UserError(
-            f"a VRAM budget of {budget / GIB:.2f} GiB cannot hold {what}: at least {need / GIB:.2f} GiB "
+            f"a VRAM budget of {budget / GIB:.4g} GiB cannot hold {what}: at least {least:.4f} GiB "
             f"({need} bytes) is needed; raise --vram-budget or lower --ctx-size/--batch"
         )

@@ -111,7 +111,9 @@ def _fit_model(options: PlanOptions, layout: ModelLayout) -> PlanOptions:
     """`options` as they apply to this model: the context capped at the model's own, as the runtime caps it, so that
     a plan made with the default --ctx-size is the plan a run of the same model asks for; and a mixture's experts
     placed one by one whatever --group-size says (an expert is already the size of many neuron groups), recorded
-    so, so that another --group-size does not make its plan stale."""
+    so, so that another --group-size does not make its plan stale. A KV policy the runtime would refuse for this
+    model is refused here too."""
+    options.kv_policy.require_fits(layout.spec)
     if 0 < layout.spec.context_length < options.ctx_size:
         options = replace(options, ctx_size=layout.spec.context_length)
     if layout.unit == "expert":

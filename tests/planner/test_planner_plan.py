@@ -136,7 +136,10 @@ def test_cli_dry_run_prints_the_account_and_writes_nothing(model: Path) -> None:
 def test_cli_too_small_budget_is_one_clear_line(model: Path) -> None:
     code, message = _cli("-m", str(model), "--vram-budget", "0.1", "--dry-run")
     assert code == 2
-    assert "cannot hold the dense parts" in message and "at least 0.25 GiB" in message and "\n" not in message
+    assert "a VRAM budget of 0.1 GiB cannot hold the dense parts" in message and "\n" not in message
+    least = float(message.split("at least ")[1].split(" GiB")[0])
+    need = int(message.split("GiB (")[1].split(" bytes")[0])
+    assert least > 0.25 and need <= least * GIB < need + GIB * 1e-4  # a budget that holds it, rounded up
 
 
 def test_cli_without_matplotlib_refuses_a_report_before_it_plans(

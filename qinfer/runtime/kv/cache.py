@@ -172,11 +172,8 @@ def make_kv_cache(
     the element types `types` gives (the window cache keeps float32 on the CPU); refused in one line, before
     anything is allocated, where the host cannot hold its K and V."""
     window = policy if policy is not None and policy.windowed else None
-    if window is not None and cfg.sliding_window is not None:
-        raise UserError(
-            f"this model attends to its last {cfg.sliding_window} tokens itself (a sliding window); "
-            "use --kv-policy full"
-        )
+    if window is not None:
+        window.require_fits(cfg)
     rows = window.split(ctx).rows if window is not None else ctx
     lower = "lower the sequences (--parallel, --slots) or --ctx-size"
     if torch.device(device).type == "cpu":

@@ -17,15 +17,17 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qinfer.core.errors import UserError
-from qinfer.core.kv_policy import F32_KV
+from qinfer.core.kv_policy import F32_KV, KVPolicy
 from qinfer.formats.activation_files import read_activations
 from qinfer.formats.gpuidx import GpuIndex, gpuidx_path_for, write_gpuidx
+from qinfer.planner.make_plan import PlanOptions, dry_run_account
 from qinfer.prep.convert.convert import convert
 from qinfer.prep.predictor.training import TrainSettings, train_predictors
 from qinfer.prep.profile.activation_profile import profile_activations
 from qinfer.prep.profile.corpus_reader import corpus_files, token_windows
 from qinfer.prep.profile.gate_calibration import calibrate_gate
 from qinfer.prep.synth.corpus import synth_corpus
+from qinfer.runtime.engine.engine import Engine
 from qinfer.runtime.ffn.hybrid import HybridRunner
 from qinfer.runtime.kv.batch import TokenBatch
 from qinfer.runtime.kv.cache import KVCache
@@ -263,3 +265,16 @@ def test_a_mixed_step_keeps_the_decode_tokens_sparse(calibrated: dict) -> None:
     calibrated gate, each as it would alone: a stream's tokens do not depend on the prompts that share its steps.
     (Skipping gated neurons changes the logits, unlike a ReLU model's predictor that misses no firing neuron.)"""
     mixed_equals_alone(calibrated["f32"], ffn="sparse")
+
+
+def test_the_planner_refuses_a_kv_window_for_a_sliding_window_model_as_the_runtime_does(
+    calibrated: dict, swiglu: dict[str, dict[str, Path]], tmp_path: Path
+) -> None:
+    # Mistral's sliding window, calibrated with the Llama-3 model's thresholds (the same shapes): a file to plan.
+    model = convert(swiglu["mistral"]["model"], tmp_path / "mis.powerinfer.gguf", None, "f32", calibrated["result"].out)
+    window = KVPolicy("window", 8)
+    with pytest.raises(UserError, match="attends to its last 16 tokens itself") as planned:
+        dry_run_account(model.outfile, 2**30, PlanOptions(kv_policy=window))
+    with pytest.raises(UserError) as loaded:
+        Engine.open(model.outfile, kv_policy=window)
+    assert str(planned.value) == str(loaded.value)

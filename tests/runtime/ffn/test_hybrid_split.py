@@ -393,7 +393,7 @@ def test_stale_or_mismatched_gpuidx_is_a_clear_error(model: Path) -> None:
 
 def test_missing_activation_names_the_profile_command(model: Path) -> None:
     shutil.rmtree(model.parent / "activation")
-    with pytest.raises(UserError, match="qinfer prep profile"):
+    with pytest.raises(UserError, match=r"`qinfer prep profile` \(a SwiGLU model: `qinfer prep calibrate`\)"):
         Engine.open(model, ctx_size=96, vram_budget_gib=1.0, device="cpu")
 
 
