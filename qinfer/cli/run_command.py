@@ -110,6 +110,8 @@ def run_cmd(
         # llama.cpp's -n 0: the model loads and nothing is generated.
         sys.stdout.write(prompt + "\n")
         return
+    # Before the prompt is echoed: an error must not be glued to its text.
+    engine.require_room(engine.tokenizer.encode(prompt))
     # The engine ends a sequence whose context is full, so "until the end" needs no count of its own.
     max_tokens = engine.ctx_size if n_predict < 0 else n_predict
     sampling = SamplingParams(temp, top_k, top_p)
@@ -141,3 +143,5 @@ def run_cmd(
         f"prompt: {first.prompt_tokens} tokens, {first.prompt_tps:.1f} tokens/s | "
         f"decode: {tokens} tokens, {decode_tps:.1f} tokens/s"
     )
+    if n_predict > 0 and any(len(r.tokens) < n_predict and not r.stopped_at_eos for r in results):
+        err.print(f"note: stopped before -n {n_predict}: the context of {engine.ctx_size} tokens is full (-c)")

@@ -202,15 +202,19 @@ class Engine:
     def active_slots(self) -> list[int]:
         return sorted(self._active)
 
+    def require_room(self, prompt_ids: list[int]) -> None:
+        """Refuse a prompt that leaves no room in a slot's context for a token after it (`submit` does; a command
+        can ask before it echoes the prompt)."""
+        if not prompt_ids:
+            raise UserError("the prompt is empty")
+        if len(prompt_ids) >= self.ctx_size:
+            raise UserError(
+                f"the prompt is {len(prompt_ids)} tokens but the context holds {self.ctx_size}; raise --ctx-size"
+            )
+
     def submit(self, request: Request) -> int:
         """Take `request` into a free slot, its prompt to be computed by the steps that follow; the slot."""
-        if not request.prompt_ids:
-            raise UserError("the prompt is empty")
-        if len(request.prompt_ids) >= self.ctx_size:
-            raise UserError(
-                f"the prompt is {len(request.prompt_ids)} tokens but the context holds {self.ctx_size}; "
-                "raise --ctx-size"
-            )
+        self.require_room(request.prompt_ids)
         free = [s for s in range(self.slots) if s not in self._active]
         if not free:
             raise UserError(f"all {self.slots} slots are busy")

@@ -136,6 +136,19 @@ def test_run_command_streams_and_summarises(gguf_files: dict[str, Path]) -> None
     assert len(body.split(PROMPT, 1)[1]) > 3
 
 
+def test_run_says_where_the_context_ends_it(gguf_files: dict[str, Path]) -> None:
+    model = str(gguf_files["pi-f16"])
+    refused = run_in_process("run", "-m", model, "-p", PROMPT, "-c", "4", "-n", "2")
+    # Refused before the prompt is echoed, which the error line would otherwise follow on the same line.
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+    assert refused.stderr.startswith("error: the prompt is ") and refused.stderr.count("\n") == 1
+    cut = run_in_process("run", "-m", model, "-p", PROMPT, "-c", "16", "-n", "100", "--temp", "0", "--ignore-eos")
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stderr.splitlines()[-1] == "note: stopped before -n 100: the context of 16 tokens is full (-c)"
+    whole = run_in_process("run", "-m", model, "-p", PROMPT, "-c", "16", "-n", "4", "--temp", "0", "--ignore-eos")
+    assert whole.returncode == 0 and "note:" not in whole.stderr
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "garbage"])
 def test_run_refuses_bad_model_files(gguf_files: dict[str, Path], tmp_path: Path, damage: str) -> None:
     path = tmp_path / "bad.powerinfer.gguf"
