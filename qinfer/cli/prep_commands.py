@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from qinfer.formats.gguf_writer import TensorPlan
 
 SPARSITY = Real(0.5, 1.0, high_open=True)
+TARGET_SPARSITY = 0.9  # a ReLU synth build's, as ReluLLaMA's
 
 
 @prep.command("synth")
@@ -46,13 +47,23 @@ def synth_cmd(
         typer.Option(
             parser=SPARSITY, help=f"Target FFN activation sparsity, the fraction of idle neurons ({SPARSITY})."
         ),
-    ] = 0.9,
+    ] = TARGET_SPARSITY,
     force: Annotated[
         bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier build.")
     ] = False,
+    family: Annotated[
+        str,
+        typer.Option(
+            help="relu-llama (with predictors); a SwiGLU family, llama3, mistral or qwen2 (untrained unless "
+            "--train-steps; made sparse by `prep calibrate`); or a mixture of experts, mixtral, qwen2moe or "
+            "qwen3moe (untrained; --ffn is each expert's)."
+        ),
+    ] = "relu-llama",
 ) -> None:
-    """Build a tiny ReLU-LLaMA (HF format, real tokenizer) and its predictors, for trying the pipeline offline."""
+    """Build a tiny model (HF format, real tokenizer) for trying the pipeline offline: a ReLU-LLaMA and its
+    predictors by default, or a SwiGLU or mixture-of-experts family's (--family)."""
     from qinfer.prep.synth.build import SynthShape, build_synth
+    from qinfer.prep.synth.family_build import RELU_FAMILY, build_family
     from qinfer.prep.synth.tokenizer import SEQ_LEN
 
     shape = SynthShape(
@@ -65,6 +76,15 @@ def synth_cmd(
         predictor_rank=predictor_rank,
         context=context,
     )
+    if family != RELU_FAMILY:
+        if predictor_rank != SynthShape.predictor_rank or sparsity != TARGET_SPARSITY or train_seq_len is not None:
+            raise typer.BadParameter(
+                "only relu-llama has predictors (--predictor-rank, --sparsity, --train-seq-len); a SwiGLU model "
+                "is made sparse by `qinfer prep calibrate`",
+                param_hint="--family",
+            )
+        err.print(f"model: {build_family(out, family, shape, seed, train_steps or 0, force)}")
+        return
     with progress_bar() as bar:
         tasks: dict[str, int] = {}
 

@@ -77,7 +77,7 @@ def build_synth(
     or an earlier build unless `force`. `train_seq_len` is the length of the training windows: the context a
     model is trained to use (for long-context studies, up to `shape.context`).
     """
-    _check_args(shape, train_steps, target_sparsity, train_seq_len)
+    check_synth_args(shape, train_steps, target_sparsity, train_seq_len)
     check_replaceable(out, SYNTH_BUILD, force)
     steps = DEFAULT_TRAIN_STEPS if train_steps is None else train_steps
     tell = progress or _no_progress
@@ -133,7 +133,14 @@ def _no_progress(stage: str, done: int, total: int) -> None:
     pass
 
 
-def _check_args(shape: SynthShape, train_steps: int | None, target_sparsity: float, train_seq_len: int) -> None:
+def check_synth_args(
+    shape: SynthShape,
+    train_steps: int | None = None,
+    target_sparsity: float | None = None,
+    train_seq_len: int | None = None,
+) -> None:
+    """Refuse a shape or setting a build cannot take, every reason in one line, before any work; a setting left
+    None is not checked (a build without predictors has none)."""
     problems = []
     if min(shape.layers, shape.heads, shape.kv_heads) < 1 or shape.hidden < 2 or shape.ffn < 5:
         problems.append("layers, heads and kv_heads must be positive, hidden at least 2 and ffn at least 5")
@@ -145,13 +152,13 @@ def _check_args(shape: SynthShape, train_steps: int | None, target_sparsity: flo
         problems.append(f"vocab={shape.vocab} is too small: 259 ids go to byte fallback and special tokens")
     if shape.context < SEQ_LEN:
         problems.append(f"context={shape.context} must be at least {SEQ_LEN}, the length of the text sequences")
-    if not SEQ_LEN <= train_seq_len <= shape.context:
+    if train_seq_len is not None and not SEQ_LEN <= train_seq_len <= shape.context:
         problems.append(f"train_seq_len={train_seq_len} must lie between {SEQ_LEN} and the context {shape.context}")
     if shape.predictor_rank < 32 or shape.predictor_rank % 32:
         problems.append(f"predictor_rank={shape.predictor_rank} must be a positive multiple of 32")
     if train_steps is not None and train_steps < 0:
         problems.append(f"train_steps={train_steps} must be >= 0")
-    if not 0.5 <= target_sparsity < 1.0:
+    if target_sparsity is not None and not 0.5 <= target_sparsity < 1.0:
         problems.append(f"target_sparsity={target_sparsity} must be in [0.5, 1)")
     if problems:
         raise UserError("cannot build a synth model: " + "; ".join(problems))
