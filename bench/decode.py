@@ -87,6 +87,8 @@ class BenchModel:
 
 def bench_model(work: Path, name: str) -> BenchModel:
     """Build `name` under `work/name` unless it is already there."""
+    if name not in SHAPES:
+        raise SystemExit(f"unknown model {name!r}; use one of {', '.join(SHAPES)}")
     root = work / name
     model = BenchModel(name, root / "synth" / "model", root / f"{name}.powerinfer.gguf", root / f"{name}.gguf")
     if not (root / "synth" / "synth.json").exists():

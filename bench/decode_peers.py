@@ -143,13 +143,19 @@ def _how_it_ended(code: int) -> str:
         return f"signal {-code}"
 
 
+def peer_problem(option: str, binary: Path, what: str) -> str | None:
+    """Why `binary`, given as `option`, cannot be run as the peer `what` (llama.cpp's llama-server, the `main` of a
+    PowerInfer build, ...), or None."""
+    if not binary.is_file():
+        return f"{option} {binary}: no such file (point it at {what})"
+    if not os.access(binary, os.X_OK):
+        return f"{option} {binary}: not executable (chmod +x it, or point at {what})"
+    return None
+
+
 def engine_main_problem(main: Path) -> str | None:
     """Why `main` cannot be run as the PowerInfer engine, or None."""
-    if not main.is_file():
-        return f"--powerinfer-main {main}: no such file (point it at the `main` of a PowerInfer CPU build)"
-    if not os.access(main, os.X_OK):
-        return f"--powerinfer-main {main}: not executable (chmod +x it, or point at the built binary)"
-    return None
+    return peer_problem("--powerinfer-main", main, "the `main` of a PowerInfer build")
 
 
 # Its llama_print_timings lines: "prompt eval time = ... tokens per second)" and "eval time = ...".

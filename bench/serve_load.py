@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from decode_peers import peer_problem
 from machine import cpu
 
 PROMPTS = ["Once upon a time", "Lily found a red ball", "One day, a little fox", "Mia had 5 apples"]
@@ -59,7 +60,9 @@ def server(command: list[str], port: int, log: Path) -> Iterator[str]:
         deadline = time.perf_counter() + 600
         while True:
             if process.poll() is not None:
-                raise SystemExit(f"{Path(command[0]).name} exited with {process.returncode}; see {log}")
+                # Its own words: the log lives in a temporary directory that is gone once this exits.
+                said = "\n".join(log.read_text(errors="replace").strip().splitlines()[-5:])
+                raise SystemExit(f"{Path(command[0]).name} exited with {process.returncode}:\n{said}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
                     if response.status == 200:
@@ -127,8 +130,8 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server: adds its columns")
     parser.add_argument("-t", "--threads", type=int, default=0)
     args = parser.parse_args()
-    if args.llama_server is not None and not args.llama_server.is_file():
-        parser.error(f"--llama-server {args.llama_server}: no such file")
+    if args.llama_server is not None and (problem := peer_problem("--llama-server", args.llama_server, "llama-server")):
+        parser.error(problem)
     threads = args.threads or torch.get_num_threads()
     slots = max(args.clients)
     with tempfile.TemporaryDirectory() as tmp:

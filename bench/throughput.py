@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 from decode import bench_model, kernels_from, on_kernels, quantized
-from decode_peers import read_bandwidth
+from decode_peers import peer_problem, read_bandwidth
 from machine import cpu
 from rich.console import Console
 from rich.table import Table
@@ -213,9 +213,12 @@ def main() -> None:
     parser.add_argument("--powerinfer-batched-bench", type=Path, help="the engine's batched-bench: adds its column")
     parser.add_argument("--before-kernels", type=Path, help="also ours on the kernels built from this directory")
     args = parser.parse_args()
-    for binary in (args.llama_batched_bench, args.powerinfer_batched_bench):
-        if binary is not None and not binary.is_file():
-            parser.error(f"{binary}: no such file")
+    for option, binary, what in (
+        ("--llama-batched-bench", args.llama_batched_bench, "llama.cpp's llama-batched-bench"),
+        ("--powerinfer-batched-bench", args.powerinfer_batched_bench, "a PowerInfer build's batched-bench"),
+    ):
+        if binary is not None and (problem := peer_problem(option, binary, what)):
+            parser.error(problem)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
