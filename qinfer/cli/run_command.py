@@ -72,7 +72,11 @@ def run_cmd(
         ),
     ] = "auto",
     ffn: Annotated[
-        str, typer.Option(help="auto (sparse when the file has predictors), sparse, or dense FFN in decode.")
+        str,
+        typer.Option(
+            help="auto (sparse when the file has predictors or calibrated gate thresholds), sparse, or dense FFN "
+            "in decode."
+        ),
     ] = "auto",
     parallel: Annotated[
         int, typer.Option(min=1, help="Decode this many sequences of the prompt together (seed + i).")
