@@ -262,10 +262,12 @@ def main() -> None:
                 ]
                 for label, file, directory, extra in engine_rows:
                     path = placed(file, args.work / "gpu" / v.name.replace(" ", "-"), directory)
-                    # A hung run must fail its row, not use up a GPU session's few minutes.
+                    # A hung run must fail its row, not use up a GPU session's few minutes; a full depth's first run
+                    # also makes the engine's own plan of 32 layers.
                     timers[f"{v.name}|{label}"] = powerinfer_decoder(
-                        args.powerinfer_main, path, prompt, args.tokens, threads, args.ctx, extra, timeout_s=180
-                    )
+                        args.powerinfer_main, path, prompt, args.tokens, threads, args.ctx, extra,
+                        timeout_s=540 if depth else 180,
+                    )  # fmt: skip
         if cuda and not depth:
             timers[f"{model.name}|transformers eager, GPU f16"] = transformers_decoder(
                 model.model_dir, prompt_ids, args.tokens, torch.float16, "cuda"

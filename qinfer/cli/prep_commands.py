@@ -16,11 +16,13 @@ if TYPE_CHECKING:
     from qinfer.formats.gguf_writer import TensorPlan
 
 SPARSITY = Real(0.5, 1.0, high_open=True)
-TARGET_SPARSITY = 0.9  # a ReLU synth build's, as ReluLLaMA's
+# The options of a build with predictors, which the other families refuse when given.
+PREDICTOR_OPTIONS = {"predictor_rank": "--predictor-rank", "sparsity": "--sparsity", "train_seq_len": "--train-seq-len"}
 
 
 @prep.command("synth")
 def synth_cmd(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option(help="Directory to create; gets model/ (HF checkpoint) and predictor/.")],
     seed: Annotated[
         int, typer.Option(min=0, max=SEED_MAX, help="Random seed; the same seed gives the same model.")
@@ -47,7 +49,7 @@ def synth_cmd(
         typer.Option(
             parser=SPARSITY, help=f"Target FFN activation sparsity, the fraction of idle neurons ({SPARSITY})."
         ),
-    ] = TARGET_SPARSITY,
+    ] = 0.9,
     force: Annotated[
         bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier build.")
     ] = False,
@@ -77,10 +79,12 @@ def synth_cmd(
         context=context,
     )
     if family != RELU_FAMILY:
-        if predictor_rank != SynthShape.predictor_rank or sparsity != TARGET_SPARSITY or train_seq_len is not None:
+        # By the source's name: typer brings its own copy of click's ParameterSource, not click's.
+        given = [flag for name, flag in PREDICTOR_OPTIONS.items() if ctx.get_parameter_source(name).name != "DEFAULT"]
+        if given:
             raise typer.BadParameter(
-                "only relu-llama has predictors (--predictor-rank, --sparsity, --train-seq-len); a SwiGLU model "
-                "is made sparse by `qinfer prep calibrate`",
+                f"only relu-llama has predictors ({', '.join(given)}); a SwiGLU model is made sparse by "
+                "`qinfer prep calibrate`",
                 param_hint="--family",
             )
         err.print(f"model: {build_family(out, family, shape, seed, train_steps or 0, force)}")

@@ -123,7 +123,7 @@ def serve_cmd(
     with needs_extra("serve", "qinfer serve"):
         from qinfer.runtime.engine.chat_template import load_chat_template, read_chat_template
         from qinfer.runtime.server.app import ServerOptions, create_app
-        from qinfer.runtime.server.thread import listening_socket, uvicorn_server
+        from qinfer.runtime.server.thread import listening_sockets, url_of, uvicorn_server
 
     if api_key is None:
         # click reads a variable set to "" as unset; an empty key must be refused, not mean "no key".
@@ -142,8 +142,8 @@ def serve_cmd(
     policy = kv_policy(kv_policy_kind, kv_budget)
     types = kv_types(cache_type_k, cache_type_v)
     template_source = None if chat_template is None else read_chat_template(chat_template)
-    # Bound before the model loads: an address in use is refused at once; closed however the command ends.
-    with listening_socket(host, port) as sock:
+    # Listening before the model loads: an address in use is refused at once; closed however the command ends.
+    with listening_sockets(host, port) as sockets:
         # A budget may start the planner's solver: a stop signal must end it and its files too.
         with stop_signals_raise():
             engine = Engine.open(
@@ -168,12 +168,12 @@ def serve_cmd(
         guarded = ", API key required" if api_key else ""
         chat = "its chat template" if template is not None else "a plain transcript (no chat template)"
         err.print(
-            f"serving {model.name} on http://{host}:{port}/v1 ({slots} slots, context {engine.ctx_size}{guarded}); "
-            f"chat turns through {chat}"
+            f"serving {model.name} on {url_of(host, sockets[0])}/v1 ({slots} slots, context {engine.ctx_size}"
+            f"{guarded}); chat turns through {chat}"
         )
         # What the imports, the model and its tokenizer made lives as long as the server. Frozen, it is left out of the
         # collector's full passes, each of which walked all of it (254,000 objects: 77-132 ms with every thread
         # stopped, the engine's too). What is garbage already is collected first: frozen, it would stay.
         gc.collect()
         gc.freeze()
-        server.run(sockets=[sock])
+        server.run(sockets=sockets)

@@ -326,9 +326,9 @@ def _short(values: tuple[int, ...]) -> str:
     return str(list(values)) if len(set(values)) > 1 else f"{len(values)} x {values[0] if values else 0}"
 
 
-# Provenance that a user sets, shown with its values where it changed: a plan made by `make all` (batch 1) and
-# reused by `serve` (a batch of its slots) says which setting differs, and how.
-_SHOWN_SETTINGS = ("vram_budget", "group_size", "objective", "ctx_size", "batch", "gpu", "cpu", "dense", "kv_policy")
+# Provenance whose values mean nothing to a reader: only that they changed is said. The rest is said with its values,
+# so that a plan made by `make all` (batch 1) and reused by `serve` (a batch of its slots) says what differs, and how.
+_OPAQUE = ("model_mtime_ns", "activation_sha256")
 
 
 def _require_fresh(path: Path, made: Provenance, now: Provenance) -> None:
@@ -338,9 +338,13 @@ def _require_fresh(path: Path, made: Provenance, now: Provenance) -> None:
         then, current = getattr(made, name), getattr(now, name)
         if then == current:
             continue
-        if name == "vram_budget":
+        if name in _OPAQUE:
+            changed.append(f"{label} changed since it was made")
+            continue
+        if name == "vram_budget" and f"{then / GIB:.4g}" != f"{current / GIB:.4g}":
             then, current = f"{then / GIB:.4g} GiB", f"{current / GIB:.4g} GiB"
-        shown = name in _SHOWN_SETTINGS
-        changed.append(f"{label} was {then}, is now {current}" if shown else f"{label} changed since it was made")
+        elif name in ("vram_budget", "model_size"):
+            then, current = f"{then} bytes", f"{current} bytes"
+        changed.append(f"{label} was {then}, is now {current}")
     if changed:
         raise UserError(f"{path} is stale: {'; '.join(changed)}; rebuild it with --reset-gpu-index")

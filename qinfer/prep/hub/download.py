@@ -57,7 +57,6 @@ def download(
 ) -> DownloadResult:
     """Download `profile` from `source` into `dest`; files already complete in the cache are not fetched again."""
     notify = on_file or (lambda done, total, what: None)
-    _require_directory(dest)
     if source == "gguf":
         return _download_gguf(profile, dest, variant or ("f16" if profile.gguf_f16 else "q4"), notify)
     if source == "original":
@@ -75,6 +74,7 @@ def _download_gguf(profile: ModelProfile, dest: Path, variant: Variant, notify: 
             f"use --source original (then convert) or the other variant"
         )
     names = [model_name, *profile.activation_files]
+    _require_directory(dest)
     for name in names:
         _require_file_target(dest / name)
     files = _fetch_files(profile.gguf_repo, names, dest, notify, 0, len(names))

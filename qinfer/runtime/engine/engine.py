@@ -196,7 +196,8 @@ class Engine:
         return {slot: seq.position for slot, seq in list(self._active.items())}
 
     def rows_in_use(self) -> int:
-        """KV-cache rows holding a token, over all slots."""
+        """KV-cache rows holding a running sequence's token, over all slots (not those a free slot keeps for the
+        prompt cache)."""
         return sum(self.positions().values())
 
     def active_slots(self) -> list[int]:

@@ -32,7 +32,8 @@ class ServerMetrics:
         self.predicted_speed = gauge("predicted_tokens_seconds", "Generated tokens/s of the last request.")
         gauge("requests_processing", "Requests in a slot.", lambda: worker.stats()["busy_slots"])
         gauge("requests_deferred", "Requests waiting for a slot.", lambda: worker.stats()["waiting"])
-        gauge("kv_cache_tokens", "KV-cache rows holding a token, all slots.", lambda: worker.engine.rows_in_use())
+        gauge("kv_cache_tokens", "KV-cache rows holding a running request's token, all slots.",
+              lambda: worker.engine.rows_in_use())  # fmt: skip
         gauge("kv_cache_usage_ratio", "Share of the KV cache's rows in use.",
               lambda: worker.engine.rows_in_use() / (worker.engine.slots * worker.engine.ctx_size))  # fmt: skip
 

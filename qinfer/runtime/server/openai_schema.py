@@ -118,6 +118,10 @@ class CompletionRequest(SamplingFields):
         return self.prompt[0]
 
 
+# The kinds of content part that carry text, and the field that holds it.
+_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
 class ChatMessage(BaseModel):
     # A tool's answer (role "tool") and an assistant's earlier tool calls travel as templates expect them.
     model_config = ConfigDict(extra="allow")
@@ -131,20 +135,27 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_parts(cls, value: object) -> object:
         """OpenAI's list form of content (what its SDKs send for parts), as the text templates expect: its text
-        parts joined by newlines, as vLLM joins them. A part of another kind (an image) is refused: the models
-        served here read text alone."""
+        parts joined by newlines, as vLLM joins them, an assistant's refusal part read as its text. A part of another
+        kind (an image) is refused: the models served here read text alone."""
         if not isinstance(value, list):
             return value
         texts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _TEXT_PARTS:
                 raise PydanticCustomError(
                     "content_part",
                     'content parts must be text, {"type": "text", "text": "..."}; this server reads no {kind} part',
-                    {"kind": repr(kind)},
+                    {"kind": type(part).__name__ if not isinstance(part, dict) else repr(kind) if kind else "untyped"},
                 )
-            texts.append(part["text"])
+            assert isinstance(part, dict)
+            text = part.get(_TEXT_PARTS[kind])
+            if not isinstance(text, str):
+                raise PydanticCustomError(
+                    "content_part", "a {kind} part needs its text as a string in {field}",
+                    {"kind": repr(kind), "field": repr(_TEXT_PARTS[kind])},
+                )  # fmt: skip
+            texts.append(text)
         return "\n".join(texts)
 
 

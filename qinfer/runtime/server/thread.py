@@ -114,20 +114,52 @@ def uvicorn_server(
     return ClosingServer(config, on_exit)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: a free one), for uvicorn to serve on: bound before the model loads, so
-    that an address in use is refused at once, in one line."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+# uvicorn's default: connections that arrive while the model still loads wait in it rather than being refused.
+BACKLOG = 2048
+
+
+@contextlib.contextmanager
+def listening_sockets(host: str, port: int) -> Iterator[list[socket.socket]]:
+    """Sockets listening on every address `host` resolves to, as asyncio's own server would make them ("" and
+    localhost: IPv4 and IPv6; an IPv6 socket takes IPv6 alone), on `port` (0: a free one, the same for each): made
+    before the model loads, so that an address in use is refused at once, in one line; closed on the way out."""
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise UserError(
-            f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --host or --port"
-        ) from None
-    return sock
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:
+                continue  # a family this machine does not have (IPv6 turned off), as asyncio skips it
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                # Listening, not only bound: two sockets with SO_REUSEADDR may both bind a port nobody listens on.
+                sock.bind(address)
+                sock.listen(BACKLOG)
+            except OSError as exc:
+                raise UserError(
+                    f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --host or --port"
+                ) from None
+        if not sockets:
+            raise UserError(f"cannot listen on {host}:{port}: no address of it can be used here; choose another --host")
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def url_of(host: str, sock: socket.socket) -> str:
+    """The server's base URL: `host` as given (bracketed where it is an IPv6 address), and the port it got."""
+    name = f"[{host}]" if ":" in host else host or "0.0.0.0"
+    return f"http://{name}:{sock.getsockname()[1]}"
 
 
 @contextlib.contextmanager
@@ -137,17 +169,16 @@ def serve_in_thread(
     """Yield the base URL (http://host:port) once the server accepts requests; stop it on exit.
 
     Port 0 takes a free port; binding first means the URL is known before uvicorn starts."""
-    sock = listening_socket(host, port)
-    server = uvicorn_server(app, options, host, port)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError("the server thread ended before it started serving")
-            time.sleep(0.01)
-        yield f"http://{host}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join()
-        sock.close()
+    with listening_sockets(host, port) as sockets:
+        server = uvicorn_server(app, options, host, port)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
+        thread.start()
+        try:
+            while not server.started:
+                if not thread.is_alive():
+                    raise RuntimeError("the server thread ended before it started serving")
+                time.sleep(0.01)
+            yield url_of(host, sockets[0])
+        finally:
+            server.should_exit = True
+            thread.join()

@@ -260,3 +260,7 @@ def test_a_target_the_layout_cannot_take_is_refused_before_any_fetch(tmp_path: P
         assert done.returncode == 2 and done.stderr.startswith("error: ") and words in done.stderr, done.stderr
         assert done.stderr.count("\n") == 1, done.stderr
     assert sorted(p.name for p in blocked.iterdir()) == [profile.gguf_f16]
+    # A download refused for what it asks (an unpublished variant) makes no directory.
+    unpublished = tmp_path / "unpublished"
+    done = _run(["ReluFalcon-40B", "--variant", "f16", "--dir", str(unpublished)], tmp_path / "cache", nowhere)
+    assert done.returncode == 2 and "--source original" in done.stderr and not unpublished.exists()

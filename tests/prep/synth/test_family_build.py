@@ -36,7 +36,8 @@ def test_a_family_builds_from_the_command_line(tmp_path: Path, family: str, mode
 def test_predictor_options_and_unknown_families_are_refused(tmp_path: Path) -> None:
     out = tmp_path / "build"
     for extra, words in (
-        (["--family", "mistral", "--sparsity", "0.8"], "only relu-llama has predictors"),
+        (["--family", "mistral", "--sparsity", "0.9"], "only relu-llama has predictors (--sparsity)"),
+        (["--family", "qwen2", "--predictor-rank", "64"], "only relu-llama has predictors (--predictor-rank)"),
         (["--family", "mixtral", "--train-steps", "5"], "built untrained; leave out --train-steps"),
         (["--family", "gpt2"], "unknown family 'gpt2'; use one of relu-llama, llama3, mistral, qwen2, mixtral"),
     ):

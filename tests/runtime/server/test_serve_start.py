@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from qinfer.core.errors import UserError
 from qinfer.runtime.engine.engine import Engine
+from qinfer.runtime.server.thread import listening_sockets, url_of
 from tests.support.cli_in_process import run_in_process
 from tests.support.ports import free_port
 
@@ -59,12 +61,30 @@ def test_a_chat_template_file_is_read_before_the_load(
     assert result.returncode == 2 and not no_load and "does not parse" in result.stderr
 
 
-def test_the_port_is_free_again_after_a_refused_load(gguf_files: dict[str, Path], no_load: dict[str, object]) -> None:
-    port = free_port()
-    with pytest.raises(Loaded):
-        run_in_process("serve", "-m", str(gguf_files["pi-f16"]), "--port", str(port))
-    with socket.socket() as again:
-        again.bind(("127.0.0.1", port))
+def test_every_address_of_the_host_listens_and_an_ipv6_one_takes_ipv6_alone() -> None:
+    """As asyncio's own server would listen: "" on IPv4 and IPv6 with one port, and "::" not on IPv4 too, which
+    would open the server to more of the network than asked."""
+    has_ipv6 = socket.has_ipv6 and Path("/proc/net/if_inet6").exists()
+    with listening_sockets("", 0) as sockets:
+        families = {s.family: s.getsockname()[1] for s in sockets}
+        assert socket.AF_INET in families and len(set(families.values())) == 1
+        assert (socket.AF_INET6 in families) == has_ipv6
+    if not has_ipv6:
+        pytest.skip("this machine has no IPv6")
+    with listening_sockets("::", 0) as sockets:
+        assert [s.family for s in sockets] == [socket.AF_INET6]
+        assert sockets[0].getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+        assert url_of("::", sockets[0]) == f"http://[::]:{sockets[0].getsockname()[1]}"
+
+
+def test_a_bound_socket_that_does_not_listen_still_holds_the_port() -> None:
+    """Two sockets with SO_REUSEADDR may both bind a port nobody listens on: a second server started while the first
+    loads its model would bind, load, and fail only when uvicorn listens. The first one listens from the start."""
+    with listening_sockets("127.0.0.1", 0) as first:
+        port = first[0].getsockname()[1]
+        refused = pytest.raises(UserError, match=f"cannot listen on 127.0.0.1:{port} .Address already in use.")
+        with refused, listening_sockets("127.0.0.1", port):
+            pass
 
 
 def test_serve_can_replan_a_stale_gpuidx(gguf_files: dict[str, Path], no_load: dict[str, object]) -> None:

@@ -125,6 +125,15 @@ def test_chat_content_as_text_parts_is_the_joined_text(client: openai.OpenAI, ba
     body = {"messages": [{"role": "user", "content": [parts[0], image]}], "max_tokens": 2}
     status, refused = _http(f"{base_url}/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and "reads no 'image_url' part" in refused["error"]["message"]
+    # An assistant's refusal, which SDKs send back in the history, reads as its text; a text part needs its text.
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+    ]
+    assert client.chat.completions.create(messages=[*history, {"role": "user", "content": parts}], **args).choices
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}], "max_tokens": 2}
+    status, refused = _http(f"{base_url}/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "a 'text' part needs its text as a string" in refused["error"]["message"]
 
 
 def test_malformed_requests_get_openai_shaped_400s(client: openai.OpenAI, base_url: str) -> None:
