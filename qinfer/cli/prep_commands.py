@@ -23,7 +23,9 @@ PREDICTOR_OPTIONS = {"predictor_rank": "--predictor-rank", "sparsity": "--sparsi
 @prep.command("synth")
 def synth_cmd(
     ctx: typer.Context,
-    out: Annotated[Path, typer.Option(help="Directory to create; gets model/ (HF checkpoint) and predictor/.")],
+    out: Annotated[
+        Path, typer.Option(help="Directory to create; gets model/ (HF checkpoint) and, for relu-llama, predictor/.")
+    ],
     seed: Annotated[
         int, typer.Option(min=0, max=SEED_MAX, help="Random seed; the same seed gives the same model.")
     ] = 0,
