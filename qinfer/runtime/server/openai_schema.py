@@ -122,6 +122,14 @@ class CompletionRequest(SamplingFields):
 _TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 
+def _no_such_part(kind: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "content_part",
+        'content parts must be text, {"type": "text", "text": "..."}; this server reads no {kind} part',
+        {"kind": kind},
+    )
+
+
 class ChatMessage(BaseModel):
     # A tool's answer (role "tool") and an assistant's earlier tool calls travel as templates expect them.
     model_config = ConfigDict(extra="allow")
@@ -141,19 +149,17 @@ class ChatMessage(BaseModel):
             return value
         texts = []
         for part in value:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _TEXT_PARTS:
-                raise PydanticCustomError(
-                    "content_part",
-                    'content parts must be text, {"type": "text", "text": "..."}; this server reads no {kind} part',
-                    {"kind": type(part).__name__ if not isinstance(part, dict) else repr(kind) if kind else "untyped"},
-                )
-            assert isinstance(part, dict)
-            text = part.get(_TEXT_PARTS[kind])
+            if not isinstance(part, dict):
+                raise _no_such_part(type(part).__name__)
+            kind = part.get("type")
+            field = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+            if field is None:
+                raise _no_such_part(repr(kind) if kind is not None else "untyped")
+            text = part.get(field)
             if not isinstance(text, str):
                 raise PydanticCustomError(
                     "content_part", "a {kind} part needs its text as a string in {field}",
-                    {"kind": repr(kind), "field": repr(_TEXT_PARTS[kind])},
+                    {"kind": repr(kind), "field": repr(field)},
                 )  # fmt: skip
             texts.append(text)
         return "\n".join(texts)

@@ -134,6 +134,9 @@ def test_chat_content_as_text_parts_is_the_joined_text(client: openai.OpenAI, ba
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}], "max_tokens": 2}
     status, refused = _http(f"{base_url}/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and "a 'text' part needs its text as a string" in refused["error"]["message"]
+    body = {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "Hi"}]}], "max_tokens": 2}
+    status, refused = _http(f"{base_url}/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "reads no ['text'] part" in refused["error"]["message"]
 
 
 def test_malformed_requests_get_openai_shaped_400s(client: openai.OpenAI, base_url: str) -> None:
