@@ -13,13 +13,19 @@ from rich.text import Text
 
 from qinfer.cli.app import err, prep, progress_when_started
 from qinfer.cli.options import SEED_MAX, Real
+from qinfer.prep.profile.window_length import CALIBRATE_WINDOW, PREDICTOR_WINDOW, PROFILE_WINDOW
 
 ModelDir = Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, weights, tokenizer).")]
 Data = Annotated[Path, typer.Option(help="Corpus: a .txt or .jsonl file (field 'text'), or a directory of them.")]
 DType = Annotated[str | None, typer.Option(help="bf16, f16 or f32; default f32 on the CPU, bf16 on CUDA.")]
 Device = Annotated[str, typer.Option(help="cpu, cuda or auto (CUDA when available, else the CPU).")]
-SeqLen = Annotated[int, typer.Option(min=1, help="Tokens per window the model sees at once.")]
 RECALL = Real(0.0, 1.0, low_open=True, high_open=True)
+
+
+def seq_len_option(default: int) -> typer.models.OptionInfo:
+    return typer.Option(
+        min=1, help=f"Tokens per window the model sees at once; default {default}, or the model's context if shorter."
+    )
 
 
 class TokensPerSecond(ProgressColumn):
@@ -39,7 +45,7 @@ def profile_cmd(
     tokens: Annotated[
         int | None, typer.Option(min=1, help="Stop after this many tokens; default the whole corpus.")
     ] = None,
-    seq_len: SeqLen = 512,
+    seq_len: Annotated[int | None, seq_len_option(PROFILE_WINDOW)] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 4,
     dtype: DType = None,
     device: Device = "auto",
@@ -134,7 +140,7 @@ def train_predictor_cmd(
     ] = 0.95,
     train_tokens: Annotated[int, typer.Option(min=1, help="Tokens whose residuals the predictors train on.")] = 20_000,
     heldout_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens for the threshold and recall.")] = 4_000,
-    seq_len: SeqLen = 256,
+    seq_len: Annotated[int | None, seq_len_option(PREDICTOR_WINDOW)] = None,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the training tokens per layer.")] = 12,
     seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Seed for initialisation and shuffling.")] = 0,
     dtype: DType = None,
@@ -206,7 +212,7 @@ def calibrate_cmd(
     tokens: Annotated[
         int | None, typer.Option(min=1, help="Calibrate on this many tokens; default the whole corpus.")
     ] = None,
-    seq_len: SeqLen = 512,
+    seq_len: Annotated[int | None, seq_len_option(CALIBRATE_WINDOW)] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 4,
     dtype: DType = None,
     device: Device = "auto",

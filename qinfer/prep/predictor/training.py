@@ -6,12 +6,13 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from qinfer.core.errors import UserError
+from qinfer.core.spec_readers import spec_from_hf_dir
 from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_replaceable
 from qinfer.formats.calibration_dir import read_calibration
 from qinfer.formats.predictor_dir import FC1, FC2
@@ -20,6 +21,7 @@ from qinfer.prep.predictor.rank import RANK_STEP, RankPlan, auto_ranks, fixed_ra
 from qinfer.prep.predictor.residual_sample import ResidualSample, collect_residuals
 from qinfer.prep.profile.corpus_reader import corpus_files, token_windows
 from qinfer.prep.profile.relu_model import load_relu_model
+from qinfer.prep.profile.window_length import PREDICTOR_WINDOW, window_length
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -49,7 +51,7 @@ class TrainSettings:
     recall: float = 0.95
     train_tokens: int = 20_000
     heldout_tokens: int = 4_000
-    seq_len: int = 256
+    seq_len: int | None = None  # tokens per window; None: PREDICTOR_WINDOW, or the model's context if shorter
     batch_size: int = 4
     epochs: int = 12
     seed: int = 0
@@ -87,6 +89,8 @@ def train_predictors(
     directory unless `force` (checked before the training, which can take long)."""
     _check(settings)
     check_replaceable(out, PREDICTOR_OUTPUT, force)
+    context = spec_from_hf_dir(model_dir).context_length
+    settings = replace(settings, seq_len=window_length(settings.seq_len, PREDICTOR_WINDOW, context))
     tell = on_progress or (lambda _s, _d, _t: None)
     files = corpus_files(data)
     loaded = load_relu_model(model_dir, settings.dtype, settings.device)

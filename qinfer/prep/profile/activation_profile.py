@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from qinfer.core.errors import UserError
+from qinfer.core.spec_readers import spec_from_hf_dir
 from qinfer.formats.activation_files import (
     LayerSummary,
     Unit,
@@ -34,6 +35,7 @@ from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windo
 from qinfer.prep.profile.ffn_taps import firing_counts
 from qinfer.prep.profile.relu_model import load_relu_model, resolve_device
 from qinfer.prep.profile.router_taps import routing_counts
+from qinfer.prep.profile.window_length import PROFILE_WINDOW, window_length
 
 STATE_FILE = ".profile_state.pt"
 STATE_FILES = re.compile(r"\.profile_state(?:\.rank\d+)?\.pt")  # state_file's names, of every process
@@ -133,7 +135,7 @@ def profile_activations(
     out: Path | None = None,
     *,
     tokens: int | None = None,
-    seq_len: int = 512,
+    seq_len: int | None = None,
     batch_size: int = 4,
     dtype: str | None = None,
     device: str = "auto",
@@ -157,6 +159,7 @@ def profile_activations(
         raise UserError("batch-size and checkpoint-every must be positive")
     check_replaceable(out, ACTIVATION_OUTPUT, force)
     files = corpus_files(data)
+    seq_len = window_length(seq_len, PROFILE_WINDOW, spec_from_hf_dir(model_dir).context_length)
     if shard is not None:
         _use_local_gpu(shard, device)
     loaded = load_relu_model(model_dir, dtype, device, experts=True)

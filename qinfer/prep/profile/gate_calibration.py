@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.core.errors import UserError
+from qinfer.core.spec_readers import spec_from_hf_dir
 from qinfer.formats.activation_files import LayerSummary, is_activation_output, write_activations
 from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_replaceable
 from qinfer.formats.calibration_dir import THRESHOLDS_FILE, Calibration, write_calibration
@@ -27,6 +28,7 @@ from qinfer.prep.profile.activation_profile import STATE_FILES
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
 from qinfer.prep.profile.ffn_taps import forward_hooks, hooked
 from qinfer.prep.profile.relu_model import ReluModel, load_relu_model
+from qinfer.prep.profile.window_length import CALIBRATE_WINDOW, window_length
 
 # Values of |act(gate)| kept per layer for the quantile, shared equally among the batches: enough that the
 # threshold's error in sparsity is far below a percent, and 8 MiB a layer however long the corpus (640 MiB for a
@@ -81,7 +83,7 @@ def calibrate_gate(
     out: Path | None = None,
     *,
     tokens: int | None = None,
-    seq_len: int = 512,
+    seq_len: int | None = None,
     batch_size: int = 4,
     dtype: str | None = None,
     device: str = "auto",
@@ -98,6 +100,7 @@ def calibrate_gate(
     out = out if out is not None else model_dir / "calibration"
     check_replaceable(out, CALIBRATION_OUTPUT, force)
     files = corpus_files(data)
+    seq_len = window_length(seq_len, CALIBRATE_WINDOW, spec_from_hf_dir(model_dir).context_length)
     loaded = load_relu_model(model_dir, dtype, device)
     if not loaded.form.gated or loaded.arch.hf.gate is None:
         raise UserError(f"a {loaded.spec.arch} model has no gate to calibrate; profile it with `qinfer prep profile`")

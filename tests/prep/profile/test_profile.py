@@ -113,6 +113,22 @@ def test_help_describes_every_option(command: str) -> None:
             assert len(line.split()) > 4, line
 
 
+@pytest.mark.parametrize("command", ["profile", "calibrate", "train-predictor"])
+def test_a_window_longer_than_the_context_is_one_line(tiny: SynthReport, corpus: Path, tmp_path: Path, command: str):
+    # OPT's learned positions end at its context: a longer window was an IndexError deep in transformers.
+    out = tmp_path / "out"
+    args = ["prep", command, str(tiny.model_dir), "--data", str(corpus), "--out", str(out), "--seq-len", "257"]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, UserError)  # the entry point's one line and exit 2
+    assert str(result.exception) == "seq-len 257 is longer than the model's context of 256 tokens; pass at most 256"
+    assert not out.exists()
+
+
+def test_the_default_window_is_cut_to_the_context(tiny: SynthReport, corpus: Path, tmp_path: Path) -> None:
+    profile_activations(tiny.model_dir, corpus, tmp_path / "activation", tokens=600)
+    assert json.loads((tmp_path / "activation" / "summary.json").read_text())["seq_len"] == 256
+
+
 def test_activation_files_round_trip_in_integer_layer_order(tmp_path: Path) -> None:
     counts = torch.randint(0, 50, (12, 40))
     counts[:, 0] = 1000  # one hot neuron per layer
