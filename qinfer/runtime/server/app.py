@@ -511,6 +511,10 @@ async def submit(
         raise ApiError(503, SHUTTING_DOWN, "server_error")
     check_length(worker, prompt, param)
     ids = await token_ids(worker, prompt, add_bos)
+    if not ids:
+        raise ApiError(
+            400, "the prompt is empty, and this model puts no BOS token before a text: send some text", param=param
+        )
     ctx_size = worker.engine.ctx_size
     room = ctx_size - len(ids)
     if room < 1:

@@ -105,7 +105,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] = Field(min_length=1)
+    # An empty prompt is a model's BOS token alone, as OpenAI and vLLM take it (submit refuses one without a BOS).
+    prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)
 
     _valid_prompt = field_validator("prompt")(_valid_unicode)

@@ -156,6 +156,27 @@ def test_malformed_requests_get_openai_shaped_400s(client: openai.OpenAI, base_u
     assert _http(f"{base_url}/v1/models")[1]["data"][0]["id"] == "tiny"
 
 
+def test_an_empty_prompt_begins_at_the_bos_token(client: openai.OpenAI, reference: Engine, base_url: str) -> None:
+    args = {"model": "tiny", "prompt": "", "max_tokens": 6, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**args)
+    assert whole.usage is not None and whole.usage.prompt_tokens == 1
+    assert whole.choices[0].text == _expected(reference, "", 6)
+    status, none = _http(f"{base_url}/v1/completions", b'{"prompt": []}')
+    assert status == 400 and none["error"]["param"] == "prompt"
+
+
+def test_an_empty_prompt_for_a_model_without_a_bos_token_is_a_400(swiglu: dict[str, dict[str, Path]]) -> None:
+    engine = Engine.open(swiglu["qwen2"]["dense-f32"], slots=1, ctx_size=64)
+    assert not engine.tokenizer.add_bos
+    with serve_in_thread(create_app(EngineWorker(engine), "qwen2")) as url:
+        status, body = _http(f"{url}/v1/completions", b'{"prompt": ""}')
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert (
+        body["error"]["message"]
+        == "the prompt is empty, and this model puts no BOS token before a text: send some text"
+    )
+
+
 def test_log_probabilities_are_refused_not_ignored(client: openai.OpenAI) -> None:
     """A client that asks for logprobs gets a 400 naming the field, never an answer silently without them."""
     with pytest.raises(openai.BadRequestError) as completion:
