@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from qinfer.core.errors import UserError
+from qinfer.core.model_spec import ModelSpec
 from qinfer.formats.atomic_file import atomic_output
 
 THRESHOLDS_FILE = "gate_thresholds.json"
@@ -23,6 +24,14 @@ class Calibration:
     sparsity: float
     tokens: int
     thresholds: list[float]
+    # The calibrated model's shape, so that thresholds are never put in another model's file; None in a directory
+    # written before it was recorded.
+    hidden: int | None = None
+    ffn: int | None = None
+
+
+def _shape(layers: int, hidden: int, ffn: int, activation: str) -> str:
+    return f"{layers} layers, hidden {hidden}, FFN {ffn} ({activation})"
 
 
 def write_calibration(directory: Path, calibration: Calibration) -> Path:
@@ -32,8 +41,9 @@ def write_calibration(directory: Path, calibration: Calibration) -> Path:
     return path
 
 
-def read_calibration(directory: Path, layers: int) -> Calibration:
-    """The thresholds of `directory`, checked to be one finite, non-negative number per layer of this model."""
+def read_calibration(directory: Path, spec: ModelSpec) -> Calibration:
+    """The thresholds of `directory`, checked to be one finite, non-negative number per layer of the model `spec`
+    describes, and calibrated on a model of its shape and activation."""
     path = directory / THRESHOLDS_FILE
     fix = "calibrate the model with `qinfer prep calibrate`"
     if not path.is_file():
@@ -41,12 +51,19 @@ def read_calibration(directory: Path, layers: int) -> Calibration:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         calibration = Calibration(
-            str(raw["activation"]), float(raw["sparsity"]), int(raw["tokens"]), [float(t) for t in raw["thresholds"]]
+            str(raw["activation"]),
+            float(raw["sparsity"]),
+            int(raw["tokens"]),
+            [float(t) for t in raw["thresholds"]],
+            *(None if raw.get(key) is None else int(raw[key]) for key in ("hidden", "ffn")),
         )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise UserError(f"{path} is not a calibration file ({exc}); {fix}") from None
-    if len(calibration.thresholds) != layers:
-        raise UserError(f"{path} has {len(calibration.thresholds)} thresholds for a {layers}-layer model; {fix}")
+    ours = (spec.layers, spec.hidden, spec.ffn, str(spec.activation))
+    theirs = (len(calibration.thresholds), calibration.hidden or spec.hidden, calibration.ffn or spec.ffn,
+              calibration.activation)  # fmt: skip
+    if theirs != ours:
+        raise UserError(f"{path} is from a model of {_shape(*theirs)}, but this one has {_shape(*ours)}; {fix}")
     if not all(math.isfinite(t) and t >= 0 for t in calibration.thresholds):
         raise UserError(f"{path} holds a negative or non-finite threshold; {fix}")
     return calibration

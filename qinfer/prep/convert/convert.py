@@ -216,12 +216,7 @@ def convert(
         predictors = open_predictors(predictor_dir, spec.layers, spec.hidden, spec.ffn)
     calibration = None
     if calibration_dir is not None:
-        calibration = read_calibration(calibration_dir, spec.layers)
-        if calibration.activation != spec.activation:
-            raise UserError(
-                f"{calibration_dir} was calibrated for a {calibration.activation} FFN, but {model_dir} is "
-                f"{spec.activation}; calibrate this model"
-            )
+        calibration = read_calibration(calibration_dir, spec)
     if dense and predictors is not None:
         raise UserError("a dense file has no predictors; convert with the predictor directory to a PowerInfer file")
     row_layout = predictors is not None or (calibration is not None and not dense)

@@ -96,7 +96,7 @@ def train_predictors(
     loaded = load_relu_model(model_dir, settings.dtype, settings.device)
     hidden, ffn = loaded.spec.hidden, loaded.spec.ffn
     if settings.calibration is not None:
-        loaded.gate_thresholds = read_calibration(settings.calibration, loaded.spec.layers).thresholds
+        loaded.gate_thresholds = read_calibration(settings.calibration, loaded.spec).thresholds
     elif loaded.form.act != "relu":
         raise UserError(
             f"{model_dir} is a {loaded.form.act} model, whose neurons fire only over a calibrated threshold; pass "

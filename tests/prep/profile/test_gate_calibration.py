@@ -90,7 +90,14 @@ def test_thresholds_skip_the_asked_share(calibrated: dict, swiglu: dict[str, dic
     assert [int(c.sum()) for c in counts] == [round((1 - a) * result.calibration.tokens * 192) for a in result.achieved]
     saved = json.loads((result.out / "gate_thresholds.json").read_text())
     tokens = result.calibration.tokens
-    assert saved == {"activation": "silu", "sparsity": 0.5, "tokens": tokens, "thresholds": thresholds}
+    assert saved == {
+        "activation": "silu",
+        "sparsity": 0.5,
+        "tokens": tokens,
+        "thresholds": thresholds,
+        "hidden": 64,
+        "ffn": 192,
+    }
 
 
 def cats_reference(model_dir: Path, thresholds: list[float], ids: list[int]) -> torch.Tensor:
@@ -187,9 +194,23 @@ def test_refusals(swiglu: dict[str, dict[str, Path]], corpus: Path, calibrated: 
     (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps(
         {"activation": "silu", "sparsity": 0.5, "tokens": 1, "thresholds": [0.1]}
     ))  # fmt: skip
-    with pytest.raises(UserError, match="1 thresholds for a 2-layer model"):
+    with pytest.raises(UserError, match="of 1 layers, hidden 64, FFN 192 .silu., but this one has 2 layers"):
         convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad")
     assert not (tmp_path / "x.gguf").exists()
+    # Nor are a model's thresholds put in another model's file of the same depth (Llama-2-7B and Mistral-7B: 32
+    # layers each, 11008 and 14336 neurons), nor given to its predictors.
+    written = json.loads((other / "gate_thresholds.json").read_text())
+    assert (written["hidden"], written["ffn"]) == (64, 192)
+    (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps({**written, "ffn": 512}))
+    with pytest.raises(UserError, match="FFN 512 .silu., but this one has 2 layers, hidden 64, FFN 192 .silu."):
+        convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad")
+    settings = TrainSettings(rank=64, calibration=tmp_path / "bad", device="cpu")
+    with pytest.raises(UserError, match="FFN 512"):
+        train_predictors(swiglu["qwen2"]["model"], corpus, tmp_path / "predictor", settings)
+    # A directory written before the shape was recorded is taken as it was.
+    legacy = {key: value for key, value in written.items() if key not in ("hidden", "ffn")}
+    (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps(legacy))
+    assert convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad").outfile.is_file()
     result = run_in_process("prep", "convert", str(swiglu["qwen2"]["model"]), "--outfile", str(tmp_path / "y.gguf"))
     assert result.returncode != 0 and "--calibration" in result.stderr and "Traceback" not in result.stderr
     assert other.is_dir()
