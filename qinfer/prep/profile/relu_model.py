@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import logging as hf_logging
@@ -104,8 +105,8 @@ def load_relu_model(
             model_dir, config=config, dtype=torch_dtype, local_files_only=True, low_cpu_mem_usage=True
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load the model in {model_dir} ({exc})") from exc
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise UserError(f"cannot load the model in {model_dir} ({exc}); the download may be incomplete") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()

@@ -124,6 +124,18 @@ def test_a_window_longer_than_the_context_is_one_line(tiny: SynthReport, corpus:
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["profile", "calibrate", "train-predictor"])
+def test_a_cut_checkpoint_is_one_line(tiny: SynthReport, corpus: Path, tmp_path: Path, command: str) -> None:
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny.model_dir, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-5000])  # an interrupted download
+    result = CliRunner().invoke(app, ["prep", command, str(cut), "--data", str(corpus), "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, UserError)
+    assert str(result.exception).startswith(f"cannot load the model in {cut} (")
+    assert str(result.exception).endswith("the download may be incomplete") and not (tmp_path / "o").exists()
+
+
 def test_the_default_window_is_cut_to_the_context(tiny: SynthReport, corpus: Path, tmp_path: Path) -> None:
     profile_activations(tiny.model_dir, corpus, tmp_path / "activation", tokens=600)
     assert json.loads((tmp_path / "activation" / "summary.json").read_text())["seq_len"] == 256
