@@ -24,14 +24,16 @@ class Calibration:
     sparsity: float
     tokens: int
     thresholds: list[float]
-    # The calibrated model's shape, so that thresholds are never put in another model's file; None in a directory
-    # written before it was recorded.
+    # The calibrated model's architecture and shape, so that thresholds never go into another model's file; None
+    # in a directory written before they were recorded.
+    arch: str | None = None
     hidden: int | None = None
     ffn: int | None = None
+    vocab: int | None = None  # what tells Llama-3-8B from Mistral-7B, both llama models of the same shape
 
 
-def _shape(layers: int, hidden: int, ffn: int, activation: str) -> str:
-    return f"{layers} layers, hidden {hidden}, FFN {ffn} ({activation})"
+def _model(arch: str, layers: int, hidden: int, ffn: int, vocab: int, activation: str) -> str:
+    return f"{arch} model of {layers} layers, hidden {hidden}, FFN {ffn} ({activation}), vocabulary {vocab}"
 
 
 def write_calibration(directory: Path, calibration: Calibration) -> Path:
@@ -43,7 +45,7 @@ def write_calibration(directory: Path, calibration: Calibration) -> Path:
 
 def read_calibration(directory: Path, spec: ModelSpec) -> Calibration:
     """The thresholds of `directory`, checked to be one finite, non-negative number per layer of the model `spec`
-    describes, and calibrated on a model of its shape and activation."""
+    describes, and calibrated on a model of its architecture, shape and activation."""
     path = directory / THRESHOLDS_FILE
     fix = "calibrate the model with `qinfer prep calibrate`"
     if not path.is_file():
@@ -55,15 +57,16 @@ def read_calibration(directory: Path, spec: ModelSpec) -> Calibration:
             float(raw["sparsity"]),
             int(raw["tokens"]),
             [float(t) for t in raw["thresholds"]],
-            *(None if raw.get(key) is None else int(raw[key]) for key in ("hidden", "ffn")),
+            None if raw.get("arch") is None else str(raw["arch"]),
+            *(None if raw.get(key) is None else int(raw[key]) for key in ("hidden", "ffn", "vocab")),
         )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise UserError(f"{path} is not a calibration file ({exc}); {fix}") from None
-    ours = (spec.layers, spec.hidden, spec.ffn, str(spec.activation))
-    theirs = (len(calibration.thresholds), calibration.hidden or spec.hidden, calibration.ffn or spec.ffn,
-              calibration.activation)  # fmt: skip
+    ours = (spec.arch, spec.layers, spec.hidden, spec.ffn, spec.vocab_size, str(spec.activation))
+    theirs = (calibration.arch or spec.arch, len(calibration.thresholds), calibration.hidden or spec.hidden,
+              calibration.ffn or spec.ffn, calibration.vocab or spec.vocab_size, calibration.activation)  # fmt: skip
     if theirs != ours:
-        raise UserError(f"{path} is from a model of {_shape(*theirs)}, but this one has {_shape(*ours)}; {fix}")
+        raise UserError(f"{path} is from a {_model(*theirs)}, but this is a {_model(*ours)}; {fix}")
     if not all(math.isfinite(t) and t >= 0 for t in calibration.thresholds):
         raise UserError(f"{path} holds a negative or non-finite threshold; {fix}")
     return calibration

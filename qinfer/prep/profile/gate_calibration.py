@@ -141,7 +141,9 @@ def calibrate_gate(
 
     _run(loaded, windows, batch_size, count, lambda done: tell("count", done, total))
     spec = loaded.spec
-    calibration = Calibration(str(spec.activation), sparsity, total, thresholds, spec.hidden, spec.ffn)
+    calibration = Calibration(
+        str(spec.activation), sparsity, total, thresholds, spec.arch, spec.hidden, spec.ffn, spec.vocab_size
+    )
     meta = {"model": str(model_dir), "arch": loaded.spec.arch, "data": [str(p) for p in files], "seq_len": seq_len,
             "sparsity": sparsity}  # fmt: skip
     # Swapped in whole: a run killed while writing leaves the earlier files, never counts of one run beside thresholds

@@ -95,8 +95,10 @@ def test_thresholds_skip_the_asked_share(calibrated: dict, swiglu: dict[str, dic
         "sparsity": 0.5,
         "tokens": tokens,
         "thresholds": thresholds,
+        "arch": "llama",
         "hidden": 64,
         "ffn": 192,
+        "vocab": 640,
     }
 
 
@@ -194,21 +196,25 @@ def test_refusals(swiglu: dict[str, dict[str, Path]], corpus: Path, calibrated: 
     (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps(
         {"activation": "silu", "sparsity": 0.5, "tokens": 1, "thresholds": [0.1]}
     ))  # fmt: skip
-    with pytest.raises(UserError, match="of 1 layers, hidden 64, FFN 192 .silu., but this one has 2 layers"):
+    with pytest.raises(UserError, match=r"qwen2 model of 1 layers, .* but this is a qwen2 model of 2 layers"):
         convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad")
     assert not (tmp_path / "x.gguf").exists()
-    # Nor are a model's thresholds put in another model's file of the same depth (Llama-2-7B and Mistral-7B: 32
-    # layers each, 11008 and 14336 neurons), nor given to its predictors.
+    # Nor are a model's thresholds put in another model's file (Llama-3-8B's in Mistral-7B's: both llama models of 32
+    # layers of 4096 and 14336, told apart by their vocabularies), nor given to its predictors.
     written = json.loads((other / "gate_thresholds.json").read_text())
-    assert (written["hidden"], written["ffn"]) == (64, 192)
-    (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps({**written, "ffn": 512}))
-    with pytest.raises(UserError, match="FFN 512 .silu., but this one has 2 layers, hidden 64, FFN 192 .silu."):
-        convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad")
-    settings = TrainSettings(rank=64, calibration=tmp_path / "bad", device="cpu")
-    with pytest.raises(UserError, match="FFN 512"):
+    assert (written["arch"], written["hidden"], written["ffn"], written["vocab"]) == ("llama", 64, 192, 640)
+    with pytest.raises(UserError, match="from a llama model of 2 layers, .* but this is a qwen2 model"):
+        convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", other)
+    shape = {"FFN": "ffn", "vocabulary": "vocab"}
+    for label, key in shape.items():
+        (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps({**written, "arch": "qwen2", key: 512}))
+        with pytest.raises(UserError, match=f"{label} 512"):
+            convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad")
+    settings = TrainSettings(rank=64, calibration=other, device="cpu")
+    with pytest.raises(UserError, match="from a llama model"):
         train_predictors(swiglu["qwen2"]["model"], corpus, tmp_path / "predictor", settings)
-    # A directory written before the shape was recorded is taken as it was.
-    legacy = {key: value for key, value in written.items() if key not in ("hidden", "ffn")}
+    # A directory written before the model was recorded is taken as it was.
+    legacy = {key: value for key, value in written.items() if key not in ("arch", "hidden", "ffn", "vocab")}
     (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps(legacy))
     assert convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad").outfile.is_file()
     result = run_in_process("prep", "convert", str(swiglu["qwen2"]["model"]), "--outfile", str(tmp_path / "y.gguf"))
