@@ -210,7 +210,8 @@ def convert(
     if spec.hidden % spec.heads or (spec.rope_dim and spec.head_dim % 2):
         raise UserError(f"hidden_size {spec.hidden} does not split into {spec.heads} heads of even size")
     if spec.experts is not None and (predictor_dir is not None or calibration_dir is not None):
-        raise UserError(f"{model_dir} has experts, which are not made sparse yet; convert it with convert-dense")
+        fix = "leave out --calibration" if dense else "convert it with convert-dense"
+        raise UserError(f"{model_dir} has experts, which are not made sparse yet; {fix}")
     predictors = None
     if predictor_dir is not None:
         predictors = open_predictors(predictor_dir, spec.layers, spec.hidden, spec.ffn)

@@ -124,6 +124,14 @@ def test_experts_are_not_made_sparse_yet(moe: dict[str, dict[str, Path]], tmp_pa
     assert ran.stderr.strip().splitlines() == [
         f"error: {moe['mixtral']['model']} has experts, which are not made sparse yet; convert it with convert-dense"
     ]
+    dense = run_in_process(
+        "prep", "convert-dense", str(moe["mixtral"]["model"]), "--calibration", str(calibration),
+        "--outfile", str(tmp_path / "x.gguf"),
+    )  # fmt: skip
+    assert dense.returncode == 2, dense.stderr
+    assert dense.stderr.strip().splitlines() == [
+        f"error: {moe['mixtral']['model']} has experts, which are not made sparse yet; leave out --calibration"
+    ]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2moe"])
