@@ -119,7 +119,10 @@ def kv_types(k: str, v: str) -> KVTypes:
 
 
 ResetGpuIndex = Annotated[
-    bool, typer.Option(help="Re-plan the .gpuidx even if one exists (needed where it is stale: other settings).")
+    bool,
+    typer.Option(
+        "--reset-gpu-index", help="Re-plan the .gpuidx even if one exists (needed where it is stale: other settings)."
+    ),
 ]
 
 Threads = Annotated[

@@ -52,12 +52,14 @@ def plan_cmd(
         str, typer.Option(help="gpu: keep attention and output head on the GPU; auto: let the planner decide.")
     ] = "gpu",
     gpu_embeddings: Annotated[
-        bool, typer.Option(help="Also keep token_embd on the GPU (the engine keeps it on the CPU).")
+        bool, typer.Option("--gpu-embeddings", help="Also keep token_embd on the GPU (the engine keeps it on the CPU).")
     ] = False,
     time_limit: Annotated[
         float, typer.Option(parser=TIME_LIMIT, help=f"Seconds the solver may spend on the plan ({TIME_LIMIT}).")
     ] = 10.0,
-    dry_run: Annotated[bool, typer.Option(help="Only print the VRAM account; solve and write nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only print the VRAM account; solve and write nothing.")
+    ] = False,
     reset_gpu_index: ResetGpuIndex = False,
     report: Annotated[Path | None, typer.Option(help="Write a per-layer PNG of the plan (needs matplotlib).")] = None,
 ) -> None:

@@ -53,7 +53,7 @@ def synth_cmd(
         ),
     ] = 0.9,
     force: Annotated[
-        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier build.")
+        bool, typer.Option("--force", help="Replace --out even if it is neither empty nor an earlier build.")
     ] = False,
     family: Annotated[
         str,

@@ -50,13 +50,18 @@ def profile_cmd(
     dtype: DType = None,
     device: Device = "auto",
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save resumable state every this many windows.")] = 32,
-    restart: Annotated[bool, typer.Option(help="Discard the state of an interrupted run and start over.")] = False,
+    restart: Annotated[
+        bool, typer.Option("--restart", help="Discard the state of an interrupted run and start over.")
+    ] = False,
     distributed: Annotated[
         bool,
-        typer.Option(help="Run as one of torchrun's processes: each profiles its share, rank 0 writes the sum."),
+        typer.Option(
+            "--distributed", help="Run as one of torchrun's processes: each profiles its share, rank 0 writes the sum."
+        ),
     ] = False,
     force: Annotated[
-        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier activation directory.")
+        bool,
+        typer.Option("--force", help="Replace --out even if it is neither empty nor an earlier activation directory."),
     ] = False,
 ) -> None:
     """Count how often each FFN neuron fires over a corpus (in a model with experts: how often the router picks each
@@ -133,7 +138,10 @@ def train_predictor_cmd(
         int | None, typer.Option(min=32, help="Predictor width P for every layer (a multiple of 32).")
     ] = None,
     auto_rank: Annotated[
-        bool, typer.Option(help="Size each layer by its sparsity and skew within 10% of FFN parameters (default).")
+        bool,
+        typer.Option(
+            "--auto-rank", help="Size each layer by its sparsity and skew within 10% of FFN parameters (default)."
+        ),
     ] = False,
     recall: Annotated[
         float, typer.Option(parser=RECALL, help=f"Share of firing neurons to catch on held-out tokens ({RECALL}).")
@@ -146,7 +154,8 @@ def train_predictor_cmd(
     dtype: DType = None,
     device: Device = "auto",
     force: Annotated[
-        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier predictor directory.")
+        bool,
+        typer.Option("--force", help="Replace --out even if it is neither empty nor an earlier predictor directory."),
     ] = False,
     calibration: Annotated[
         Path | None,
@@ -217,7 +226,10 @@ def calibrate_cmd(
     dtype: DType = None,
     device: Device = "auto",
     force: Annotated[
-        bool, typer.Option(help="Replace --out even if it is neither empty nor an earlier calibration or activation.")
+        bool,
+        typer.Option(
+            "--force", help="Replace --out even if it is neither empty nor an earlier calibration or activation."
+        ),
     ] = False,
 ) -> None:
     """Make a SwiGLU model sparse without training (CATS): per layer, the threshold on |silu(gate)| under which

@@ -54,16 +54,21 @@ def run_cmd(
             parser=TOP_P, help=f"Sample among the most likely tokens holding this probability mass ({TOP_P})."
         ),
     ] = 0.95,
-    ignore_eos: Annotated[bool, typer.Option(help="Keep generating after the end-of-text token.")] = False,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Keep generating after the end-of-text token.")
+    ] = False,
     vram_budget: Annotated[
         float | None,
         typer.Option(
             parser=VRAM_BUDGET,
-            help=f"GiB of GPU memory the model may use; plans (or reuses) <model>.generated.gpuidx ({VRAM_BUDGET}).",
+            help=f"GiB of GPU memory the model may use; plans (or reuses) the .generated.gpuidx file "
+            f"beside it ({VRAM_BUDGET}).",
         ),
     ] = None,
     reset_gpu_index: ResetGpuIndex = False,
-    disable_gpu_index: Annotated[bool, typer.Option(help="Ignore any .gpuidx: no FFN neurons on the GPU.")] = False,
+    disable_gpu_index: Annotated[
+        bool, typer.Option("--disable-gpu-index", help="Ignore any .gpuidx: no FFN neurons on the GPU.")
+    ] = False,
     schedule: Annotated[
         str,
         typer.Option(

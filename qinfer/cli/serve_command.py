@@ -80,9 +80,11 @@ def serve_cmd(
     max_connections: Annotated[int, typer.Option(min=1, help="Open connections served at once; more get a 503.")] = 256,
     chat_template: Annotated[
         Path | None,
-        typer.Option(help="A Jinja chat template file to use instead of the model file's tokenizer.chat_template."),
+        typer.Option(help="A Jinja chat template file to use instead of the model file's own."),
     ] = None,
-    webui: Annotated[bool, typer.Option(help="Serve a chat page at / (--no-webui: the API alone).")] = True,
+    no_webui: Annotated[
+        bool, typer.Option("--no-webui", help="Serve the API alone, without the chat page at /.")
+    ] = False,
     allowed_hosts: Annotated[
         str,
         typer.Option(
@@ -100,14 +102,15 @@ def serve_cmd(
             "running request ends at once with a 503 'shutting down'); then the server exits.",
         ),
     ] = 5.0,
-    prompt_cache: Annotated[
+    no_prompt_cache: Annotated[
         bool,
         typer.Option(
-            help="Reuse a slot's KV rows for a prompt that begins with its tokens. Clients that share a server can "
-            "tell from timings.cache_n (or from how soon a prompt is done) how much of their prompt another sent; "
-            "--no-prompt-cache computes every prompt whole."
+            "--no-prompt-cache",
+            help="Compute every prompt whole. By default a slot's KV rows serve a prompt that begins with its tokens, "
+            "and clients that share a server can tell from timings.cache_n (or from how soon a prompt is done) how "
+            "much of their prompt another sent.",
         ),
-    ] = True,
+    ] = False,
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions (streaming with server-sent events), /v1/models and /health,
     llama.cpp's /metrics, /props, /slots, /tokenize and /detokenize, and a chat page at /.
@@ -154,7 +157,7 @@ def serve_cmd(
                 schedule=schedule,
                 kv_policy=policy,
                 kv_types=types,
-                reuse_prompts=prompt_cache,
+                reuse_prompts=not no_prompt_cache,
                 prefill_chunk=prefill_chunk,
                 reset_gpu_index=reset_gpu_index,
             )
@@ -163,7 +166,7 @@ def serve_cmd(
         tokenizer = engine.tokenizer
         template = load_chat_template(tokenizer.chat_template, tokenizer.special_tokens, template_source)
         worker = EngineWorker(engine)
-        app = create_app(worker, model.name, options, template, webui)
+        app = create_app(worker, model.name, options, template, webui=not no_webui)
         server = uvicorn_server(app, options, host, port, on_exit=worker.close)
         guarded = ", API key required" if api_key else ""
         chat = "its chat template" if template is not None else "a plain transcript (no chat template)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from qinfer.cli.main import app
@@ -26,3 +27,18 @@ def test_groups_list_their_commands() -> None:
     assert all(word in top for word in ("prep", "plan", "run"))
     prep = CliRunner().invoke(app, ["prep", "--help"], env={"COLUMNS": "200"}).output
     assert all(word in prep for word in ("synth", "convert", "convert-dense"))
+
+
+def _every_command(group: object, path: list[str]) -> list[list[str]]:
+    found = [path]
+    for name, command in getattr(group, "commands", {}).items():
+        found += _every_command(command, [*path, name])
+    return found
+
+
+@pytest.mark.parametrize("command", _every_command(typer.main.get_command(app), []), ids=" ".join)
+def test_help_fits_a_standard_terminal(command: list[str]) -> None:
+    """At 80 columns no option name or word is cut short ("--reset-gpu-in…"): a flag that is off unless given shows
+    alone, without a --no- twin taking a column of its own."""
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and "…" not in result.output, result.output
