@@ -121,7 +121,8 @@ def kv_types(k: str, v: str) -> KVTypes:
 ResetGpuIndex = Annotated[
     bool,
     typer.Option(
-        "--reset-gpu-index", help="Re-plan the .gpuidx even if one exists (needed where it is stale: other settings)."
+        "--reset-gpu-index",
+        help="Plan the .gpuidx anew even if one exists (run and serve refuse one made with other settings without it).",
     ),
 ]
 

@@ -63,8 +63,9 @@ def plan_cmd(
     reset_gpu_index: ResetGpuIndex = False,
     report: Annotated[Path | None, typer.Option(help="Write a per-layer PNG of the plan (needs matplotlib).")] = None,
 ) -> None:
-    """Decide which FFN neurons (or experts) live on the GPU and write <model>.generated.gpuidx beside the model;
-    for a mixture, also model llama.cpp's --n-cpu-moe split of the same budget."""
+    """Decide which FFN neurons (or experts) live on the GPU and write <model>.generated.gpuidx beside the model
+    (an earlier plan of ours made with other settings is made again; one that still holds is reused); for a mixture,
+    also model llama.cpp's --n-cpu-moe split of the same budget."""
     # Imported here, as in the other commands, so that `qinfer --help` and unrelated commands start fast.
     from qinfer.cli.stop_signals import stop_signals_raise
     from qinfer.formats.atomic_file import check_output_file
@@ -110,7 +111,7 @@ def plan_cmd(
         require_plotting()
     # The solver runs as a subprocess with files of its own: a stop signal must end it and remove them.
     with stop_signals_raise():
-        plan = load_or_make_gpuidx(model, budget, activation, options, reset=reset_gpu_index)
+        plan = load_or_make_gpuidx(model, budget, activation, options, reset=reset_gpu_index, replace_stale=True)
         for note in plan.notes:
             err.print(f"note: {note}")
         err.print(summary_table(plan, compare_with_full_kv(plan, activation) if windowed else None), soft_wrap=False)

@@ -279,16 +279,22 @@ def load_or_make_gpuidx(
     options: PlanOptions | None = None,
     *,
     reset: bool = False,
+    replace_stale: bool = False,
 ) -> Plan:
-    """Reuse `<model>.generated.gpuidx` when it still matches the model, activation and settings, else refuse;
-    make and write it when absent or when `reset`."""
+    """Reuse `<model>.generated.gpuidx` when it still matches the model, activation and settings, else refuse (or
+    with `replace_stale`, for a plan of ours, plan again, saying what changed); make and write it when absent or
+    when `reset`."""
     options = options or PlanOptions()
     path = gpuidx_path_for(model_path)
     check_not_special(path, "regular file")  # before reading it too: opening a pipe would wait for a writer
-    if reset or not path.exists():
+
+    def make(notes: tuple[str, ...] = ()) -> Plan:
         plan, stats = _make(model_path, vram_budget_bytes, activation_dir, options)
         write_gpuidx(path, plan.gpu_index(stats.digest))
-        return replace(plan, gpuidx_path=path)
+        return replace(plan, gpuidx_path=path, notes=notes)
+
+    if reset or not path.exists():
+        return make()
     options, layout, acct, stats, times = _inputs(model_path, vram_budget_bytes, activation_dir, options)
     index = read_gpuidx(path)
     shapes = tuple(len(m) for m in index.gpu_idx)
@@ -310,8 +316,13 @@ def load_or_make_gpuidx(
         notes = ("unknown provenance (no qinfer.plan.* keys): reused because it fits the budget and the shapes",)
     else:
         placement = Placement(masks, index.provenance.attention_on_gpu, index.provenance.output_on_gpu)
-        now = provenance(model_path, vram_budget_bytes, stats.digest, options, placement)
-        _require_fresh(path, index.provenance, now)
+        changed = _changes(
+            index.provenance, provenance(model_path, vram_budget_bytes, stats.digest, options, placement)
+        )
+        if changed and replace_stale:
+            return make((f"the plan in {path} was stale ({'; '.join(changed)}): planned again",))
+        if changed:
+            raise UserError(f"{path} is stale: {'; '.join(changed)}; rebuild it with --reset-gpu-index")
     plan = _plan(model_path, vram_budget_bytes, options, layout, acct, stats, times, placement, None)
     if index.provenance is not None and index.vram_capacity != plan.gpu_index(stats.digest).vram_capacity:
         raise UserError(
@@ -331,7 +342,8 @@ def _short(values: tuple[int, ...]) -> str:
 _OPAQUE = ("model_mtime_ns", "activation_sha256")
 
 
-def _require_fresh(path: Path, made: Provenance, now: Provenance) -> None:
+def _changes(made: Provenance, now: Provenance) -> list[str]:
+    """How each setting a plan was made with differs from now, in words."""
     inputs = [(name, label) for name, (_, label) in PLAN_KEYS.items() if label is not None]
     changed = []
     for name, label in inputs:
@@ -346,5 +358,4 @@ def _require_fresh(path: Path, made: Provenance, now: Provenance) -> None:
         elif name in ("vram_budget", "model_size"):
             then, current = f"{then} bytes", f"{current} bytes"
         changed.append(f"{label} was {then}, is now {current}")
-    if changed:
-        raise UserError(f"{path} is stale: {'; '.join(changed)}; rebuild it with --reset-gpu-index")
+    return changed

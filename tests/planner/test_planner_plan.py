@@ -167,3 +167,17 @@ def test_cli_plans_and_reports(model: Path, tmp_path: Path) -> None:
     assert "GPU-served activation share" in out and "reused" in out
     code, message = _cli("-m", str(model), "--vram-budget", budget_gib, "--device", "a100")
     assert code == 2 and "known gpu profiles" in message
+
+
+def test_cli_plans_again_where_its_earlier_plan_had_other_settings(model: Path) -> None:
+    """`plan` is asked for a plan: with a new budget it makes one, saying what changed, where run and serve would
+    refuse the old one as stale."""
+    budget = _binding_budget(model)
+    assert _cli("-m", str(model), "--vram-budget", str(budget / GIB))[0] == 0
+    code, out = _cli("-m", str(model), "--vram-budget", str((budget + 4096) / GIB))
+    assert code == 0, out
+    assert f"note: the plan in {gpuidx_path_for(model)} was stale (vram budget was {budget} bytes, is now" in out
+    index = read_gpuidx(gpuidx_path_for(model))
+    assert index.provenance is not None and index.provenance.vram_budget == budget + 4096
+    with pytest.raises(UserError, match="stale: vram budget was"):
+        load_or_make_gpuidx(model, budget)
