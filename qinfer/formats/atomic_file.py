@@ -158,6 +158,33 @@ def check_replaceable(path: Path, kind: OutputKind | None, force: bool) -> None:
     )
 
 
+def check_apart(output: Path, inputs: dict[str, Path | None], earlier: Callable[[Path], bool] | None = None) -> None:
+    """Refuse an output that would destroy what the command reads, --force or not: one that is an input (by `inputs`'
+    names for them), or a directory holding one, or an existing file inside an input directory (its weights, config
+    or tokenizer) unless `earlier` recognises it as an earlier output."""
+    out = resolved(output)
+    for name, given in inputs.items():
+        if given is None:
+            continue
+        source = resolved(given)
+        if out == source or out in source.parents:
+            relation = "is" if out == source else "holds"
+            raise UserError(
+                f"cannot write {output}: it {relation} the {name} {given}, which this command reads; pick another path"
+            )
+        if source in out.parents and out.is_file() and not (earlier is not None and earlier(out)):
+            raise UserError(f"cannot write {output}: it is a file of the {name} {given}, which this command reads; "
+                            "pick another path")  # fmt: skip
+
+
+def resolved(path: Path) -> Path:
+    """`path` with its links followed; a loop of symbolic links is one line."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError before Python 3.13, OSError (ELOOP) since
+        raise UserError(f"{path} cannot be followed ({exc}); fix the symbolic link") from None
+
+
 @contextlib.contextmanager
 def atomic_directory(path: Path, kind: OutputKind | None = None, force: bool = False) -> Iterator[Path]:
     """Like `atomic_output` for a directory: fill the yielded one, and it replaces `path` when complete, provided
@@ -230,8 +257,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _holds_working_directory(path: Path) -> bool:
-    resolved, cwd = path.resolve(), Path.cwd().resolve()
-    return resolved == cwd or resolved in cwd.parents
+    target, cwd = resolved(path), Path.cwd().resolve()
+    return target == cwd or target in cwd.parents
 
 
 def _remove(path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -332,3 +333,12 @@ def _strings(buf: memoryview, start: int, count: int, key: str) -> list[str]:
             raise LayoutError(f"item {i} of {key} is not valid UTF-8 ({exc.reason})") from None
         pos += length
     return items
+
+
+def starts_as_gguf(path: Path) -> bool:
+    """Whether the file at `path` begins with a GGUF or PowerInfer magic (an earlier output a writer may replace)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) in MAGICS
+    except OSError:
+        return False

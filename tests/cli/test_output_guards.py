@@ -56,12 +56,47 @@ def train_predictor(
     return run_cli(*args, *QUICK_TRAINING, *extra, cwd=cwd)
 
 
-def test_train_predictor_refuses_a_model_directory(model_copy: Path, corpus: Path) -> None:
+@pytest.mark.parametrize("force", [False, True])
+def test_train_predictor_refuses_a_model_directory(model_copy: Path, corpus: Path, force: bool) -> None:
     before = snapshot(model_copy)
-    result = train_predictor(model_copy, corpus, str(model_copy))
-    assert_one_line_error(result, "is not an earlier predictor directory")
-    assert "--force" in result.stderr
+    result = train_predictor(model_copy, corpus, str(model_copy), *(["--force"] if force else []))
+    assert_one_line_error(result, f"it is the model directory {model_copy}, which this command reads")
+    assert "--force" not in result.stderr  # which, followed, would have replaced the model with the predictors
     assert snapshot(model_copy) == before
+
+
+@pytest.mark.parametrize("out", ["model", ".", "corpus.txt"])
+def test_directory_outputs_never_replace_their_inputs_even_forced(
+    model_copy: Path, corpus: Path, tmp_path: Path, out: str
+) -> None:
+    before = snapshot(tmp_path)
+    for command in ("profile", "calibrate"):
+        args = ["prep", command, str(model_copy), "--data", str(corpus), "--out", str(tmp_path / out), "--force"]
+        relation = "holds the model directory" if out == "." else "is the " + ("corpus" if "." in out else "model")
+        assert_one_line_error(run_cli(*args), f"it {relation}")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_convert_never_writes_over_a_file_it_reads(tiny: SynthReport, tmp_path: Path, name: str) -> None:
+    model = shutil.copytree(tiny.model_dir, tmp_path / "model")
+    before = snapshot(model)
+    for command in ("convert", "convert-dense"):
+        predictors = [str(tiny.predictor_dir)] if command == "convert" else []
+        result = run_cli("prep", command, str(model), *predictors, "--outfile", str(model / name))
+        assert_one_line_error(result, f"it is a file of the model directory {model}, which this command reads")
+    assert snapshot(model) == before
+    # An earlier output beside the weights is replaced, as any earlier output is.
+    for _ in range(2):
+        result = run_cli("prep", "convert-dense", str(model), "--outfile", str(model / "model.gguf"))
+        assert result.returncode == 0, result.stderr
+
+
+def test_a_loop_of_links_is_one_line(gguf_files: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for args in ((tmp_path / "a", tmp_path / "y.gguf"), (gguf_files["pi-f32"], tmp_path / "a")):
+        assert_one_line_error(run_cli("prep", "quantize", *map(str, args)), "cannot be followed")
 
 
 @pytest.mark.parametrize("force", [False, True])

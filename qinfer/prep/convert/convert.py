@@ -19,7 +19,9 @@ from qinfer.core.errors import UserError
 from qinfer.core.model_spec import ModelSpec
 from qinfer.core.names import PREDICTOR, ROUTERS, Key, Tensor, split_tensor_name, tensor_name
 from qinfer.core.spec_readers import spec_from_hf_dir
+from qinfer.formats.atomic_file import check_apart
 from qinfer.formats.calibration_dir import Calibration, read_calibration
+from qinfer.formats.gguf_layout import starts_as_gguf
 from qinfer.formats.gguf_writer import TensorPlan, write_gguf
 from qinfer.formats.predictor_dir import FC1, FC2, PredictorDir, load_layer, open_predictors
 from qinfer.prep.convert.hf_checkpoint import TensorRef, index_checkpoint, load_tensor
@@ -204,6 +206,8 @@ def convert(
         raise UserError(f"unknown --outtype {outtype!r}; use one of {', '.join(OUTTYPES)}")
     if not model_dir.is_dir():
         raise UserError(f"model directory not found: {model_dir}")
+    inputs = {"model directory": model_dir, "predictor directory": predictor_dir, "calibration": calibration_dir}
+    check_apart(outfile, inputs, earlier=starts_as_gguf)
     dtype, file_type = OUTTYPES[outtype]
     spec = spec_from_hf_dir(model_dir)
     arch = architecture(spec.arch)

@@ -26,6 +26,7 @@ from qinfer.core.errors import UserError
 from qinfer.core.model_check import check_model
 from qinfer.core.names import ROUTERS, WEIGHT, Key, Tensor, split_tensor_name, tensor_name
 from qinfer.core.spec_readers import spec_from_metadata
+from qinfer.formats.atomic_file import check_apart
 from qinfer.formats.gguf_reader import GGUFFile, metadata, open_gguf, tensor_entries
 from qinfer.formats.gguf_writer import TensorPlan, copy_metadata, write_gguf
 from qinfer.prep.convert.quant_blocks import quantize_q4_0, quantize_q8_0
@@ -129,8 +130,7 @@ def quantize_gguf(
         raise UserError(f"unknown quantization type {target!r}; use one of {', '.join(TARGETS)}")
     target = target.upper()
     qtype, file_type = TARGETS[target]
-    if outfile.resolve() == infile.resolve():
-        raise UserError(f"the output would replace the input {infile}; name another file")
+    check_apart(outfile, {"input file": infile})
     reader = open_gguf(infile)
     # A file the runtime would refuse is refused here too, rather than passed on as a valid-looking quantized one.
     meta = metadata(reader)

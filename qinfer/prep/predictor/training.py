@@ -13,7 +13,7 @@ import torch
 
 from qinfer.core.errors import UserError
 from qinfer.core.spec_readers import spec_from_hf_dir
-from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_replaceable
+from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_apart, check_replaceable
 from qinfer.formats.calibration_dir import read_calibration
 from qinfer.formats.predictor_dir import FC1, FC2
 from qinfer.prep.predictor.quality import LayerQuality, Predictor, layer_quality, predictor_logits
@@ -88,6 +88,7 @@ def train_predictors(
     """Train on `data` and write the predictors to `out`, which must be new, empty or an earlier predictor
     directory unless `force` (checked before the training, which can take long)."""
     _check(settings)
+    check_apart(out, {"model directory": model_dir, "corpus": data, "calibration": settings.calibration})
     check_replaceable(out, PREDICTOR_OUTPUT, force)
     context = spec_from_hf_dir(model_dir).context_length
     settings = replace(settings, seq_len=window_length(settings.seq_len, PREDICTOR_WINDOW, context))

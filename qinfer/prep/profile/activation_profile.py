@@ -29,7 +29,14 @@ from qinfer.formats.activation_files import (
     summarise,
     write_activations,
 )
-from qinfer.formats.atomic_file import OutputKind, atomic_directory, atomic_output, check_replaceable, disk_errors
+from qinfer.formats.atomic_file import (
+    OutputKind,
+    atomic_directory,
+    atomic_output,
+    check_apart,
+    check_replaceable,
+    disk_errors,
+)
 from qinfer.formats.torch_files import load_torch_file
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
 from qinfer.prep.profile.ffn_taps import firing_counts
@@ -157,6 +164,7 @@ def profile_activations(
     out = out if out is not None else model_dir / "activation"
     if batch_size < 1 or checkpoint_every < 1:
         raise UserError("batch-size and checkpoint-every must be positive")
+    check_apart(out, {"model directory": model_dir, "corpus": data})
     check_replaceable(out, ACTIVATION_OUTPUT, force)
     files = corpus_files(data)
     seq_len = window_length(seq_len, PROFILE_WINDOW, spec_from_hf_dir(model_dir).context_length)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from qinfer.core.errors import UserError
 from qinfer.core.spec_readers import spec_from_hf_dir
 from qinfer.formats.activation_files import LayerSummary, is_activation_output, write_activations
-from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_replaceable
+from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_apart, check_replaceable
 from qinfer.formats.calibration_dir import THRESHOLDS_FILE, Calibration, write_calibration
 from qinfer.prep.profile.activation_profile import STATE_FILES
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
@@ -98,6 +98,7 @@ def calibrate_gate(
     if batch_size < 1:
         raise UserError("batch-size must be positive")
     out = out if out is not None else model_dir / "calibration"
+    check_apart(out, {"model directory": model_dir, "corpus": data})
     check_replaceable(out, CALIBRATION_OUTPUT, force)
     files = corpus_files(data)
     seq_len = window_length(seq_len, CALIBRATE_WINDOW, spec_from_hf_dir(model_dir).context_length)
