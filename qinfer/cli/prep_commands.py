@@ -11,6 +11,7 @@ import typer
 
 from qinfer.cli.app import err, prep, progress_bar, progress_when_started
 from qinfer.cli.options import SEED_MAX, Real
+from qinfer.cli.stop_signals import stops_cleanly
 
 if TYPE_CHECKING:
     from qinfer.formats.gguf_writer import TensorPlan
@@ -21,6 +22,7 @@ PREDICTOR_OPTIONS = {"predictor_rank": "--predictor-rank", "sparsity": "--sparsi
 
 
 @prep.command("synth")
+@stops_cleanly
 def synth_cmd(
     ctx: typer.Context,
     out: Annotated[
@@ -154,6 +156,7 @@ OutType = Annotated[str, typer.Option(help="Type of 2-D weights: f16 or f32 (nor
 
 
 @prep.command("convert")
+@stops_cleanly
 def convert_cmd(
     model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, safetensors or .bin).")],
     outfile: Annotated[Path, typer.Option(help="Output file, by convention NAME.powerinfer.gguf.")],
@@ -179,6 +182,7 @@ def convert_cmd(
 
 
 @prep.command("convert-dense")
+@stops_cleanly
 def convert_dense_cmd(
     model_dir: Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, safetensors or .bin).")],
     outfile: Annotated[Path, typer.Option(help="Output file, for example NAME.gguf.")],
@@ -195,6 +199,7 @@ def convert_dense_cmd(
 
 
 @prep.command("corpus")
+@stops_cleanly
 def corpus_cmd(
     out: Annotated[Path, typer.Option(help="Text file to write (stories separated by blank lines).")],
     chars: Annotated[int, typer.Option(min=1, help="Write at least this many characters.")] = 200_000,
@@ -216,6 +221,7 @@ def corpus_cmd(
 
 
 @prep.command("quantize")
+@stops_cleanly
 def quantize_cmd(
     infile: Annotated[Path, typer.Argument(help="F32 or F16 model file (GGUF or PowerInfer GGUF).")],
     outfile: Annotated[Path, typer.Argument(help="Output file, by convention NAME.q4.powerinfer.gguf.")],

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from qinfer.cli.app import err, prep, progress_when_started
 from qinfer.cli.options import SEED_MAX, Real
+from qinfer.cli.stop_signals import stops_cleanly
 from qinfer.prep.profile.window_length import CALIBRATE_WINDOW, PREDICTOR_WINDOW, PROFILE_WINDOW
 
 ModelDir = Annotated[Path, typer.Argument(help="Hugging Face model directory (config.json, weights, tokenizer).")]
@@ -38,6 +39,7 @@ class TokensPerSecond(ProgressColumn):
 
 
 @prep.command("profile")
+@stops_cleanly
 def profile_cmd(
     model_dir: ModelDir,
     data: Data,
@@ -130,6 +132,7 @@ def profile_cmd(
 
 
 @prep.command("train-predictor")
+@stops_cleanly
 def train_predictor_cmd(
     model_dir: ModelDir,
     data: Data,
@@ -210,6 +213,7 @@ SPARSITY = Real(0.0, 1.0, high_open=True)
 
 
 @prep.command("calibrate")
+@stops_cleanly
 def calibrate_cmd(
     model_dir: ModelDir,
     data: Data,

@@ -235,7 +235,10 @@ def _is_stale(entry: Path, middle: str) -> bool:
     if match is None:
         return False
     if match.group(1) is not None:
-        return not _pid_alive(int(match.group(1)))
+        # A leftover under this process's own pid is a dead writer's whose pid came round again (a container's first
+        # processes get the same pids each run): this process writes a target once at a time.
+        pid = int(match.group(1))
+        return pid == os.getpid() or not _pid_alive(pid)
     # Named before writers put their pid in, so no writer of this version made it: stale once older than us.
     return entry.lstat().st_mtime < _STARTED
 

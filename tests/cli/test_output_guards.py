@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from qinfer.core.errors import UserError
 from qinfer.formats.atomic_file import atomic_directory, atomic_output, check_replaceable
+from qinfer.prep.convert import convert as convert_module
 from qinfer.prep.predictor.training import PREDICTOR_OUTPUT
 from qinfer.prep.synth.build import SynthReport, SynthShape, build_synth
 from qinfer.prep.synth.corpus import synth_corpus
@@ -174,17 +176,52 @@ def dead_pid() -> int:
 def test_stale_partials_of_dead_writers_go_and_live_ones_stay(tmp_path: Path) -> None:
     out = tmp_path / "corpus.txt"
     dead = tmp_path / f".corpus.txt.{dead_pid()}-abcd1234.partial"
-    live = tmp_path / f".corpus.txt.{os.getpid()}-abcd1234.partial"
+    live = tmp_path / f".corpus.txt.{os.getppid()}-abcd1234.partial"
+    # This process's own pid on a leftover: a dead writer's that came round again, as in a container's every run.
+    reused = tmp_path / f".corpus.txt.{os.getpid()}-abcd1234.partial"
     legacy = tmp_path / ".corpus.txt.abcd1234.partial"  # named before writers put their pid in
     other = tmp_path / f".other.txt.{dead_pid()}-abcd1234.partial"  # another target's
-    for path in (dead, live, legacy, other):
+    for path in (dead, live, reused, legacy, other):
         path.write_bytes(b"\0" * 1000)
     an_hour_ago = time.time() - 3600
     os.utime(legacy, (an_hour_ago, an_hour_ago))
     result = run_cli("prep", "corpus", "--out", str(out), "--chars", "1000")
     assert result.returncode == 0, result.stderr
-    assert out.is_file() and not dead.exists() and not legacy.exists()
+    assert out.is_file() and not dead.exists() and not reused.exists() and not legacy.exists()
     assert live.exists() and other.exists()
+
+
+def test_sigterm_mid_write_removes_the_partial_output(
+    tiny: SynthReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM ends Python without a `finally`; a prep command stops as Ctrl-C stops it, leaving no temporary file
+    behind (a real model's is gigabytes)."""
+    write = convert_module.write_gguf
+
+    def stopped_after_one_tensor(*args: object, **kwargs: object) -> None:
+        def send(_plan: object) -> None:
+            assert [p.name for p in tmp_path.iterdir()][0].endswith(".partial")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        write(*args, **{**kwargs, "on_tensor": send})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(convert_module, "write_gguf", stopped_after_one_tensor)
+
+    def unhandled(_signum: int, _frame: object) -> None:
+        raise AssertionError("SIGTERM reached the test's own handler: the command did not take it")
+
+    out, before = tmp_path / "tiny.gguf", signal.signal(signal.SIGTERM, unhandled)
+    try:
+        result = run_cli("prep", "convert-dense", str(tiny.model_dir), "--outfile", str(out))
+        assert signal.getsignal(signal.SIGTERM) == unhandled  # restored once the command ended
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert result.returncode == 128 + signal.SIGTERM
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == "error: stopped by SIGTERM before it finished; run the command again to finish"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_partial_names_carry_the_writer_pid(tmp_path: Path) -> None:
