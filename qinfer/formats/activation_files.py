@@ -17,7 +17,7 @@ from qinfer.core.errors import UserError
 from qinfer.core.json_object import read_json_object
 from qinfer.core.model_spec import Experts
 from qinfer.formats.atomic_file import atomic_output
-from qinfer.formats.torch_files import load_torch_file
+from qinfer.formats.torch_files import load_torch_file, save_torch_file
 
 LAYER_FILE = re.compile(r"activation_(\d+)\.pt")
 SUMMARY_FILE = "summary.json"
@@ -57,10 +57,10 @@ def write_activations(
     and `summary.json`, each written atomically."""
     out.mkdir(parents=True, exist_ok=True)
     for i, row in enumerate(counts):
-        # Saved through a file object, the archive inside is named "archive" rather than after the temporary file,
-        # so equal counts give equal bytes: a re-profiled model keeps its activation digest, and processes agree.
-        with atomic_output(out / f"activation_{i}.pt") as tmp, tmp.open("wb") as file:
-            torch.save(row.detach().to("cpu", torch.int64).clone(), file)
+        # Equal counts give equal bytes (save_torch_file): a re-profiled model keeps its activation digest, and
+        # processes agree.
+        with atomic_output(out / f"activation_{i}.pt") as tmp:
+            save_torch_file(row.detach().to("cpu", torch.int64).clone(), tmp)
     layers = summarise(counts, tokens)
     summary: dict[str, object] = {"tokens": tokens, **meta}
     if experts is not None:

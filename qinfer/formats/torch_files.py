@@ -1,8 +1,9 @@
 """Load torch files from the internet (predictors, activation counts, checkpoints) safely: tensors only, and one
-line that says what is wrong when a file is not what it claims."""
+line that says what is wrong when a file is not what it claims; and save ours so that a full disk is an OSError."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 from pathlib import Path
@@ -29,3 +30,13 @@ def load_torch_file(path: Path, what: str, fix: str, mmap: bool = False) -> Any:
         if isinstance(exc, pickle.UnpicklingError) or "weights_only" in reason or "Weights only" in reason:
             reason = _NOT_TENSORS
         raise UserError(f"cannot read {path} as {what} ({reason}); {fix}") from None
+
+
+def save_torch_file(obj: Any, path: Path) -> None:
+    """`torch.save` into memory, then the bytes to `path`: a full disk is then the write's own OSError (torch's
+    archive writer turns it into a RuntimeError, to a path or a file object alike), and the archive inside is named
+    "archive" rather than after the file, so equal contents give equal bytes whatever the file's (temporary) name.
+    What is saved here is small: counts and predictors of a layer, a profile's state."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    path.write_bytes(buffer.getbuffer())

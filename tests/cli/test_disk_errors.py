@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from qinfer.prep.synth.build import SynthReport
+from qinfer.prep.synth.corpus import synth_corpus
 from tests.support.cli_in_process import run_in_process
 from tests.support.fake_activation import write_power_law_activation
 
@@ -68,6 +69,12 @@ def test_a_full_disk(small_disk: Path, gguf_files: dict[str, Path], tiny: SynthR
               "disk is full")  # fmt: skip
     _one_line(run_in_process("prep", "corpus", "--out", str(small_disk / "c.txt"), "--chars", "200000"),
               "disk is full")  # fmt: skip
+    # torch.save to a path reports a short write as a RuntimeError of its archive writer, not an OSError.
+    corpus = small_disk.parent / "corpus.txt"
+    corpus.write_text(synth_corpus(3, 20_000, "calibrate"), encoding="utf-8")
+    train = ["prep", "train-predictor", str(tiny.model_dir), "--data", str(corpus), "--out", str(small_disk / "p")]
+    _one_line(run_in_process(*train, "--rank", "32", "--train-tokens", "600", "--heldout-tokens", "300", "--epochs",
+                             "1", "--seq-len", "100"), "disk is full")  # fmt: skip
     assert not list(small_disk.iterdir())
 
 

@@ -16,6 +16,7 @@ from qinfer.core.spec_readers import spec_from_hf_dir
 from qinfer.formats.atomic_file import OutputKind, atomic_directory, check_apart, check_replaceable
 from qinfer.formats.calibration_dir import read_calibration
 from qinfer.formats.predictor_dir import FC1, FC2
+from qinfer.formats.torch_files import save_torch_file
 from qinfer.prep.predictor.quality import LayerQuality, Predictor, layer_quality, predictor_logits
 from qinfer.prep.predictor.rank import RANK_STEP, RankPlan, auto_ranks, fixed_ranks
 from qinfer.prep.predictor.residual_sample import ResidualSample, collect_residuals
@@ -269,5 +270,5 @@ def write_predictor_dir(
     with atomic_directory(out, PREDICTOR_OUTPUT, force) as tmp:
         tmp.chmod(0o755)
         for i, (fc1, fc2) in enumerate(predictors):
-            torch.save({FC1: fc1.float().contiguous(), FC2: fc2.float().contiguous()}, tmp / f"model_{i}.pt")
+            save_torch_file({FC1: fc1.float().contiguous(), FC2: fc2.float().contiguous()}, tmp / f"model_{i}.pt")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

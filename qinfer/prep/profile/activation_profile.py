@@ -37,7 +37,7 @@ from qinfer.formats.atomic_file import (
     check_replaceable,
     disk_errors,
 )
-from qinfer.formats.torch_files import load_torch_file
+from qinfer.formats.torch_files import load_torch_file, save_torch_file
 from qinfer.prep.profile.corpus_reader import batches, corpus_files, token_windows
 from qinfer.prep.profile.ffn_taps import firing_counts
 from qinfer.prep.profile.relu_model import load_relu_model, resolve_device
@@ -298,4 +298,4 @@ def _save_state(path: Path, key: str, counts: torch.Tensor, position: StreamPosi
         "tokens": position.tokens,
     }
     with atomic_output(path) as tmp:
-        torch.save(state, tmp)
+        save_torch_file(state, tmp)
