@@ -120,12 +120,20 @@ def fingerprint(
     dtype: torch.dtype,
     shard: Shard | None,
 ) -> str:
-    """What must match for a checkpoint to be continued: the model config, the corpus files, the windowing and
-    batching (a checkpoint's position counts batches, and a process's share is a set of batches) and the process's
-    place in a distributed run."""
+    """What must match for a checkpoint to be continued: the model (its config, and its weight files' names, sizes
+    and times: another model of the same config must not add to its counts), the corpus files (a file edited in
+    place keeps its size), the windowing and batching (a checkpoint's position counts batches, and a process's
+    share is a set of batches) and the process's place in a distributed run."""
+
+    def stamp(path: Path) -> list[object]:
+        stat = path.stat()
+        return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+    weights = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
     parts = {
         "config": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
-        "data": [[str(p.resolve()), p.stat().st_size] for p in files],
+        "weights": [stamp(p)[1:] + [p.name] for p in weights],
+        "data": [stamp(p) for p in files],
         "seq_len": seq_len,
         "batch_size": batch_size,
         "tokens": tokens,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -178,6 +179,15 @@ def test_an_interrupted_run_resumes_to_the_same_counts(tiny: SynthReport, corpus
 
     with pytest.raises(UserError, match="--restart"):
         profile_activations(tiny.model_dir, corpus, tmp_path / "parts", **{**args, "seq_len": 32})
+    # Nor does another model of the same config, or a corpus edited in place (its size kept), add to its counts.
+    for path in (tiny.model_dir / "model.safetensors", corpus):
+        times = path.stat()
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns + 1))
+        try:
+            with pytest.raises(UserError, match="--restart"):
+                profile_activations(tiny.model_dir, corpus, tmp_path / "parts", **args)
+        finally:
+            os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
 
     starts: list[int] = []
     resumed = profile_activations(
