@@ -203,7 +203,10 @@ def convert(
     checked before the first byte is written; tensors are then streamed one at a time.
     """
     if outtype not in OUTTYPES:
-        raise UserError(f"unknown --outtype {outtype!r}; use one of {', '.join(OUTTYPES)}")
+        raise UserError(
+            f"unknown --outtype {outtype!r}; use one of {', '.join(OUTTYPES)} (quantize the file with `qinfer prep "
+            "quantize` after)"
+        )
     if not model_dir.is_dir():
         raise UserError(f"model directory not found: {model_dir}")
     inputs = {"model directory": model_dir, "predictor directory": predictor_dir, "calibration": calibration_dir}

@@ -104,7 +104,9 @@ def calibrate_gate(
     seq_len = window_length(seq_len, CALIBRATE_WINDOW, spec_from_hf_dir(model_dir).context_length)
     loaded = load_relu_model(model_dir, dtype, device)
     if not loaded.form.gated or loaded.arch.hf.gate is None:
-        raise UserError(f"a {loaded.spec.arch} model has no gate to calibrate; profile it with `qinfer prep profile`")
+        raise UserError(
+            f"{model_dir} ({loaded.spec.arch}) has no gate to calibrate; profile it with `qinfer prep profile`"
+        )
     windows = list(token_windows(loaded.tokenizer, files, seq_len, tokens))
     total = sum(w.numel() for w in windows)
     if total == 0:

@@ -229,7 +229,9 @@ def build_swiglu(
                 if isinstance(module, torch.nn.Linear) and module.bias is not None:
                     module.bias.normal_(0.0, init_std, generator=gen)
         if train_steps:
-            stream = torch.tensor(tokenizer(synth_corpus(seed, train_steps * 16 * 128 * 5, "train"))["input_ids"])
+            # Tokenised whole and cut into windows after: its length is no concern of the tokenizer's, which warns.
+            text = synth_corpus(seed, train_steps * 16 * 128 * 5, "train")
+            stream = torch.tensor(tokenizer(text, verbose=False)["input_ids"])
             _train(model, stream, train_steps, gen)
         if activation == "drelu":
             model.config.hidden_act = "drelu"

@@ -135,6 +135,10 @@ class Placement:
     dense_on_gpu: bool
 
 
+# Said on a machine without a GPU where a plan was made or read (not under --disable-gpu-index).
+_KEPT = "the plan is kept for a GPU machine; "
+
+
 def _placement(model: ModelFile, options: RuntimeOptions, plan_options: PlanOptions, notes: list[str]) -> Placement:
     # The planner's solvers (pulp, scipy) load only when a budget asks for a plan, not for every run.
     from qinfer.planner.make_plan import dry_run_account, load_or_make_gpuidx
@@ -210,7 +214,7 @@ def _experts_runtime(
     notes: list[str] = []
     placed = _placement(model, options, _plan_options(device, options, slots, ctx_size), notes)
     if device is None:
-        notes.append("no GPU: the plan is kept for a GPU machine; every expert runs on the CPU")
+        notes.append(f"no GPU: {_KEPT if placed.plan is not None else ''}every expert runs on the CPU")
         return LoadedRuntime(make_forward(model, runner, cpu), "dense", "static", placed.plan, notes)
     split = ExpertSplit(runner, device, placed.resident)
     forward = make_forward(model, split, device if placed.dense_on_gpu else cpu)
@@ -254,7 +258,7 @@ def load_forward(model: ModelFile, options: RuntimeOptions, slots: int = 1, ctx_
     notes: list[str] = []
     placed = _placement(model, options, plan_options, notes)
     if device is None:
-        notes.append("no GPU: the plan is kept for a GPU machine; everything runs sparse on the CPU")
+        notes.append(f"no GPU: {_KEPT if placed.plan is not None else ''}everything runs sparse on the CPU")
         forward = make_forward(model, SparseRunner(layers, threshold, selector(layers)), cpu)
         return LoadedRuntime(forward, mode, "static", placed.plan, notes)
     # With the index disabled nothing may live on the GPU, so neither may neurons be shipped there.

@@ -401,10 +401,13 @@ def test_without_a_gpu_the_budget_only_shapes_the_plan(model: Path) -> None:
     engine = Engine.open(model, ctx_size=96, vram_budget_gib=_budget_gib(model, 1, 0.3))
     assert engine.runtime is not None and engine.runtime.plan is not None
     if not torch.cuda.is_available():
-        assert any("no GPU" in n for n in engine.runtime.notes)
+        assert "no GPU: the plan is kept for a GPU machine; everything runs sparse on the CPU" in engine.runtime.notes
         assert engine.forward.device.type == "cpu"
     disabled = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, disable_gpu_index=True, device="cpu")
     assert sum(c.capacity for c in _hybrid(disabled).caches) == 0
+    if not torch.cuda.is_available():  # no plan was made or read: none is kept
+        auto = Engine.open(model, ctx_size=96, vram_budget_gib=1.0, disable_gpu_index=True).runtime
+        assert auto is not None and "no GPU: everything runs sparse on the CPU" in auto.notes
     assert (
         generate(disabled, PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
         == generate(Engine.open(model, ctx_size=96), PROMPTS[0], 8, GREEDY, ignore_eos=True).tokens
