@@ -121,10 +121,12 @@ def load_counts(path: Path, neurons: int | None = None) -> torch.Tensor:
 @dataclass(frozen=True)
 class CountBasis:
     """What a directory's counts are of, from its summary.json: the unit (neurons where the summary or its "unit"
-    is absent, as before experts were counted) and the tokens profiled (None where not recorded)."""
+    is absent, as before experts were counted), the tokens profiled and the profiled model's architecture (each
+    None where not recorded)."""
 
     unit: Unit
     tokens: int | None
+    arch: str | None = None
 
 
 def count_basis(directory: Path) -> CountBasis:
@@ -137,7 +139,8 @@ def count_basis(directory: Path) -> CountBasis:
         raise UserError(f"{path}: unit {unit!r} is not one of {', '.join(UNITS)}; re-profile the model")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
         raise UserError(f"{path}: tokens {tokens!r} is not a count; re-profile the model")
-    return CountBasis(unit, tokens)
+    arch = summary.get("arch")
+    return CountBasis(unit, tokens, arch if isinstance(arch, str) else None)
 
 
 def read_activations(path: Path) -> list[torch.Tensor]:

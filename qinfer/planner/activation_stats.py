@@ -31,11 +31,18 @@ class ActivationStats:
     digest: str
 
 
-def load_activation(directory: Path, ffn_neurons: tuple[int, ...], unit: Unit = "neuron") -> ActivationStats:
-    """`ffn_neurons`: the units per layer the model places, each a `unit`; a directory counting the other unit is
-    refused."""
+def load_activation(
+    directory: Path, ffn_neurons: tuple[int, ...], unit: Unit = "neuron", arch: str | None = None
+) -> ActivationStats:
+    """`ffn_neurons`: the units per layer the model places, each a `unit`; a directory counting the other unit, or
+    (where its summary records one) profiled on a model of another architecture than `arch`, is refused."""
     paths = activation_paths(directory, len(ffn_neurons))
     basis = count_basis(directory)
+    if arch is not None and basis.arch is not None and basis.arch != arch:
+        raise UserError(
+            f"{directory} was profiled on a {basis.arch} model, but this is a {arch} model; profile this model with "
+            "`qinfer prep profile` and pass its directory with --activation"
+        )
     if basis.unit != unit:
         raise UserError(
             f"{directory} counts {_NOUN[basis.unit]}s but this model places {_NOUN[unit]}s; profile this model with "

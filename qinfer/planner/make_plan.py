@@ -141,7 +141,8 @@ def _inputs(
     model_path: Path, vram_budget_bytes: int, activation_dir: Path | None, options: PlanOptions
 ) -> tuple[PlanOptions, ModelLayout, VramAccount, ActivationStats, TimeModel]:
     options, layout, acct = _account(model_path, vram_budget_bytes, options)
-    stats = load_activation(activation_dir or model_path.parent / "activation", acct.ffn_neurons, layout.unit)
+    directory = activation_dir or model_path.parent / "activation"
+    stats = load_activation(directory, acct.ffn_neurons, layout.unit, layout.spec.arch)
     return options, layout, acct, stats, _time_model(layout, stats.firing, options)
 
 

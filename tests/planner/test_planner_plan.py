@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from qinfer.cli.main import app
 from qinfer.core.errors import UserError
-from qinfer.formats.activation_files import activation_paths
+from qinfer.formats.activation_files import activation_paths, write_activations
 from qinfer.formats.gpuidx import GpuIndex, gpuidx_path_for, read_gpuidx, write_gpuidx
 from qinfer.planner.activation_stats import load_activation
 from qinfer.planner.budget import GIB
@@ -50,6 +51,16 @@ def test_wrong_length_activation_is_refused(tmp_path: Path) -> None:
     write_power_law_activation(tmp_path, f=100)
     with pytest.raises(UserError, match="expected a 1-D tensor of 256 counts"):
         load_activation(tmp_path, (256, 256))
+
+
+def test_counts_of_a_model_of_another_architecture_are_refused(model: Path, tmp_path: Path) -> None:
+    counts = torch.stack([torch.arange(256, dtype=torch.int64)] * 2)
+    write_activations(tmp_path / "falcon", counts, 1000, {"arch": "falcon"})
+    with pytest.raises(UserError, match="profiled on a falcon model, but this is a llama model"):
+        load_or_make_gpuidx(model, _binding_budget(model), tmp_path / "falcon")
+    assert not gpuidx_path_for(model).exists()
+    write_activations(tmp_path / "llama", counts, 1000, {"arch": "llama"})
+    assert not load_or_make_gpuidx(model, _binding_budget(model), tmp_path / "llama").reused
 
 
 def test_plan_is_written_reused_and_read_back(model: Path) -> None:
