@@ -160,9 +160,12 @@ def check_replaceable(path: Path, kind: OutputKind | None, force: bool) -> None:
 
 def check_apart(output: Path, inputs: dict[str, Path | None], earlier: Callable[[Path], bool] | None = None) -> None:
     """Refuse an output that would destroy what the command reads, --force or not: one that is an input (by `inputs`'
-    names for them), or a directory holding one, or an existing file inside an input directory (its weights, config
-    or tokenizer) unless `earlier` recognises it as an earlier output."""
+    names for them), or a directory holding one, or an existing entry of an input directory (its weights, config or
+    tokenizer, or a link to them, as a Hugging Face snapshot holds) unless `earlier` recognises it as an earlier
+    output."""
     out = resolved(output)
+    # What a rename onto `output` replaces: the entry itself, not what a link there points to.
+    entry = resolved(output.parent) / output.name
     for name, given in inputs.items():
         if given is None:
             continue
@@ -172,7 +175,8 @@ def check_apart(output: Path, inputs: dict[str, Path | None], earlier: Callable[
             raise UserError(
                 f"cannot write {output}: it {relation} the {name} {given}, which this command reads; pick another path"
             )
-        if source in out.parents and out.is_file() and not (earlier is not None and earlier(out)):
+        taken = entry.is_symlink() or entry.is_file()
+        if source in entry.parents and taken and not (earlier is not None and earlier(entry)):
             raise UserError(f"cannot write {output}: it is a file of the {name} {given}, which this command reads; "
                             "pick another path")  # fmt: skip
 
@@ -180,9 +184,11 @@ def check_apart(output: Path, inputs: dict[str, Path | None], earlier: Callable[
 def resolved(path: Path) -> Path:
     """`path` with its links followed; a loop of symbolic links is one line."""
     try:
-        return path.resolve()
-    except (RuntimeError, OSError) as exc:  # RuntimeError before Python 3.13, OSError (ELOOP) since
-        raise UserError(f"{path} cannot be followed ({exc}); fix the symbolic link") from None
+        os.stat(path)  # Path.resolve raises on a loop only before Python 3.13; stat's ELOOP tells it on every one
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(f"{path} cannot be followed (a loop of symbolic links); fix the link") from None
+    return path.resolve()
 
 
 @contextlib.contextmanager
@@ -235,10 +241,13 @@ def _is_stale(entry: Path, middle: str) -> bool:
     if match is None:
         return False
     if match.group(1) is not None:
-        # A leftover under this process's own pid is a dead writer's whose pid came round again (a container's first
-        # processes get the same pids each run): this process writes a target once at a time.
+        # A leftover under this process's own pid, last written before it started, is a dead writer's whose pid came
+        # round again (a container's first processes get the same pids each run); a newer one may be a live writer's
+        # of another container on the same volume.
         pid = int(match.group(1))
-        return pid == os.getpid() or not _pid_alive(pid)
+        if pid == os.getpid():
+            return entry.lstat().st_mtime < _STARTED
+        return not _pid_alive(pid)
     # Named before writers put their pid in, so no writer of this version made it: stale once older than us.
     return entry.lstat().st_mtime < _STARTED
 

@@ -94,6 +94,18 @@ def test_convert_never_writes_over_a_file_it_reads(tiny: SynthReport, tmp_path: 
         assert result.returncode == 0, result.stderr
 
 
+def test_a_linked_weight_file_is_an_input_too(tiny: SynthReport, tmp_path: Path) -> None:
+    """A Hugging Face snapshot's files are links into its blobs: writing over one would replace the link."""
+    model = shutil.copytree(tiny.model_dir, tmp_path / "model")
+    blob = tmp_path / "blobs" / "abc123"
+    blob.parent.mkdir()
+    (model / "model.safetensors").rename(blob)
+    (model / "model.safetensors").symlink_to(blob)
+    result = run_cli("prep", "convert-dense", str(model), "--outfile", str(model / "model.safetensors"))
+    assert_one_line_error(result, f"it is a file of the model directory {model}")
+    assert (model / "model.safetensors").is_symlink()
+
+
 def test_a_loop_of_links_is_one_line(gguf_files: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
@@ -177,18 +189,21 @@ def test_stale_partials_of_dead_writers_go_and_live_ones_stay(tmp_path: Path) ->
     out = tmp_path / "corpus.txt"
     dead = tmp_path / f".corpus.txt.{dead_pid()}-abcd1234.partial"
     live = tmp_path / f".corpus.txt.{os.getppid()}-abcd1234.partial"
-    # This process's own pid on a leftover: a dead writer's that came round again, as in a container's every run.
+    # This process's own pid on a leftover older than the process: a dead writer's that came round again, as in a
+    # container's every run. A newer one may be another container's live writer's, on a shared volume.
     reused = tmp_path / f".corpus.txt.{os.getpid()}-abcd1234.partial"
+    shared = tmp_path / f".corpus.txt.{os.getpid()}-efgh5678.partial"
     legacy = tmp_path / ".corpus.txt.abcd1234.partial"  # named before writers put their pid in
     other = tmp_path / f".other.txt.{dead_pid()}-abcd1234.partial"  # another target's
-    for path in (dead, live, reused, legacy, other):
+    for path in (dead, live, reused, shared, legacy, other):
         path.write_bytes(b"\0" * 1000)
     an_hour_ago = time.time() - 3600
-    os.utime(legacy, (an_hour_ago, an_hour_ago))
+    for path in (legacy, reused):
+        os.utime(path, (an_hour_ago, an_hour_ago))
     result = run_cli("prep", "corpus", "--out", str(out), "--chars", "1000")
     assert result.returncode == 0, result.stderr
     assert out.is_file() and not dead.exists() and not reused.exists() and not legacy.exists()
-    assert live.exists() and other.exists()
+    assert live.exists() and shared.exists() and other.exists()
 
 
 def test_sigterm_mid_write_removes_the_partial_output(
