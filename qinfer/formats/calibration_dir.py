@@ -32,10 +32,6 @@ class Calibration:
     vocab: int | None = None  # what tells Llama-3-8B from Mistral-7B, both llama models of the same shape
 
 
-def _model(arch: str, layers: int, hidden: int, ffn: int, vocab: int, activation: str) -> str:
-    return f"{arch} model of {layers} layers, hidden {hidden}, FFN {ffn} ({activation}), vocabulary {vocab}"
-
-
 def write_calibration(directory: Path, calibration: Calibration) -> Path:
     path = directory / THRESHOLDS_FILE
     with atomic_output(path) as tmp:
@@ -62,11 +58,20 @@ def read_calibration(directory: Path, spec: ModelSpec) -> Calibration:
         )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise UserError(f"{path} is not a calibration file ({exc}); {fix}") from None
-    ours = (spec.arch, spec.layers, spec.hidden, spec.ffn, spec.vocab_size, str(spec.activation))
-    theirs = (calibration.arch or spec.arch, len(calibration.thresholds), calibration.hidden or spec.hidden,
-              calibration.ffn or spec.ffn, calibration.vocab or spec.vocab_size, calibration.activation)  # fmt: skip
-    if theirs != ours:
-        raise UserError(f"{path} is from a {_model(*theirs)}, but this is a {_model(*ours)}; {fix}")
+    # What the calibration recorded of its model (a directory written before the model was recorded has only the
+    # layer count and activation) against this model.
+    compared = {
+        "architecture": (calibration.arch, spec.arch),
+        "layers": (len(calibration.thresholds), spec.layers),
+        "hidden size": (calibration.hidden, spec.hidden),
+        "neurons per layer": (calibration.ffn, spec.ffn),
+        "vocabulary": (calibration.vocab, spec.vocab_size),
+        "activation": (calibration.activation, spec.activation or "the family's own"),
+    }
+    differ = [f"{name} {theirs}, this model {ours}" for name, (theirs, ours) in compared.items()
+              if theirs is not None and theirs != ours]  # fmt: skip
+    if differ:
+        raise UserError(f"{path} is from another model ({'; '.join(differ)}); {fix}")
     if not all(math.isfinite(t) and t >= 0 for t in calibration.thresholds):
         raise UserError(f"{path} holds a negative or non-finite threshold; {fix}")
     return calibration

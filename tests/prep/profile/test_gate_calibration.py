@@ -196,22 +196,22 @@ def test_refusals(swiglu: dict[str, dict[str, Path]], corpus: Path, calibrated: 
     (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps(
         {"activation": "silu", "sparsity": 0.5, "tokens": 1, "thresholds": [0.1]}
     ))  # fmt: skip
-    with pytest.raises(UserError, match=r"qwen2 model of 1 layers, .* but this is a qwen2 model of 2 layers"):
+    with pytest.raises(UserError, match=r"is from another model \(layers 1, this model 2\); calibrate"):
         convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad")
     assert not (tmp_path / "x.gguf").exists()
     # Nor are a model's thresholds put in another model's file (Llama-3-8B's in Mistral-7B's: both llama models of 32
     # layers of 4096 and 14336, told apart by their vocabularies), nor given to its predictors.
     written = json.loads((other / "gate_thresholds.json").read_text())
     assert (written["arch"], written["hidden"], written["ffn"], written["vocab"]) == ("llama", 64, 192, 640)
-    with pytest.raises(UserError, match="from a llama model of 2 layers, .* but this is a qwen2 model"):
+    with pytest.raises(UserError, match=r"is from another model \(architecture llama, this model qwen2\)"):
         convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", other)
-    shape = {"FFN": "ffn", "vocabulary": "vocab"}
+    shape = {"neurons per layer": "ffn", "vocabulary": "vocab"}
     for label, key in shape.items():
         (tmp_path / "bad" / "gate_thresholds.json").write_text(json.dumps({**written, "arch": "qwen2", key: 512}))
-        with pytest.raises(UserError, match=f"{label} 512"):
+        with pytest.raises(UserError, match=rf"another model \({label} 512, this model [0-9]+\)"):
             convert(swiglu["qwen2"]["model"], tmp_path / "x.gguf", None, "f32", tmp_path / "bad")
     settings = TrainSettings(rank=64, calibration=other, device="cpu")
-    with pytest.raises(UserError, match="from a llama model"):
+    with pytest.raises(UserError, match="architecture llama, this model qwen2"):
         train_predictors(swiglu["qwen2"]["model"], corpus, tmp_path / "predictor", settings)
     # A directory written before the model was recorded is taken as it was.
     legacy = {key: value for key, value in written.items() if key not in ("arch", "hidden", "ffn", "vocab")}
