@@ -283,8 +283,7 @@ def load_or_make_gpuidx(
     replace_stale: bool = False,
 ) -> Plan:
     """Reuse `<model>.generated.gpuidx` when it still matches the model, activation and settings, else refuse (or
-    with `replace_stale`, for a plan of ours, plan again, saying what changed); make and write it when absent or
-    when `reset`."""
+    with `replace_stale`, plan again, saying why); make and write it when absent or when `reset`."""
     options = options or PlanOptions()
     path = gpuidx_path_for(model_path)
     check_not_special(path, "regular file")  # before reading it too: opening a pipe would wait for a writer
@@ -294,15 +293,19 @@ def load_or_make_gpuidx(
         write_gpuidx(path, plan.gpu_index(stats.digest))
         return replace(plan, gpuidx_path=path, notes=notes)
 
+    def unusable(problem: str, fix: str = "rerun with --reset-gpu-index") -> Plan:
+        if replace_stale:
+            return make((f"the plan in {path} {problem}; planned again",))
+        raise UserError(f"{path} {problem}; {fix}")
+
     if reset or not path.exists():
         return make()
     options, layout, acct, stats, times = _inputs(model_path, vram_budget_bytes, activation_dir, options)
     index = read_gpuidx(path)
     shapes = tuple(len(m) for m in index.gpu_idx)
     if shapes != acct.ffn_neurons:
-        raise UserError(
-            f"{path} was made for a model with FFN sizes {_short(shapes)}, this one has {_short(acct.ffn_neurons)}; "
-            "rerun with --reset-gpu-index"
+        return unusable(
+            f"was made for a model with FFN sizes {_short(shapes)}, this one has {_short(acct.ffn_neurons)}"
         )
     masks = tuple(m.astype(bool) for m in index.gpu_idx)
     notes: tuple[str, ...] = ()
@@ -310,9 +313,9 @@ def load_or_make_gpuidx(
         placement = Placement(masks, (True,) * len(masks), True)
         room = vram_budget_bytes - acct.dense
         if index.vram_capacity > room:
-            raise UserError(
-                f"{path} (made by another tool) needs {index.vram_capacity} bytes for the FFN split but this budget "
-                f"leaves {room}; rerun with --reset-gpu-index"
+            return unusable(
+                f"(made by another tool) needs {index.vram_capacity} bytes for the FFN split but this budget "
+                f"leaves {room}"
             )
         notes = ("unknown provenance (no qinfer.plan.* keys): reused because it fits the budget and the shapes",)
     else:
@@ -320,17 +323,13 @@ def load_or_make_gpuidx(
         changed = _changes(
             index.provenance, provenance(model_path, vram_budget_bytes, stats.digest, options, placement)
         )
-        if changed and replace_stale:
-            return make((f"the plan in {path} was stale ({'; '.join(changed)}): planned again",))
         if changed:
-            raise UserError(f"{path} is stale: {'; '.join(changed)}; rebuild it with --reset-gpu-index")
+            return unusable(f"is stale: {'; '.join(changed)}", "rebuild it with --reset-gpu-index")
     plan = _plan(model_path, vram_budget_bytes, options, layout, acct, stats, times, placement, None)
     if index.provenance is not None and index.vram_capacity != plan.gpu_index(stats.digest).vram_capacity:
-        raise UserError(
-            f"{path} records an FFN split size its neurons do not have (damaged); rerun with --reset-gpu-index"
-        )
+        return unusable("records an FFN split size its neurons do not have (damaged)")
     if plan.vram_total > vram_budget_bytes:
-        raise UserError(f"{path} would use {plan.vram_total:.0f} bytes, over the budget; rerun with --reset-gpu-index")
+        return unusable(f"would use {plan.vram_total:.0f} bytes, over the budget")
     return replace(plan, gpuidx_path=path, reused=True, notes=notes)
 
 

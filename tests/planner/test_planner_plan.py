@@ -187,7 +187,8 @@ def test_cli_plans_again_where_its_earlier_plan_had_other_settings(model: Path) 
     assert _cli("-m", str(model), "--vram-budget", str(budget / GIB))[0] == 0
     code, out = _cli("-m", str(model), "--vram-budget", str((budget + 4096) / GIB))
     assert code == 0, out
-    assert f"note: the plan in {gpuidx_path_for(model)} was stale (vram budget was {budget} bytes, is now" in out
+    assert f"note: the plan in {gpuidx_path_for(model)} is stale: vram budget was {budget} bytes, is now" in out
+    assert "; planned again" in out
     index = read_gpuidx(gpuidx_path_for(model))
     assert index.provenance is not None and index.provenance.vram_budget == budget + 4096
     with pytest.raises(UserError, match="stale: vram budget was"):
