@@ -42,7 +42,8 @@ def stop_signals_raise() -> Iterator[None]:
 
 def stops_cleanly(command: Callable[P, R]) -> Callable[P, R]:
     """A command run under `stop_signals_raise`: SIGTERM, which would end Python at once, leaving a temporary output
-    of gigabytes behind, removes it as Ctrl-C does, and both end in the one line the entry point gives."""
+    of gigabytes behind, removes it as Ctrl-C does, and both end in the one line the entry point gives. Like Ctrl-C,
+    it takes effect once the library call running (a torch op, a tokenizer) returns; SIGKILL stops at once."""
 
     @functools.wraps(command)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:

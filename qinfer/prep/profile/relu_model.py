@@ -105,8 +105,10 @@ def load_relu_model(
             model_dir, config=config, dtype=torch_dtype, local_files_only=True, low_cpu_mem_usage=True
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, SafetensorError) as exc:
+    except SafetensorError as exc:
         raise UserError(f"cannot load the model in {model_dir} ({exc}); the download may be incomplete") from exc
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load the model in {model_dir} ({exc})") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()

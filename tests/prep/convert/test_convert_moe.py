@@ -116,22 +116,13 @@ def test_heads_of_their_own_size_need_experts(moe: dict[str, dict[str, Path]]) -
 def test_experts_are_not_made_sparse_yet(moe: dict[str, dict[str, Path]], tmp_path: Path) -> None:
     calibration = tmp_path / "calibration"
     calibration.mkdir()
-    ran = run_in_process(
-        "prep", "convert", str(moe["mixtral"]["model"]), "--calibration", str(calibration),
-        "--outfile", str(tmp_path / "x.powerinfer.gguf"),
-    )  # fmt: skip
-    assert ran.returncode == 2, ran.stderr
-    assert ran.stderr.strip().splitlines() == [
-        f"error: {moe['mixtral']['model']} has experts, which are not made sparse yet; convert it with convert-dense"
-    ]
-    dense = run_in_process(
-        "prep", "convert-dense", str(moe["mixtral"]["model"]), "--calibration", str(calibration),
-        "--outfile", str(tmp_path / "x.gguf"),
-    )  # fmt: skip
-    assert dense.returncode == 2, dense.stderr
-    assert dense.stderr.strip().splitlines() == [
-        f"error: {moe['mixtral']['model']} has experts, which are not made sparse yet; leave out --calibration"
-    ]
+    model = moe["mixtral"]["model"]
+    for command, fix in (("convert", "convert it with convert-dense"), ("convert-dense", "leave out --calibration")):
+        ran = run_in_process(
+            "prep", command, str(model), "--calibration", str(calibration), "--outfile", str(tmp_path / "x.gguf")
+        )
+        assert ran.returncode == 2, ran.stderr
+        assert ran.stderr.strip().splitlines() == [f"error: {model} has experts, which are not made sparse yet; {fix}"]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2moe"])

@@ -182,7 +182,7 @@ def test_an_interrupted_run_resumes_to_the_same_counts(tiny: SynthReport, corpus
     # Nor does another model of the same config, or a corpus edited in place (its size kept), add to its counts.
     for path in (tiny.model_dir / "model.safetensors", corpus):
         times = path.stat()
-        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns + 1))
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns + 1_000_000_000))  # a second: coarse clocks too
         try:
             with pytest.raises(UserError, match="--restart"):
                 profile_activations(tiny.model_dir, corpus, tmp_path / "parts", **args)
