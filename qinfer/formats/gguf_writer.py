@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import struct
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -12,8 +14,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from qinfer.core.names import Key
 from qinfer.formats.atomic_file import atomic_output
-from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC
-from qinfer.formats.gguf_reader import GGUFFile, check_layout, plain
+from qinfer.formats.gguf_layout import ENGINE_INTEGER_TYPES, POWERINFER_MAGIC, Layout, LayoutError, scan_layout
+from qinfer.formats.gguf_reader import GGUFFile, plain
 
 
 @dataclass(frozen=True)
@@ -80,17 +82,38 @@ def write_gguf(
                     on_tensor(plan)
         finally:
             writer.close()
+        layout = _written_layout(tmp)
         if powerinfer:
-            _make_powerinfer(tmp, retype=any(np.issubdtype(plan.dtype, np.integer) for plan in tensors))
+            _make_powerinfer(tmp, layout)
 
 
-def _make_powerinfer(path: Path, retype: bool) -> None:
-    """Turn the GGUF at `path` into a PowerInfer GGUF in place: the PWRI magic and, where it holds integer tensors
-    (`retype`: a .gpuidx), their type codes as the engine numbers them (qinfer.formats.gguf_layout's
-    ENGINE_INTEGER_TYPES), the only ones it reads. A model file is left to its magic: its scan would check its
-    vocabulary too, which is the reader's job."""
+# Free space under which a file that came out short is taken to have met a full disk.
+_NEARLY_FULL = 1 << 20
+
+
+def _written_layout(path: Path) -> Layout:
+    """The layout of the file just written, which must hold every byte its header promises: numpy's tofile loses a
+    write the disk refuses at its last flush, and the file then ends early (a .gpuidx on a nearly full disk) where
+    every call reported success. That is a full disk (an OSError the output's disk_errors words), or else a fault of
+    this writer (raised as it is)."""
+    view = memoryview(np.memmap(path, mode="r")).cast("B")
+    try:
+        return scan_layout(view)
+    except LayoutError as exc:
+        disk = os.statvfs(path.parent)
+        if disk.f_bavail * disk.f_frsize < _NEARLY_FULL:
+            raise OSError(errno.ENOSPC, f"{path.name} came out short: {exc}") from exc
+        raise
+    finally:
+        view.release()
+
+
+def _make_powerinfer(path: Path, layout: Layout) -> None:
+    """Turn the GGUF at `path` into a PowerInfer GGUF in place: the PWRI magic and, for its integer tensors (a
+    .gpuidx's), their type codes as the engine numbers them (qinfer.formats.gguf_layout's ENGINE_INTEGER_TYPES), the
+    only ones it reads."""
     engine_codes = {qtype: code for code, qtype in ENGINE_INTEGER_TYPES.items()}
-    tensors = check_layout(path).tensors if retype else ()
+    tensors = layout.tensors
     with open(path, "r+b") as fh:
         for tensor in tensors:
             if tensor.qtype in engine_codes:

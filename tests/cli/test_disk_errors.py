@@ -103,6 +103,24 @@ def test_a_plan_beside_a_model_on_a_full_disk(tmp_path: Path, gguf_files: dict[s
         _unmount(where)
 
 
+@pytest.mark.parametrize("left_kib", [2, 4])
+def test_a_plan_that_just_misses_the_room_left(tmp_path: Path, gguf_files: dict[str, Path], left_kib: int) -> None:
+    """With a few KiB left the .gpuidx's last bytes are lost at numpy's final flush while every write reports
+    success: the short file is found and said to be a full disk, not a damaged GGUF under its temporary name."""
+    where = tmp_path / "nearly"
+    _mount(where, "size=16m")
+    try:
+        model = Path(shutil.copy(gguf_files["pi-f16"], where / gguf_files["pi-f16"].name))
+        write_power_law_activation(where / "activation")
+        disk = os.statvfs(where)
+        (where / "filler").write_bytes(bytes(disk.f_bavail * disk.f_frsize - left_kib * 1024))
+        before = sorted(p.name for p in where.iterdir())
+        _one_line(run_in_process("plan", "-m", str(model), "--vram-budget", "8"), "disk is full")
+        assert sorted(p.name for p in where.iterdir()) == before
+    finally:
+        _unmount(where)
+
+
 def test_profile_onto_a_read_only_disk(read_only_disk: Path, tiny: SynthReport, tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Once upon a time there was a fox. " * 200)
