@@ -139,9 +139,7 @@ class DecoderShape(Protocol):
     context: int
 
 
-def decoder_config(
-    shape: DecoderShape, vocab: int, ids: dict[str, int | None], init_std: float
-) -> dict[str, object]:
+def decoder_config(shape: DecoderShape, vocab: int, ids: dict[str, int | None], init_std: float) -> dict[str, object]:
     """The transformers config keys every tiny LLaMA-shaped checkpoint here shares (the SwiGLU families' and the
     mixtures'): its shape, its vocabulary's BOS and EOS, and float32 weights drawn with `init_std`."""
     return dict(
