@@ -64,8 +64,8 @@ def plan_cmd(
     report: Annotated[Path | None, typer.Option(help="Write a per-layer PNG of the plan (needs matplotlib).")] = None,
 ) -> None:
     """Decide which FFN neurons (or experts) live on the GPU and write <model>.generated.gpuidx beside the model
-    (an earlier plan of ours made with other settings is made again; one that still holds is reused); for a mixture,
-    also model llama.cpp's --n-cpu-moe split of the same budget."""
+    (an earlier plan that still holds is reused, one that cannot be, made with other settings say, is made again);
+    for a mixture, also model llama.cpp's --n-cpu-moe split of the same budget."""
     # Imported here, as in the other commands, so that `qinfer --help` and unrelated commands start fast.
     from qinfer.cli.stop_signals import stop_signals_raise
     from qinfer.formats.atomic_file import check_output_file
