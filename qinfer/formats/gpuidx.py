@@ -6,6 +6,8 @@ them so that its reader is unaffected, and a file without them (made by the engi
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KV_POLICIES
 from qinfer.core.names import PLAN_KEYS, Key, Tensor, tensor_name
+from qinfer.core.user_cache import user_cache
 from qinfer.formats.gguf_layout import Value
 from qinfer.formats.gguf_reader import check_layout
 from qinfer.formats.gguf_writer import TensorPlan, write_gguf
@@ -62,7 +65,15 @@ class GpuIndex:
 
 
 def gpuidx_path_for(model_path: Path) -> Path:
-    return model_path.with_name(model_path.name + ".generated.gpuidx")
+    """Where a model's plan lives: beside it, `<model>.generated.gpuidx`, where the PowerInfer engine looks for it;
+    where the model's directory takes no new file (a model store mounted read-only), in the user's cache, named by
+    the model's name and its resolved path, so that plan, run and serve all find the one they made."""
+    beside = model_path.with_name(model_path.name + ".generated.gpuidx")
+    directory = model_path.parent
+    if not directory.is_dir() or os.access(directory, os.W_OK):
+        return beside
+    digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
+    return user_cache("plans") / f"{model_path.name}.{digest}.generated.gpuidx"
 
 
 def write_gpuidx(path: Path, index: GpuIndex) -> None:

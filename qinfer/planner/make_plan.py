@@ -290,6 +290,11 @@ def load_or_make_gpuidx(
 
     def make(notes: tuple[str, ...] = ()) -> Plan:
         plan, stats = _make(model_path, vram_budget_bytes, activation_dir, options)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's cache, for a read-only model
+        except OSError as exc:
+            fix = "set XDG_CACHE_HOME to a directory of yours"
+            raise UserError(f"cannot write {path} ({exc.strerror}); {fix}") from None
         write_gpuidx(path, plan.gpu_index(stats.digest))
         return replace(plan, gpuidx_path=path, notes=notes)
 

@@ -136,10 +136,27 @@ def test_a_read_only_disk(read_only_disk: Path, tmp_path: Path) -> None:
     for args in (
         ("prep", "corpus", "--out", str(read_only_disk / "c.txt"), "--chars", "1000"),
         ("prep", "quantize", str(model), str(read_only_disk / "q.gguf"), "Q4_0"),
-        ("plan", "-m", str(model), "--vram-budget", "8"),
-        ("run", "-m", str(model), "-p", "Once", "-n", "2", "--vram-budget", "8"),
     ):
         result = run_in_process(*args)
         _one_line(result, "read-only")
         assert result.stderr.strip().count("\n") == 0  # refused before any work: the error is the only output
+    assert sorted(p.name for p in read_only_disk.iterdir()) == before
+
+
+def test_the_plan_of_a_read_only_model_goes_to_the_users_cache(
+    read_only_disk: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model store mounted read-only (a container's `-v /models:/models:ro`) takes no .gpuidx beside its model:
+    plan writes it in the user's cache, and run finds it there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    before = sorted(p.name for p in read_only_disk.iterdir())
+    model = read_only_disk / next(p for p in before if p.endswith(".powerinfer.gguf"))
+    planned = run_in_process("plan", "-m", str(model), "--vram-budget", "8")
+    assert planned.returncode == 0, planned.stderr
+    [plan] = (tmp_path / "cache" / "qinfer" / "plans").iterdir()
+    assert plan.name.startswith(model.name) and plan.name.endswith(".generated.gpuidx")
+    assert f"wrote {plan}" in " ".join(planned.stderr.split())
+    run = run_in_process("run", "-m", str(model), "-p", "Once", "-n", "2", "--vram-budget", "8")
+    assert run.returncode == 0, run.stderr
+    assert f"reused {plan}" in " ".join(run.stderr.split())
     assert sorted(p.name for p in read_only_disk.iterdir()) == before

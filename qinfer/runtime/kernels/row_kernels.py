@@ -36,6 +36,7 @@ import torch
 
 from qinfer.core.architectures import FfnForm
 from qinfer.core.errors import UserError
+from qinfer.core.user_cache import user_cache
 from qinfer.runtime.kernels.abi import F16_CODE, TOKEN_BLOCK, TYPE_CODES, disagreement, form_code
 from qinfer.runtime.kernels.quant_rows import QuantizedMatrix, Weight
 
@@ -55,8 +56,7 @@ TARGETS: dict[str, tuple[list[str], ...]] = {
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "qinfer" / "kernels"
+    return user_cache("kernels")
 
 
 def target() -> str:
