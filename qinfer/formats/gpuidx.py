@@ -64,16 +64,23 @@ class GpuIndex:
         return tuple(np.flatnonzero(mask).astype(np.int32) for mask in self.gpu_idx)
 
 
-def gpuidx_path_for(model_path: Path) -> Path:
-    """Where a model's plan lives: beside it, `<model>.generated.gpuidx`, where the PowerInfer engine looks for it;
-    where the model's directory takes no new file (a model store mounted read-only), in the user's cache, named by
-    the model's name and its resolved path, so that plan, run and serve all find the one they made."""
+def gpuidx_write_path(model_path: Path) -> Path:
+    """Where a plan of the model is written: beside it, `<model>.generated.gpuidx`, where the PowerInfer engine looks
+    for it; where the model's directory takes no new file (a model store mounted read-only), in the user's cache,
+    named by the model's name and resolved path."""
     beside = model_path.with_name(model_path.name + ".generated.gpuidx")
     directory = model_path.parent
     if not directory.is_dir() or os.access(directory, os.W_OK):
         return beside
     digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
     return user_cache("plans") / f"{model_path.name}.{digest}.generated.gpuidx"
+
+
+def gpuidx_path_for(model_path: Path) -> Path:
+    """Where the model's plan is read: where it is written, but that a read-only model's own plan, made there before
+    it was mounted so, is read until one of the user's replaces it."""
+    written, beside = gpuidx_write_path(model_path), model_path.with_name(model_path.name + ".generated.gpuidx")
+    return beside if written != beside and beside.exists() and not written.exists() else written
 
 
 def write_gpuidx(path: Path, index: GpuIndex) -> None:

@@ -13,7 +13,7 @@ from qinfer.core.errors import UserError
 from qinfer.core.kv_policy import KVPolicy
 from qinfer.core.names import PLAN_KEYS
 from qinfer.formats.atomic_file import check_not_special
-from qinfer.formats.gpuidx import GpuIndex, Provenance, gpuidx_path_for, read_gpuidx, write_gpuidx
+from qinfer.formats.gpuidx import GpuIndex, Provenance, gpuidx_path_for, gpuidx_write_path, read_gpuidx, write_gpuidx
 from qinfer.planner.activation_stats import ActivationStats, load_activation
 from qinfer.planner.baselines import NCpuMoe, greedy_placement, smallest_n_cpu_moe
 from qinfer.planner.budget import GIB, BudgetOptions, VramAccount, account, minimum_budget, require_budget, vram_used
@@ -290,13 +290,14 @@ def load_or_make_gpuidx(
 
     def make(notes: tuple[str, ...] = ()) -> Plan:
         plan, stats = _make(model_path, vram_budget_bytes, activation_dir, options)
+        target = gpuidx_write_path(model_path)
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's cache, for a read-only model
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's cache, for a read-only model
         except OSError as exc:
             fix = "set XDG_CACHE_HOME to a directory of yours"
-            raise UserError(f"cannot write {path} ({exc.strerror}); {fix}") from None
-        write_gpuidx(path, plan.gpu_index(stats.digest))
-        return replace(plan, gpuidx_path=path, notes=notes)
+            raise UserError(f"cannot write {target} ({exc.strerror}); {fix}") from None
+        write_gpuidx(target, plan.gpu_index(stats.digest))
+        return replace(plan, gpuidx_path=target, notes=notes)
 
     def unusable(problem: str, fix: str = "rerun with --reset-gpu-index") -> Plan:
         if replace_stale:

@@ -147,16 +147,27 @@ def test_the_plan_of_a_read_only_model_goes_to_the_users_cache(
     read_only_disk: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model store mounted read-only (a container's `-v /models:/models:ro`) takes no .gpuidx beside its model:
-    plan writes it in the user's cache, and run finds it there."""
+    a plan made there before is read, and a new one goes to the user's cache, where run finds it."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    before = sorted(p.name for p in read_only_disk.iterdir())
-    model = read_only_disk / next(p for p in before if p.endswith(".powerinfer.gguf"))
-    planned = run_in_process("plan", "-m", str(model), "--vram-budget", "8")
-    assert planned.returncode == 0, planned.stderr
+    model = next(read_only_disk.glob("*.powerinfer.gguf"))
+    beside = model.with_name(model.name + ".generated.gpuidx")
+    subprocess.run(["mount", "-o", "remount,rw", str(read_only_disk)], check=True)
+    assert run_in_process("plan", "-m", str(model), "--vram-budget", "8").returncode == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_disk)], check=True)
+    before = snapshot(read_only_disk)
+
+    def said(result: subprocess.CompletedProcess[str], words: str) -> None:
+        assert result.returncode == 0, result.stderr
+        assert words in " ".join(result.stderr.split()), result.stderr
+
+    said(run_in_process("run", "-m", str(model), "-p", "Once", "-n", "2", "--vram-budget", "8"), f"reused {beside}")
+    planned = run_in_process("plan", "-m", str(model), "--vram-budget", "4")
     [plan] = (tmp_path / "cache" / "qinfer" / "plans").iterdir()
     assert plan.name.startswith(model.name) and plan.name.endswith(".generated.gpuidx")
-    assert f"wrote {plan}" in " ".join(planned.stderr.split())
-    run = run_in_process("run", "-m", str(model), "-p", "Once", "-n", "2", "--vram-budget", "8")
-    assert run.returncode == 0, run.stderr
-    assert f"reused {plan}" in " ".join(run.stderr.split())
-    assert sorted(p.name for p in read_only_disk.iterdir()) == before
+    said(planned, f"wrote {plan}")
+    said(run_in_process("run", "-m", str(model), "-p", "Once", "-n", "2", "--vram-budget", "4"), f"reused {plan}")
+    assert snapshot(read_only_disk) == before
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file()}
