@@ -68,10 +68,9 @@ def gpuidx_write_path(model_path: Path) -> Path:
     """Where a plan of the model is written: beside it, `<model>.generated.gpuidx`, where the PowerInfer engine looks
     for it; where the model's directory takes no new file (a model store mounted read-only), in the user's cache,
     named by the model's name and resolved path."""
-    beside = model_path.with_name(model_path.name + ".generated.gpuidx")
     directory = model_path.parent
     if not directory.is_dir() or os.access(directory, os.W_OK):
-        return beside
+        return _beside(model_path)
     digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
     return user_cache("plans") / f"{model_path.name}.{digest}.generated.gpuidx"
 
@@ -79,8 +78,12 @@ def gpuidx_write_path(model_path: Path) -> Path:
 def gpuidx_path_for(model_path: Path) -> Path:
     """Where the model's plan is read: where it is written, but that a read-only model's own plan, made there before
     it was mounted so, is read until one of the user's replaces it."""
-    written, beside = gpuidx_write_path(model_path), model_path.with_name(model_path.name + ".generated.gpuidx")
+    written, beside = gpuidx_write_path(model_path), _beside(model_path)
     return beside if written != beside and beside.exists() and not written.exists() else written
+
+
+def _beside(model_path: Path) -> Path:
+    return model_path.with_name(model_path.name + ".generated.gpuidx")
 
 
 def write_gpuidx(path: Path, index: GpuIndex) -> None:
