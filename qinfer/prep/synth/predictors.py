@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from qinfer.formats.predictor_dir import FC1, FC2
+from qinfer.formats.torch_files import save_torch_file
 from qinfer.prep.synth.model import Observed
 
 Predictor = tuple[torch.Tensor, torch.Tensor]  # fc1.weight [P, E], fc2.weight [F, P]
@@ -99,6 +100,6 @@ def measure(predictors: list[Predictor], threshold: float, seen: Observed) -> St
 def save_predictors(predictors: list[Predictor], threshold: float, predictor_dir: Path) -> None:
     predictor_dir.mkdir()
     for i, (fc1, fc2) in enumerate(predictors):
-        torch.save({FC1: fc1, FC2: fc2}, predictor_dir / f"model_{i}.pt")
+        save_torch_file({FC1: fc1, FC2: fc2}, predictor_dir / f"model_{i}.pt")
     config = json.dumps({"sparse_threshold": threshold}, indent=2) + "\n"
     (predictor_dir / "config.json").write_text(config, encoding="utf-8")
