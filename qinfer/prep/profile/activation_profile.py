@@ -125,15 +125,15 @@ def fingerprint(
     place keeps its size), the windowing and batching (a checkpoint's position counts batches, and a process's
     share is a set of batches) and the process's place in a distributed run."""
 
-    def stamp(path: Path) -> list[object]:
+    def stamp(path: Path) -> list[int]:
         stat = path.stat()
-        return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+        return [stat.st_size, stat.st_mtime_ns]
 
     weights = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
     parts = {
         "config": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
-        "weights": [stamp(p)[1:] + [p.name] for p in weights],
-        "data": [stamp(p) for p in files],
+        "weights": [[p.name, *stamp(p)] for p in weights],
+        "data": [[str(p.resolve()), *stamp(p)] for p in files],
         "seq_len": seq_len,
         "batch_size": batch_size,
         "tokens": tokens,
